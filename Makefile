@@ -1,0 +1,37 @@
+# `make demo` and `make test` work on a fresh machine: they build .venv and install
+# everything first (torch pinned to 2.13.0 through constraints.txt, so no other package
+# can pull a different, multi-GB build).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+RUN    := runs/digits-dit
+NPROC  ?= 2
+
+.PHONY: demo test lint install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	@if [ -f $(RUN)/train_state.json ]; then \
+		$(VENV)/bin/tessera train --recipe digits-dit --nproc $(NPROC) --out $(RUN) --resume; \
+	else \
+		$(VENV)/bin/tessera train --recipe digits-dit --nproc $(NPROC) --out $(RUN); \
+	fi
+	$(VENV)/bin/tessera generate --model $(RUN) --digits 0123456789 --steps 20 --seed 0 --out runs/digits.png
+
+test: $(STAMP)
+	OMP_NUM_THREADS=2 $(VENV)/bin/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf $(VENV) runs

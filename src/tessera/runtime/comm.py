@@ -1,0 +1,162 @@
+"""Every collective and point-to-point call of the library, counted.
+
+Each call records the payload bytes *this rank* hands to (or receives from) the network
+layer, under its operation kind and mesh axis. The convention, which the benchmarks'
+analytic formulas follow too:
+
+    all_reduce      bytes of the tensor
+    all_gather      bytes of this rank's input shard
+    reduce_scatter  bytes of this rank's full input
+    all_to_all      bytes of this rank's input
+    broadcast       bytes of the tensor (on every rank, source included)
+    send / recv     bytes sent / bytes received
+
+Along an axis of size 1 nothing moves, so nothing is called and nothing is counted.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from tessera.runtime.mesh import Mesh
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class Ledger:
+    """Bytes and call counts per (operation, axis)."""
+
+    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, op: str, axis: str, num_bytes: int) -> None:
+        self.bytes[(op, axis)] += num_bytes
+        self.calls[(op, axis)] += 1
+
+    def total(self, *, op: str | None = None, axis: str | None = None) -> int:
+        return sum(
+            b for (o, a), b in self.bytes.items() if (op is None or o == op) and (axis is None or a == axis)
+        )
+
+    def count(self, *, op: str | None = None, axis: str | None = None) -> int:
+        return sum(
+            c for (o, a), c in self.calls.items() if (op is None or o == op) and (axis is None or a == axis)
+        )
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """{"op@axis": {"bytes": ..., "calls": ...}}, JSON-ready."""
+        return {
+            f"{o}@{a}": {"bytes": self.bytes[(o, a)], "calls": self.calls[(o, a)]}
+            for (o, a) in sorted(self.bytes)
+        }
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+class Comm:
+    """Counted collectives over the axes of one Mesh."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+        self.ledger = Ledger()
+
+    def _moves(self, axis: str) -> bool:
+        return self.mesh.size(axis) > 1
+
+    def all_reduce(self, t: torch.Tensor, axis: str, *, op: str = "sum", async_op: bool = False):
+        """In place. ``op`` is "sum", "avg" (done as sum then divide: gloo has no AVG on
+        every dtype) or "max"."""
+        if op not in ("sum", "avg", "max"):
+            raise ValueError(f"all_reduce op must be 'sum', 'avg' or 'max', got {op!r}")
+        if not self._moves(axis):
+            return None
+        self.ledger.record("all_reduce", axis, nbytes(t))
+        reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        work = dist.all_reduce(t, reduce_op, group=self.mesh.group(axis), async_op=async_op)
+        if op == "avg":
+            assert not async_op, "avg is only offered synchronously"
+            t.div_(self.mesh.size(axis))
+        return work
+
+    def all_gather(self, t: torch.Tensor, axis: str, *, dim: int = 0) -> torch.Tensor:
+        """Concatenation along ``dim`` of every rank's ``t`` (equal shapes), in axis order."""
+        n = self.mesh.size(axis)
+        if n == 1:
+            return t
+        self.ledger.record("all_gather", axis, nbytes(t))
+        src = t.movedim(dim, 0).contiguous()
+        out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
+        # Flat 1-D on both sides: gloo's all_gather_into_tensor wants a dim-0 concatenation.
+        dist.all_gather_into_tensor(out.view(-1), src.view(-1), group=self.mesh.group(axis))
+        return out.movedim(0, dim)
+
+    def reduce_scatter(self, t: torch.Tensor, axis: str, *, dim: int = 0) -> torch.Tensor:
+        """Sum over ranks of ``t``, split into equal chunks along ``dim``; returns my chunk."""
+        n = self.mesh.size(axis)
+        if n == 1:
+            return t
+        if t.shape[dim] % n:
+            raise ValueError(
+                f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by {axis}={n}"
+            )
+        self.ledger.record("reduce_scatter", axis, nbytes(t))
+        src = t.movedim(dim, 0).contiguous()
+        out = torch.empty((src.shape[0] // n, *src.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.reduce_scatter_tensor(out.view(-1), src.view(-1), group=self.mesh.group(axis))
+        return out.movedim(0, dim)
+
+    def all_to_all(self, t: torch.Tensor, axis: str, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        """Split ``t`` into equal chunks along ``scatter_dim``, send chunk i to rank i, and
+        concatenate what arrives along ``gather_dim``."""
+        n = self.mesh.size(axis)
+        if n == 1:
+            return t
+        if t.shape[scatter_dim] % n:
+            raise ValueError(
+                f"all_to_all: dim {scatter_dim} of size {t.shape[scatter_dim]} is not divisible by {axis}={n}"
+            )
+        self.ledger.record("all_to_all", axis, nbytes(t))
+        src = t.movedim(scatter_dim, 0).contiguous()
+        out = torch.empty_like(src)
+        dist.all_to_all_single(out, src, group=self.mesh.group(axis))
+        # out[i] holds rank i's chunk; put rank order along gather_dim.
+        chunks = out.chunk(n, dim=0)
+        return torch.cat([c.movedim(0, scatter_dim) for c in chunks], dim=gather_dim)
+
+    def broadcast(self, t: torch.Tensor, axis: str, *, src: int = 0) -> torch.Tensor:
+        """In place from the rank at coordinate ``src`` along ``axis``."""
+        if not self._moves(axis):
+            return t
+        self.ledger.record("broadcast", axis, nbytes(t))
+        dist.broadcast(t, self.mesh.global_rank_of(axis, src), group=self.mesh.group(axis))
+        return t
+
+    def isend(self, t: torch.Tensor, axis: str, *, dst: int) -> dist.Work:
+        assert t.is_contiguous(), "send buffers must be contiguous (and kept alive until wait)"
+        self.ledger.record("send", axis, nbytes(t))
+        peer = self.mesh.global_rank_of(axis, dst)
+        return dist.isend(t, peer, group=self.mesh.group(axis))
+
+    def irecv(self, t: torch.Tensor, axis: str, *, src: int) -> dist.Work:
+        assert t.is_contiguous(), "receive buffers must be contiguous"
+        self.ledger.record("recv", axis, nbytes(t))
+        peer = self.mesh.global_rank_of(axis, src)
+        return dist.irecv(t, peer, group=self.mesh.group(axis))
+
+    def barrier(self, axis: str | None = None) -> None:
+        if axis is None:
+            if dist.is_initialized():
+                dist.barrier()
+        elif self._moves(axis):
+            dist.barrier(group=self.mesh.group(axis))

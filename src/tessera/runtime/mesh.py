@@ -1,0 +1,112 @@
+"""Mesh: named parallel axes over torch.distributed process groups.
+
+``Mesh(dp=2, pp=2)`` lays the world's ranks out row-major over the axes in the order
+given (the last axis varies fastest, as in torch's DeviceMesh), keeps one sub-group per
+axis and this rank's coordinate on each. A Mesh is an ordinary object passed to whatever
+needs it: two meshes can live in one process, and a Mesh whose axes all have size 1
+works without any process group at all (single-process tests and CPU laptops).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+
+import torch
+import torch.distributed as dist
+
+from tessera.runtime.comm import Comm
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class Mesh:
+    """Named axes over the world's ranks; see the module docstring."""
+
+    def __init__(self, **axes: int):
+        if not axes:
+            raise ValueError("Mesh needs at least one axis, e.g. Mesh(dp=2)")
+        for name, size in axes.items():
+            if not name.isidentifier():
+                raise ValueError(f"mesh axis name {name!r} is not an identifier")
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"mesh axis {name}={size!r}: sizes must be integers >= 1")
+        product = math.prod(axes.values())
+        world = world_size()
+        if product != world:
+            shape = " x ".join(f"{k}={v}" for k, v in axes.items())
+            raise ValueError(
+                f"mesh {shape} has {product} ranks but the world size is {world}; "
+                f"choose axis sizes whose product is {world}"
+            )
+        self.axes: dict[str, int] = dict(axes)
+        self.names: tuple[str, ...] = tuple(axes)
+        self.global_rank = global_rank()
+        self._device_mesh = self._build_device_mesh() if world > 1 else None
+        self.comm = Comm(self)
+
+    def _build_device_mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return init_device_mesh(device_type, tuple(self.axes.values()), mesh_dim_names=self.names)
+
+    def _check_axis(self, axis: str) -> None:
+        if axis not in self.axes:
+            raise ValueError(f"mesh has no axis {axis!r}; its axes are {list(self.names)}")
+
+    def size(self, axis: str | None = None) -> int:
+        """Ranks along ``axis`` (all ranks when ``axis`` is None)."""
+        if axis is None:
+            return math.prod(self.axes.values())
+        self._check_axis(axis)
+        return self.axes[axis]
+
+    def rank(self, axis: str) -> int:
+        """This rank's coordinate along ``axis``."""
+        return self.coords[axis]
+
+    @cached_property
+    def coords(self) -> dict[str, int]:
+        coords: dict[str, int] = {}
+        remainder = self.global_rank
+        for name in reversed(self.names):
+            coords[name] = remainder % self.axes[name]
+            remainder //= self.axes[name]
+        return {name: coords[name] for name in self.names}
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        """The process group of the ranks that share every coordinate but ``axis``'s."""
+        self._check_axis(axis)
+        if self._device_mesh is None:
+            return None
+        return self._device_mesh.get_group(axis)
+
+    def global_rank_of(self, axis: str, axis_rank: int) -> int:
+        """Global rank of the peer at coordinate ``axis_rank`` along ``axis`` (others equal)."""
+        self._check_axis(axis)
+        if not 0 <= axis_rank < self.axes[axis]:
+            raise ValueError(f"{axis} rank {axis_rank} is outside 0..{self.axes[axis] - 1}")
+        stride = math.prod(self.axes[n] for n in self.names[self.names.index(axis) + 1 :])
+        return self.global_rank + (axis_rank - self.coords[axis]) * stride
+
+    @property
+    def device_mesh(self):
+        """torch's DeviceMesh over the same layout (None when single-process)."""
+        return self._device_mesh
+
+    @property
+    def device(self) -> torch.device:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def __repr__(self) -> str:
+        shape = ", ".join(f"{k}={v}" for k, v in self.axes.items())
+        return f"Mesh({shape}; rank {self.global_rank} at {self.coords})"

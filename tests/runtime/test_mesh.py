@@ -1,0 +1,48 @@
+import pytest
+import torch
+
+from tessera.runtime import Mesh
+from tessera.runtime.launch import torchrun_command
+
+
+def test_single_process_mesh_of_size_one_needs_no_process_group():
+    mesh = Mesh(dp=1, tp=1)
+    assert mesh.size() == 1 and mesh.coords == {"dp": 0, "tp": 0}
+    assert mesh.group("dp") is None
+    t = torch.ones(3)
+    mesh.comm.all_reduce(t, "dp")  # nothing moves along a size-1 axis
+    assert mesh.comm.all_gather(t, "tp") is t
+    assert mesh.comm.ledger.total() == 0
+
+
+def test_product_must_equal_world_size():
+    with pytest.raises(ValueError, match=r"dp=2 x pp=2 has 4 ranks but the world size is 1"):
+        Mesh(dp=2, pp=2)
+
+
+@pytest.mark.parametrize(
+    "axes, message",
+    [
+        ({}, "at least one axis"),
+        ({"dp": 0}, "dp=0"),
+        ({"dp": 1.5}, "dp=1.5"),
+        ({"dp": True}, "dp=True"),
+    ],
+)
+def test_invalid_axes(axes, message):
+    with pytest.raises(ValueError, match=message):
+        Mesh(**axes)
+
+
+def test_unknown_axis_is_named():
+    with pytest.raises(ValueError, match=r"no axis 'pp'.*\['dp'\]"):
+        Mesh(dp=1).size("pp")
+
+
+def test_torchrun_command_passes_multinode_flags_through():
+    single = torchrun_command(4, "train.py", ["--lr", "1"], [])
+    assert single == ["torchrun", "--nproc-per-node=4", "--standalone", "train.py", "--lr", "1"]
+    multi = torchrun_command(8, "train.py", [], ["--nnodes=2", "--rdzv-endpoint=host:29400"])
+    assert "--standalone" not in multi and "--nnodes=2" in multi
+    with pytest.raises(ValueError, match="--nproc must be >= 1, got 0"):
+        torchrun_command(0, "train.py", [], [])

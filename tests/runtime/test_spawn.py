@@ -1,0 +1,55 @@
+"""spawn(): return values, and a failing rank surfaces fast instead of hanging its peers."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tessera.runtime import RankError, spawn
+
+
+def _rank_and_threads() -> tuple[int, int, str]:
+    return dist.get_rank(), torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]
+
+
+def _rank_one_raises_others_block() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("bad value on rank one")
+    dist.all_reduce(torch.ones(1))  # would wait forever for rank 1 without the launcher
+    time.sleep(600)
+
+
+def _rank_zero_dies() -> None:
+    if dist.get_rank() == 0:
+        os._exit(3)
+    dist.barrier()
+
+
+def _sleeps() -> None:
+    time.sleep(600)
+
+
+def test_returns_values_in_rank_order_with_one_thread_each():
+    assert spawn(_rank_and_threads, 2) == [(0, 1, "1"), (1, 1, "1")]
+
+
+def test_raising_rank_reaches_caller_quickly_with_traceback():
+    began = time.monotonic()
+    with pytest.raises(RankError) as info:
+        spawn(_rank_one_raises_others_block, 3, timeout_s=120)
+    assert info.value.rank == 1
+    assert "ValueError: bad value on rank one" in str(info.value)
+    assert "_rank_one_raises_others_block" in info.value.remote_traceback
+    assert time.monotonic() - began < 60  # start-up (~2 s a rank) plus the kill, no hang
+
+
+def test_rank_that_dies_without_raising_is_reported():
+    with pytest.raises(RankError, match="rank 0 failed: process exited with code 3"):
+        spawn(_rank_zero_dies, 2, timeout_s=120)
+
+
+def test_timeout_names_the_ranks_still_running():
+    with pytest.raises(TimeoutError, match=r"ranks still running: \[0, 1\]"):
+        spawn(_sleeps, 2, timeout_s=8)

@@ -1,0 +1,75 @@
+"""The command line: a real (tiny) train -> generate run, and one-line errors."""
+
+import pytest
+
+from tessera import cli
+
+
+def _error_of(capsys, argv) -> str:
+    assert cli.main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err  # one line, never a traceback
+    assert err.startswith("tessera: error: ")
+    return err
+
+
+def test_train_then_generate_then_resume(tmp_path, capsys):
+    out = tmp_path / "ck"
+    assert (
+        cli.main(["train", "--recipe", "digits-dit", "--nproc", "1", "--out", str(out), "--steps", "2"]) == 0
+    )
+    assert "trained 2 steps" in capsys.readouterr().out
+    png = tmp_path / "grid.png"
+    args = [
+        "generate",
+        "--model",
+        str(out),
+        "--digits",
+        "07",
+        "--per-digit",
+        "2",
+        "--steps",
+        "2",
+        "--out",
+        str(png),
+    ]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert png.stat().st_size > 0 and "class accuracy of the samples" in printed
+    first = png.read_bytes()
+    assert cli.main(args) == 0 and png.read_bytes() == first  # same seed, same picture
+    capsys.readouterr()
+    # Training again into the same folder must not destroy it; --resume continues it.
+    err = _error_of(capsys, ["train", "--recipe", "digits-dit", "--out", str(out), "--steps", "3"])
+    assert "already holds a checkpoint; pass --resume" in err
+    assert cli.main(["train", "--recipe", "digits-dit", "--out", str(out), "--steps", "3", "--resume"]) == 0
+    assert "trained 1 steps" in capsys.readouterr().out
+
+
+def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
+    missing = tmp_path / "none"
+    assert "no checkpoint at" in _error_of(
+        capsys, ["generate", "--model", str(missing), "--out", str(tmp_path / "a.png")]
+    )
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "config.json").write_text("{")
+    assert "is corrupt" in _error_of(
+        capsys, ["generate", "--model", str(corrupt), "--out", str(tmp_path / "a.png")]
+    )
+    assert "got '12x'" in _error_of(capsys, ["generate", "--model", str(corrupt), "--digits", "12x"])
+    assert "folder /no/such does not exist" in _error_of(
+        capsys, ["generate", "--model", str(corrupt), "--out", "/no/such/a.png"]
+    )
+    err = _error_of(capsys, ["train", "--recipe", "digits-dit", "--nproc", "3", "--out", str(tmp_path / "x")])
+    assert "batch size 128 is not divisible by --nproc 3" in err
+    assert "unknown recipe 'mnist'" in _error_of(capsys, ["train", "--recipe", "mnist"])
+    assert "no training state to resume" in _error_of(
+        capsys, ["train", "--recipe", "digits-dit", "--out", str(missing), "--resume"]
+    )
+
+
+def test_nproc_must_be_positive(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--recipe", "digits-dit", "--nproc", "0"])
+    assert "expected a positive integer, got 0" in capsys.readouterr().err
