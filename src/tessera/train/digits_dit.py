@@ -164,6 +164,7 @@ def train(
         raise ValueError(f"batch_size {recipe.batch_size} is not divisible by dp={dp}")
     images, labels = load_digits_images()
     model, ema, optimizer = build(recipe)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
     start = 0
     if resume:
         check_resume_recipe(out_dir, recipe)
