@@ -17,6 +17,7 @@ Along an axis of size 1 nothing moves, so nothing is called and nothing is count
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -91,15 +92,25 @@ class Comm:
 
     def all_gather(self, t: torch.Tensor, axis: str, *, dim: int = 0) -> torch.Tensor:
         """Concatenation along ``dim`` of every rank's ``t`` (equal shapes), in axis order."""
+        return self.all_gather_async(t, axis, dim=dim)()
+
+    def all_gather_async(self, t: torch.Tensor, axis: str, *, dim: int = 0) -> Callable[[], torch.Tensor]:
+        """Start an all_gather; the returned function waits for it and gives the result."""
         n = self.mesh.size(axis)
         if n == 1:
-            return t
+            return lambda: t
         self.ledger.record("all_gather", axis, nbytes(t))
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
-        # Flat 1-D on both sides: gloo's all_gather_into_tensor wants a dim-0 concatenation.
-        dist.all_gather_into_tensor(out.view(-1), src.view(-1), group=self.mesh.group(axis))
-        return out.movedim(0, dim)
+        work = dist.all_gather_into_tensor(
+            out.view(-1), src.view(-1), group=self.mesh.group(axis), async_op=True
+        )
+
+        def finish() -> torch.Tensor:
+            work.wait()
+            return out.movedim(0, dim)
+
+        return finish
 
     def reduce_scatter(self, t: torch.Tensor, axis: str, *, dim: int = 0) -> torch.Tensor:
         """Sum over ranks of ``t``, split into equal chunks along ``dim``; returns my chunk."""

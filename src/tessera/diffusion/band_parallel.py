@@ -1,0 +1,139 @@
+"""Samplers where each rank owns one horizontal band of the image through every layer:
+sequence parallel (Ulysses x Ring, "USP") and DistriFusion (Li et al. 2024, patch
+parallel with one-step-stale K/V all-gathered asynchronously).
+
+Both run the whole model on the band's tokens; they differ only in the attention kernel.
+At the end the bands are all-gathered so every rank holds the full latent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from tessera.diffusion.adapter import DiTAdapter
+from tessera.diffusion.attention import attention, ulysses_attention
+from tessera.diffusion.guidance import Guidance
+from tessera.diffusion.sampler import FlowMatchEuler, initial_noise
+from tessera.runtime.mesh import Mesh
+
+
+class USPKernel:
+    """Ulysses over ``ulysses``, then Ring over ``ring`` inside each Ulysses group."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
+
+    def begin_step(self, step_index: int) -> None:
+        pass
+
+    def end_step(self) -> None:
+        pass
+
+    def __call__(self, layer: int, q, k, v):
+        return ulysses_attention(q, k, v, self.mesh.comm, "ulysses", ring_axis="ring")
+
+
+class DistriFusionKernel:
+    """Fresh K/V for my band, last step's K/V for the other bands (Li et al. 2024, sec. 4.1).
+
+    Each layer all-gathers its fresh K/V asynchronously; the result is only used in the
+    next step, so the communication hides behind the rest of this step. The first
+    ``warmup_steps`` gather synchronously and use fresh K/V everywhere: with warm-up equal
+    to the number of steps the method is exact. With no warm-up, the first step attends
+    to its own band only.
+    """
+
+    def __init__(self, mesh: Mesh, warmup_steps: int, axis: str = "distrifusion"):
+        self.mesh, self.warmup_steps, self.axis = mesh, warmup_steps, axis
+        self.stale: dict[int, torch.Tensor] = {}  # layer -> stacked (K, V) of the full sequence
+        self.pending: dict[int, Callable[[], torch.Tensor]] = {}
+        self.sync = True
+
+    def begin_step(self, step_index: int) -> None:
+        self.sync = step_index < self.warmup_steps
+
+    def end_step(self) -> None:
+        for layer, finish in self.pending.items():
+            self.stale[layer] = finish()
+        self.pending.clear()
+
+    def __call__(self, layer: int, q, k, v):
+        fresh = torch.stack([k, v]).contiguous()  # (2, B, H, n_band, d): one gather for both
+        if self.sync:
+            full = self.mesh.comm.all_gather(fresh, self.axis, dim=3)
+            self.stale[layer] = full
+        else:
+            self.pending[layer] = self.mesh.comm.all_gather_async(fresh, self.axis, dim=3)
+            if layer not in self.stale:  # no warm-up: nothing seen of the other bands yet
+                return attention(q, k, v)
+            n = k.shape[2]
+            start = self.mesh.rank(self.axis) * n
+            full = self.stale[layer].clone()
+            full[:, :, :, start : start + n] = fresh
+        return attention(q, full[0], full[1])
+
+
+def band_index(mesh: Mesh, axes: tuple[str, ...]) -> int:
+    """Position of this rank's band: row-major over ``axes`` (outer first)."""
+    index = 0
+    for axis in axes:
+        index = index * mesh.size(axis) + mesh.rank(axis)
+    return index
+
+
+@torch.no_grad()
+def band_sample(
+    adapter: DiTAdapter,
+    labels: torch.Tensor,
+    *,
+    mesh: Mesh,
+    band_axes: tuple[str, ...],
+    kernel,
+    height: int,
+    width: int,
+    num_steps: int,
+    guidance_scale: float,
+    seed: int,
+    progress: bool,
+) -> torch.Tensor:
+    """The final latent (B, C, H, W), on every rank."""
+    p = adapter.patch_size
+    rows, cols = height // p, width // p
+    bands = math.prod(mesh.size(a) for a in band_axes)
+    if rows % bands:
+        raise ValueError(
+            f"{rows} token rows (height {height} / patch {p}) do not split evenly over "
+            f"{bands} ranks of {'x'.join(band_axes)}; choose a height that is a multiple of {bands * p}"
+        )
+    band_rows = rows // bands
+    first_row = band_index(mesh, band_axes) * band_rows
+    device = next(adapter.model.parameters()).device
+    guidance = Guidance(labels.to(device), adapter.null_class, guidance_scale, mesh)
+    x = initial_noise((labels.shape[0], adapter.in_channels, height, width), seed, device)
+    x = x[:, :, first_row * p : (first_row + band_rows) * p].contiguous()
+    scheduler = FlowMatchEuler()
+    times = scheduler.timesteps(num_steps).tolist()
+    steps = list(zip(times[:-1], times[1:], strict=True))
+    with adapter.attention_kernel(kernel) if kernel else contextlib.nullcontext():
+        for step_index, (t, t_next) in enumerate(
+            tqdm(steps, desc="sampling", disable=not progress, leave=False)
+        ):
+            if kernel:
+                kernel.begin_step(step_index)
+            xin = guidance.expand(x)
+            c = adapter.condition(torch.full((xin.shape[0],), t, device=device), guidance.labels)
+            tokens = adapter.embed(xin, first_row)
+            for layer in range(adapter.num_layers):
+                tokens = adapter.block(layer, tokens, c)
+            v = guidance.combine(adapter.head(tokens, c, cols))
+            x = scheduler.step(x, v, t, t_next)
+            if kernel:
+                kernel.end_step()
+    for axis in reversed(band_axes):  # innermost first: neighbouring bands join first
+        x = mesh.comm.all_gather(x, axis, dim=2)
+    return x
