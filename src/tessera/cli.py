@@ -127,6 +127,24 @@ def cmd_generate(args: argparse.Namespace) -> None:
         )
 
 
+# ---- bench -------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from tessera.bench.dit import FULL, QUICK, plot_dit, run_dit_bench
+    from tessera.bench.harness import write_results
+
+    if args.name != "dit":
+        raise UserError(f"unknown benchmark {args.name!r}; available: dit")
+    digits = Path(args.digits_model)
+    result = run_dit_bench(
+        QUICK if args.quick else FULL, digits if (digits / "config.json").exists() else None
+    )
+    paths = write_results(result, args.out, plot_dit)
+    print("headline: " + ", ".join(f"{k}={v}" for k, v in result.headline.items()))
+    print("wrote " + ", ".join(str(p) for p in paths))
+
+
 # ---- launch ------------------------------------------------------------------------------
 
 
@@ -168,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="grid.png", help="output PNG")
     p.set_defaults(handler=cmd_generate)
+
+    p = sub.add_parser("bench", help="run a benchmark (baseline and Tessera in one run)")
+    p.add_argument("name", help="benchmark: dit")
+    p.add_argument("--quick", action="store_true", help="small version, under two minutes on 2 cores")
+    p.add_argument("--out", default="benchmarks/results", help="folder for NAME.json / .md / .png")
+    p.add_argument(
+        "--digits-model", default="runs/digits-dit", help="trained digits DiT for the fidelity table"
+    )
+    p.set_defaults(handler=cmd_bench)
 
     p = sub.add_parser("launch", help="run a script under torchrun (other flags pass through to torchrun)")
     p.add_argument("-n", "--nproc", type=_positive_int, required=True, help="processes per node")

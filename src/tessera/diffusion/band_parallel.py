@@ -112,9 +112,10 @@ def band_sample(
         )
     band_rows = rows // bands
     first_row = band_index(mesh, band_axes) * band_rows
-    device = next(adapter.model.parameters()).device
+    param = next(adapter.model.parameters())
+    device = param.device
     guidance = Guidance(labels.to(device), adapter.null_class, guidance_scale, mesh)
-    x = initial_noise((labels.shape[0], adapter.in_channels, height, width), seed, device)
+    x = initial_noise((labels.shape[0], adapter.in_channels, height, width), seed, device, param.dtype)
     x = x[:, :, first_row * p : (first_row + band_rows) * p].contiguous()
     scheduler = FlowMatchEuler()
     times = scheduler.timesteps(num_steps).tolist()

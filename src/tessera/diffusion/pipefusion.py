@@ -80,9 +80,10 @@ def pipefusion_sample(
     first_layer, last_layer = stage_bounds(adapter.num_layers, degree, config.stage_layers)[stage]
     patches = split_rows(rows, config.patches)
     is_first, is_last = stage == 0, stage == degree - 1
-    device = next(adapter.model.parameters()).device
+    param = next(adapter.model.parameters())
+    device = param.device
     guidance = Guidance(labels.to(device), adapter.null_class, guidance_scale, mesh)
-    x = initial_noise((labels.shape[0], adapter.in_channels, height, width), seed, device)
+    x = initial_noise((labels.shape[0], adapter.in_channels, height, width), seed, device, param.dtype)
     scheduler = FlowMatchEuler()
     times = scheduler.timesteps(num_steps).tolist()
     kernel = StaleKVKernel()
@@ -104,7 +105,9 @@ def pipefusion_sample(
                         _receive_latent(comm, x, previous_units, units, (r0, r1), p, degree)
                     h = adapter.embed(guidance.expand(rows_of(x, r0, r1)), r0)
                 else:
-                    h = torch.empty((model_batch, (r1 - r0) * cols, adapter.hidden_size), device=device)
+                    h = torch.empty(
+                        (model_batch, (r1 - r0) * cols, adapter.hidden_size), device=device, dtype=param.dtype
+                    )
                     comm.irecv(h, AXIS, src=stage - 1).wait()
                 kernel.set_span(r0 * cols, r1 * cols, rows * cols)
                 for layer in range(first_layer, last_layer):
@@ -144,3 +147,15 @@ def _retire(sends: list, keep: int) -> list:
     for work, _ in sends[:-keep] if keep else sends:
         work.wait()
     return sends[-keep:] if keep else []
+
+
+def release_other_stages(model: torch.nn.Module, config: ParallelConfig, mesh: Mesh) -> int:
+    """Free the weights of the blocks this rank's stage never runs (moved to the meta
+    device), which is where PipeFusion's memory saving comes from. Returns the bytes of
+    the parameters still held. The model is no longer usable outside this stage."""
+    adapter = DiTAdapter(model)
+    first, last = stage_bounds(adapter.num_layers, mesh.size(AXIS), config.stage_layers)[mesh.rank(AXIS)]
+    for index, block in enumerate(adapter.blocks):
+        if not first <= index < last:
+            block.to("meta")
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")

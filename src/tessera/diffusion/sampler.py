@@ -46,11 +46,13 @@ def guided_velocity(
     return uncond + guidance_scale * (cond - uncond)
 
 
-def initial_noise(shape: tuple[int, ...], seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def initial_noise(
+    shape: tuple[int, ...], seed: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The starting noise for ``seed``: drawn on the CPU so every device and every
     parallel layout starts from the same numbers."""
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=generator).to(device)
+    return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
 
 
 @torch.no_grad()
@@ -66,9 +68,10 @@ def sample(
 ) -> torch.Tensor:
     """Images (B, C, H, W) for class ``labels`` (B,), from the noise of ``seed``."""
     scheduler = FlowMatchEuler()
-    device = next(model.parameters()).device
-    labels = labels.to(device)
-    x = initial_noise((labels.shape[0], *image_shape), seed, device)
+    param = next(model.parameters())
+    labels = labels.to(param.device)
+    x = initial_noise((labels.shape[0], *image_shape), seed, param.device, param.dtype)
+    device = param.device
     times = scheduler.timesteps(num_steps).tolist()
     for t, t_next in tqdm(
         list(zip(times[:-1], times[1:], strict=True)), desc="sampling", disable=not progress, leave=False

@@ -99,7 +99,8 @@ class TimestepEmbedder(nn.Module):
         )
 
     def forward(self, t: torch.Tensor) -> torch.Tensor:
-        return self.mlp(sincos_embedding(t, self.freq_dim))
+        features = sincos_embedding(t, self.freq_dim)
+        return self.mlp(features.to(self.mlp[0].weight.dtype))
 
 
 class Attention(nn.Module):

@@ -28,6 +28,11 @@ if TYPE_CHECKING:
     from tessera.runtime.mesh import Mesh
 
 
+# torch 2.13 renamed the flat collectives; older releases (e.g. on a GPU image) have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -102,9 +107,7 @@ class Comm:
         self.ledger.record("all_gather", axis, nbytes(t))
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
-        work = dist.all_gather_into_tensor(
-            out.view(-1), src.view(-1), group=self.mesh.group(axis), async_op=True
-        )
+        work = _all_gather_flat(out.view(-1), src.view(-1), group=self.mesh.group(axis), async_op=True)
 
         def finish() -> torch.Tensor:
             work.wait()
@@ -124,7 +127,7 @@ class Comm:
         self.ledger.record("reduce_scatter", axis, nbytes(t))
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((src.shape[0] // n, *src.shape[1:]), dtype=t.dtype, device=t.device)
-        dist.reduce_scatter_tensor(out.view(-1), src.view(-1), group=self.mesh.group(axis))
+        _reduce_scatter_flat(out.view(-1), src.view(-1), group=self.mesh.group(axis))
         return out.movedim(0, dim)
 
     def all_to_all(self, t: torch.Tensor, axis: str, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:

@@ -1,0 +1,102 @@
+"""The shared part of every `tessera bench NAME`: machine facts, timing, memory, and
+writing NAME.json (headline + machine + rows), NAME.md (a table) and NAME.png."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import resource
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_OUT = Path("benchmarks/results")
+
+
+def machine() -> dict[str, Any]:
+    return {
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def current_rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of this process's resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@dataclass
+class BenchResult:
+    name: str
+    headline: dict[str, Any]
+    rows: list[dict[str, Any]]
+    columns: list[str]  # which row keys the markdown table shows, in order
+    notes: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def write_results(
+    result: BenchResult, out_dir: str | Path, plot: Callable[[BenchResult, Path], None]
+) -> list[Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "name": result.name,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "headline": result.headline,
+        "machine": machine(),
+        "notes": result.notes,
+        **result.extra,
+        "rows": result.rows,
+    }
+    paths = [out_dir / f"{result.name}.json", out_dir / f"{result.name}.md", out_dir / f"{result.name}.png"]
+    _atomic_write(paths[0], json.dumps(payload, indent=2) + "\n")
+    _atomic_write(paths[1], markdown(result, payload["machine"]))
+    partial = paths[2].with_name(f".{paths[2].name}.partial.png")
+    plot(result, partial)
+    os.replace(partial, paths[2])
+    return paths
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown(result: BenchResult, machine_info: dict[str, Any]) -> str:
+    lines = [f"# {result.name}", ""]
+    lines.append(
+        "Machine: "
+        + ", ".join(f"{k} {v}" for k, v in machine_info.items() if k in ("cores", "torch", "device"))
+    )
+    lines += ["", "Headline: " + ", ".join(f"`{k}` = {_cell(v)}" for k, v in result.headline.items()), ""]
+    lines.append("| " + " | ".join(result.columns) + " |")
+    lines.append("|" + "---|" * len(result.columns))
+    for row in result.rows:
+        lines.append("| " + " | ".join(_cell(row.get(c, "")) for c in result.columns) + " |")
+    if result.notes:
+        lines += ["", *[f"- {n}" for n in result.notes]]
+    return "\n".join(lines) + "\n"
