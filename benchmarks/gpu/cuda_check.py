@@ -86,8 +86,9 @@ def pixart_timings() -> list[dict]:
             "serial": ParallelConfig(),
             "pipefusion_1stage_4patches": ParallelConfig(num_patches=4, warmup_steps=1),
         }.items():
-            seconds = timed(
-                lambda: parallel_sample(
+
+            def run(config=config, size=size):
+                return parallel_sample(
                     model,
                     labels,
                     config=config,
@@ -97,7 +98,8 @@ def pixart_timings() -> list[dict]:
                     guidance_scale=4.0,
                     seed=0,
                 )
-            )
+
+            seconds = timed(run)
             rows.append(
                 {
                     "layout": name,
