@@ -46,6 +46,34 @@ def test_train_then_generate_then_resume(tmp_path, capsys):
     assert "trained 1 steps" in capsys.readouterr().out
 
 
+def _pixels(path):
+    import numpy as np
+    from PIL import Image
+
+    return np.asarray(Image.open(path), dtype=np.int16)
+
+
+def test_parallel_generate_gives_the_serial_picture(tmp_path, capsys):
+    out = tmp_path / "ck"
+    assert cli.main(["train", "--recipe", "digits-dit", "--out", str(out), "--steps", "30"]) == 0
+    common = ["generate", "--model", str(out), "--digits", "38", "--per-digit", "2", "--steps", "3"]
+    assert cli.main([*common, "--out", str(tmp_path / "serial.png")]) == 0
+    exact = ["--nproc", "2", "--pipefusion", "2", "--patches", "2", "--warmup-steps", "3"]
+    assert cli.main([*common, *exact, "--out", str(tmp_path / "pipefusion.png")]) == 0
+    assert cli.main([*common, "--nproc", "2", "--ulysses", "2", "--out", str(tmp_path / "ulysses.png")]) == 0
+    assert "pipefusion=2 (patches=2, warmup_steps=3), 2 process(es)" in capsys.readouterr().out
+    serial = _pixels(tmp_path / "serial.png")
+    for name in ("pipefusion", "ulysses"):
+        # Exact layouts: float32 rounding can move a pixel across a uint8 boundary, no more.
+        assert abs(_pixels(tmp_path / f"{name}.png") - serial).max() <= 1, name
+    err = _error_of(
+        capsys, [*common, "--nproc", "2", "--ring", "2", "--ulysses", "2", "--out", str(tmp_path / "x.png")]
+    )
+    assert "ring=2 x ulysses=2 needs 4 processes but --nproc is 2" in err
+    err = _error_of(capsys, [*common, "--nproc", "2", "--pipefusion", "2", "--patches", "1"])
+    assert "num_patches 1 is fewer than the 2 pipeline stages" in err
+
+
 def test_bad_inputs_give_one_line_errors(tmp_path, capsys):
     missing = tmp_path / "none"
     assert "no checkpoint at" in _error_of(

@@ -87,38 +87,72 @@ def cmd_train(args: argparse.Namespace) -> None:
 # ---- generate ----------------------------------------------------------------------------
 
 
+def _layout(args: argparse.Namespace):
+    from tessera.diffusion.layout import ParallelConfig
+
+    config = ParallelConfig(
+        pipefusion_degree=args.pipefusion,
+        num_patches=args.patches,
+        warmup_steps=args.warmup_steps,
+        ulysses_degree=args.ulysses,
+        ring_degree=args.ring,
+        cfg_parallel=args.cfg_parallel,
+        tp_degree=args.tp,
+        distrifusion_degree=args.distrifusion,
+    )
+    if config.world_size != args.nproc:
+        raise UserError(
+            f"parallel layout {config.describe()} needs {config.world_size} processes but --nproc is {args.nproc}"
+        )
+    return config
+
+
+def _generate_rank(model_dir: str, labels, config, steps: int, guidance: float, seed: int, progress: bool):
+    from tessera.diffusion.parallel import parallel_sample
+    from tessera.train.checkpoint import load_dit
+
+    model = load_dit(model_dir)
+    size = model.config.image_size
+    images = parallel_sample(
+        model,
+        labels,
+        config=config,
+        height=size,
+        width=size,
+        num_steps=steps,
+        guidance_scale=guidance,
+        seed=seed,
+        progress=progress,
+    )
+    from tessera.runtime.mesh import global_rank
+
+    return images if global_rank() == 0 else None
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     import torch
 
     from tessera.data.digits import digit_classifier, parse_digits
     from tessera.diffusion.image_grid import check_writable, save_grid
-    from tessera.diffusion.sampler import sample
-    from tessera.models.dit import DiT, DiTConfig
-    from tessera.train import checkpoint as ckpt
+    from tessera.runtime import spawn
+    from tessera.train.checkpoint import load_dit
 
     digits = parse_digits(args.digits)
     out = check_writable(args.out)
-    model_dir = Path(args.model)
-    config = DiTConfig.from_dict(ckpt.read_config(model_dir)["model"])
-    model = DiT(config)
-    ckpt.load_weights_into(
-        model, ckpt.load_tensors(model_dir / "model.safetensors"), model_dir / "model.safetensors"
-    )
-    model.eval()
+    config = _layout(args)
+    model = load_dit(args.model)  # fail here, before any process starts, if it is unusable
     labels = torch.tensor(digits).repeat_interleave(args.per_digit)
-    images = sample(
-        model,
-        labels,
-        image_shape=(config.in_channels, config.image_size, config.image_size),
-        num_steps=args.steps,
-        guidance_scale=args.guidance,
-        seed=args.seed,
-    )
+    job = (str(args.model), labels, config, args.steps, args.guidance, args.seed)
+    if args.nproc == 1:
+        images = _generate_rank(*job, True)
+    else:
+        images = spawn(_generate_rank, args.nproc, *job, False, timeout_s=args.timeout)[0]
     # One column per requested digit: each column shows `per_digit` samples of it.
     grid = images.view(len(digits), args.per_digit, *images.shape[1:]).transpose(0, 1).flatten(0, 1)
     save_grid(grid, out, columns=len(digits), scale=8)
-    print(f"wrote {len(images)} samples to {out}")
-    if config.in_channels == 1 and config.image_size == 8 and config.num_classes == 10:
+    print(f"wrote {len(images)} samples ({config.describe()}, {args.nproc} process(es)) to {out}")
+    cfg = model.config
+    if cfg.in_channels == 1 and cfg.image_size == 8 and cfg.num_classes == 10:
         clf = digit_classifier()
         accuracy = clf.accuracy(images, labels)
         print(
@@ -185,6 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--guidance", type=float, default=2.0, help="classifier-free guidance scale")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="grid.png", help="output PNG")
+    p.add_argument(
+        "--nproc", type=_positive_int, default=1, help="local processes; the product of the degrees"
+    )
+    p.add_argument("--pipefusion", type=_positive_int, default=1, help="PipeFusion degree (pipeline stages)")
+    p.add_argument("--patches", type=_positive_int, help="PipeFusion patches along the height")
+    p.add_argument("--warmup-steps", type=int, default=1, help="synchronous steps before stale K/V is used")
+    p.add_argument(
+        "--ulysses", type=_positive_int, default=1, help="Ulysses (all-to-all) sequence parallel degree"
+    )
+    p.add_argument("--ring", type=_positive_int, default=1, help="Ring attention sequence parallel degree")
+    p.add_argument("--cfg-parallel", action="store_true", help="guidance branches on two ranks")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel degree (baseline)")
+    p.add_argument("--distrifusion", type=_positive_int, default=1, help="DistriFusion degree (baseline)")
+    p.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds before a multi-process run is ended"
+    )
     p.set_defaults(handler=cmd_generate)
 
     p = sub.add_parser("bench", help="run a benchmark (baseline and Tessera in one run)")

@@ -86,7 +86,12 @@ class ParallelConfig:
 
     def describe(self) -> str:
         parts = [f"{a}={self.degree(a)}" for a in AXES if self.degree(a) > 1]
-        return " x ".join(parts) or "serial"
+        text = " x ".join(parts) or "serial"
+        if self.method == "pipefusion":
+            text += f" (patches={self.patches}, warmup_steps={self.warmup_steps})"
+        elif self.method == "distrifusion":
+            text += f" (warmup_steps={self.warmup_steps})"
+        return text
 
     def build_mesh(self) -> Mesh:
         from tessera.runtime.mesh import world_size

@@ -127,3 +127,17 @@ def read_train_meta(directory: str | Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is corrupt: {exc}") from None
+
+
+def load_dit(directory: str | Path):
+    """The sampling weights of a Tessera DiT checkpoint, in eval mode."""
+    from tessera.models.dit import DiT, DiTConfig
+
+    directory = Path(directory)
+    config = read_config(directory)
+    try:
+        model = DiT(DiTConfig.from_dict(config.get("model", {})))
+    except TypeError as exc:
+        raise CheckpointError(f"{directory / 'config.json'} has an invalid model config: {exc}") from None
+    load_weights_into(model, load_tensors(directory / "model.safetensors"), directory / "model.safetensors")
+    return model.eval()
