@@ -15,10 +15,9 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from tessera.diffusion.adapter import DiTAdapter
+from tessera.diffusion.adapter import Adapter
 from tessera.diffusion.attention import attention, ulysses_attention
 from tessera.diffusion.guidance import Guidance
-from tessera.diffusion.sampler import FlowMatchEuler, initial_noise
 from tessera.runtime.mesh import Mesh
 
 
@@ -87,21 +86,12 @@ def band_index(mesh: Mesh, axes: tuple[str, ...]) -> int:
 
 
 @torch.no_grad()
-def band_sample(
-    adapter: DiTAdapter,
-    labels: torch.Tensor,
-    *,
-    mesh: Mesh,
-    band_axes: tuple[str, ...],
-    kernel,
-    height: int,
-    width: int,
-    num_steps: int,
-    guidance_scale: float,
-    seed: int,
-    progress: bool,
+def band_denoise(
+    adapter: Adapter, *, guidance: Guidance, stepper, noise: torch.Tensor, mesh: Mesh,
+    band_axes: tuple[str, ...], kernel, progress: bool,
 ) -> torch.Tensor:
-    """The final latent (B, C, H, W), on every rank."""
+    """Denoise ``noise`` (B, C, H, W); every rank returns the final latent."""
+    height, width = noise.shape[2:]
     p = adapter.patch_size
     rows, cols = height // p, width // p
     bands = math.prod(mesh.size(a) for a in band_axes)
@@ -112,27 +102,17 @@ def band_sample(
         )
     band_rows = rows // bands
     first_row = band_index(mesh, band_axes) * band_rows
-    param = next(adapter.model.parameters())
-    device = param.device
-    guidance = Guidance(labels.to(device), adapter.null_class, guidance_scale, mesh)
-    x = initial_noise((labels.shape[0], adapter.in_channels, height, width), seed, device, param.dtype)
-    x = x[:, :, first_row * p : (first_row + band_rows) * p].contiguous()
-    scheduler = FlowMatchEuler()
-    times = scheduler.timesteps(num_steps).tolist()
-    steps = list(zip(times[:-1], times[1:], strict=True))
+    x = noise[:, :, first_row * p : (first_row + band_rows) * p].contiguous()
     with adapter.attention_kernel(kernel) if kernel else contextlib.nullcontext():
-        for step_index, (t, t_next) in enumerate(
-            tqdm(steps, desc="sampling", disable=not progress, leave=False)
-        ):
+        for step in tqdm(range(stepper.num_steps), desc="sampling", disable=not progress, leave=False):
             if kernel:
-                kernel.begin_step(step_index)
-            xin = guidance.expand(x)
-            c = adapter.condition(torch.full((xin.shape[0],), t, device=device), guidance.labels)
-            tokens = adapter.embed(xin, first_row)
+                kernel.begin_step(step)
+            ctx = adapter.prepare(stepper.model_time(step), guidance.cond)
+            stream = adapter.embed(guidance.expand(stepper.scale_input(step, x)), first_row, height, width, ctx)
             for layer in range(adapter.num_layers):
-                tokens = adapter.block(layer, tokens, c)
-            v = guidance.combine(adapter.head(tokens, c, cols))
-            x = scheduler.step(x, v, t, t_next)
+                stream = adapter.block(layer, stream, ctx)
+            out = guidance.combine(adapter.head(stream, ctx, cols))
+            x = stepper.step("band", step, x, out)
             if kernel:
                 kernel.end_step()
     for axis in reversed(band_axes):  # innermost first: neighbouring bands join first

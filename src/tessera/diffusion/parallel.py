@@ -1,18 +1,23 @@
-"""`parallel_sample`: one entry point for every parallel inference layout of a DiT."""
+"""One entry point for every parallel inference layout: `parallel_denoise` for any
+supported transformer and scheduler, and `parallel_sample` for Tessera's class-conditional
+DiT with its flow-matching sampler."""
 
 from __future__ import annotations
 
 import torch
 
-from tessera.diffusion.adapter import DiTAdapter
-from tessera.diffusion.band_parallel import DistriFusionKernel, USPKernel, band_sample
+from tessera.diffusion.adapter import Adapter, TesseraDiTAdapter, adapter_for
+from tessera.diffusion.band_parallel import DistriFusionKernel, USPKernel, band_denoise
+from tessera.diffusion.guidance import Cond, Guidance
 from tessera.diffusion.layout import ParallelConfig, split_rows, stage_bounds
-from tessera.diffusion.pipefusion import pipefusion_sample
+from tessera.diffusion.pipefusion import pipefusion_denoise
+from tessera.diffusion.sampler import initial_noise
+from tessera.diffusion.stepper import FlowStepper
 from tessera.diffusion.tensor_parallel import tensor_parallel
 from tessera.runtime.mesh import Mesh
 
 
-def check_layout(adapter: DiTAdapter, config: ParallelConfig, height: int, width: int) -> None:
+def check_layout(adapter: Adapter, config: ParallelConfig, height: int, width: int) -> None:
     """Every mistake that would otherwise surface mid-run, named with its numbers."""
     adapter.check_size(height, width)
     rows = height // adapter.patch_size
@@ -21,48 +26,50 @@ def check_layout(adapter: DiTAdapter, config: ParallelConfig, height: int, width
             f"{adapter.num_heads} attention heads are not divisible by the Ulysses degree {config.ulysses_degree}"
         )
     if adapter.num_heads % config.tp_degree:
-        raise ValueError(
-            f"{adapter.num_heads} attention heads are not divisible by the TP degree {config.tp_degree}"
-        )
+        raise ValueError(f"{adapter.num_heads} attention heads are not divisible by the TP degree {config.tp_degree}")
+    if config.tp_degree > 1 and not isinstance(adapter, TesseraDiTAdapter):
+        raise ValueError(f"the tensor-parallel baseline supports Tessera's DiT only, not {type(adapter.model).__name__}")
     if config.method == "pipefusion":
         stage_bounds(adapter.num_layers, config.pipefusion_degree, config.stage_layers)
         split_rows(rows, config.patches)
 
 
-def parallel_sample(
-    model: torch.nn.Module,
-    labels: torch.Tensor,
-    *,
-    config: ParallelConfig,
-    mesh: Mesh | None = None,
-    height: int,
-    width: int,
-    num_steps: int,
-    guidance_scale: float = 1.0,
-    seed: int = 0,
-    progress: bool = False,
+def parallel_denoise(
+    model: torch.nn.Module, *, cond: Cond, uncond: Cond | None, guidance_scale: float, stepper,
+    noise: torch.Tensor, config: ParallelConfig, mesh: Mesh | None = None, progress: bool = False,
 ) -> torch.Tensor:
-    """Sample like :func:`tessera.diffusion.sampler.sample`, spread over the ranks as
-    ``config`` says. Every rank returns the final latent (B, C, H, W)."""
-    adapter = DiTAdapter(model)
+    """Run the denoising loop of ``stepper`` from ``noise`` (B, C, H, W), spread over the
+    ranks as ``config`` says. Every rank returns the final latent."""
+    adapter = adapter_for(model)
+    height, width = noise.shape[2:]
     check_layout(adapter, config, height, width)
     mesh = mesh or config.build_mesh()
-    common = dict(
-        height=height,
-        width=width,
-        num_steps=num_steps,
-        guidance_scale=guidance_scale,
-        seed=seed,
-        progress=progress,
-    )
+    guidance = Guidance(cond, uncond, guidance_scale, mesh)
+    common = dict(guidance=guidance, stepper=stepper, noise=noise, mesh=mesh, progress=progress)
     if config.method == "pipefusion":
-        return pipefusion_sample(adapter, labels, mesh=mesh, config=config, **common)
+        return pipefusion_denoise(adapter, config=config, **common)
     if config.method == "distrifusion":
         kernel = DistriFusionKernel(mesh, config.warmup_steps)
-        return band_sample(adapter, labels, mesh=mesh, band_axes=("distrifusion",), kernel=kernel, **common)
+        return band_denoise(adapter, band_axes=("distrifusion",), kernel=kernel, **common)
     if config.method == "tp":
         with tensor_parallel(adapter, mesh):
-            return band_sample(adapter, labels, mesh=mesh, band_axes=(), kernel=None, **common)
-    return band_sample(
-        adapter, labels, mesh=mesh, band_axes=("ring", "ulysses"), kernel=USPKernel(mesh), **common
+            return band_denoise(adapter, band_axes=(), kernel=None, **common)
+    return band_denoise(adapter, band_axes=("ring", "ulysses"), kernel=USPKernel(mesh), **common)
+
+
+def parallel_sample(
+    model: torch.nn.Module, labels: torch.Tensor, *, config: ParallelConfig, mesh: Mesh | None = None,
+    height: int, width: int, num_steps: int, guidance_scale: float = 1.0, seed: int = 0, progress: bool = False,
+) -> torch.Tensor:
+    """Like :func:`tessera.diffusion.sampler.sample` for Tessera's DiT, spread over the
+    ranks as ``config`` says. Every rank returns the final latent (B, C, H, W)."""
+    adapter = adapter_for(model)
+    check_layout(adapter, config, height, width)
+    param = next(model.parameters())
+    labels = labels.to(param.device)
+    noise = initial_noise((labels.shape[0], adapter.in_channels, height, width), seed, param.device, param.dtype)
+    null = torch.full_like(labels, adapter.null_class)
+    return parallel_denoise(
+        model, cond={"labels": labels}, uncond={"labels": null}, guidance_scale=guidance_scale,
+        stepper=FlowStepper(num_steps), noise=noise, config=config, mesh=mesh, progress=progress,
     )

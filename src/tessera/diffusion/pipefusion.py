@@ -19,11 +19,10 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from tessera.diffusion.adapter import DiTAdapter
+from tessera.diffusion.adapter import Adapter, adapter_for
 from tessera.diffusion.attention import attention
 from tessera.diffusion.guidance import Guidance
 from tessera.diffusion.layout import ParallelConfig, split_rows, stage_bounds
-from tessera.diffusion.sampler import FlowMatchEuler, initial_noise
 from tessera.runtime.mesh import Mesh
 
 AXIS = "pipefusion"
@@ -60,68 +59,60 @@ class StaleKVKernel:
 
 
 @torch.no_grad()
-def pipefusion_sample(
-    adapter: DiTAdapter,
-    labels: torch.Tensor,
-    *,
-    mesh: Mesh,
-    config: ParallelConfig,
-    height: int,
-    width: int,
-    num_steps: int,
-    guidance_scale: float,
-    seed: int,
-    progress: bool,
+def pipefusion_denoise(
+    adapter: Adapter, *, guidance: Guidance, stepper, noise: torch.Tensor, mesh: Mesh,
+    config: ParallelConfig, progress: bool,
 ) -> torch.Tensor:
-    """The final latent (B, C, H, W), on every rank."""
+    """Denoise ``noise`` (B, C, H, W); every rank returns the final latent."""
+    height, width = noise.shape[2:]
     p = adapter.patch_size
     rows, cols = height // p, width // p
     degree, stage = mesh.size(AXIS), mesh.rank(AXIS)
     first_layer, last_layer = stage_bounds(adapter.num_layers, degree, config.stage_layers)[stage]
     patches = split_rows(rows, config.patches)
     is_first, is_last = stage == 0, stage == degree - 1
-    param = next(adapter.model.parameters())
-    device = param.device
-    guidance = Guidance(labels.to(device), adapter.null_class, guidance_scale, mesh)
-    x = initial_noise((labels.shape[0], adapter.in_channels, height, width), seed, device, param.dtype)
-    scheduler = FlowMatchEuler()
-    times = scheduler.timesteps(num_steps).tolist()
+    x = noise.clone()  # stage 0 embeds from it; the last stage steps it
     kernel = StaleKVKernel()
     comm, sends = mesh.comm, []
-    model_batch = guidance.labels.shape[0]
+    steps = stepper.num_steps
 
-    def rows_of(x_: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-        return x_[:, :, r0 * p : r1 * p]
+    def rows_of(r0: int, r1: int) -> torch.Tensor:
+        return x[:, :, r0 * p : r1 * p]
+
+    def units_of(step: int) -> list[tuple[int, int]]:
+        return [(0, rows)] if step < config.warmup_steps else patches
 
     with adapter.attention_kernel(kernel):
-        for step in tqdm(range(num_steps), desc="pipefusion", disable=not progress, leave=False):
-            t, t_next = times[step], times[step + 1]
-            units = [(0, rows)] if step < config.warmup_steps else patches
-            previous_units = [(0, rows)] if step - 1 < config.warmup_steps else patches
-            c = adapter.condition(torch.full((model_batch,), t, device=device), guidance.labels)
+        for step in tqdm(range(steps), desc="pipefusion", disable=not progress, leave=False):
+            units = units_of(step)
+            if is_last and step == config.warmup_steps and 0 < step:  # warm-up -> patches
+                stepper.split((0, rows), {unit: unit for unit in patches}, p, height)
+            ctx = adapter.prepare(stepper.model_time(step), guidance.cond)
             for r0, r1 in units:
                 if is_first:
                     if step > 0 and degree > 1:
-                        _receive_latent(comm, x, previous_units, units, (r0, r1), p, degree)
-                    h = adapter.embed(guidance.expand(rows_of(x, r0, r1)), r0)
+                        _receive_latent(comm, x, units_of(step - 1), units, (r0, r1), p, degree)
+                    x_in = guidance.expand(stepper.scale_input(step, rows_of(r0, r1)))
+                    stream = adapter.embed(x_in, r0, height, width, ctx)
                 else:
-                    h = torch.empty(
-                        (model_batch, (r1 - r0) * cols, adapter.hidden_size), device=device, dtype=param.dtype
-                    )
-                    comm.irecv(h, AXIS, src=stage - 1).wait()
+                    shapes = adapter.stream_shapes(guidance.batch, (r1 - r0) * cols, ctx)
+                    stream = tuple(torch.empty(s, device=x.device, dtype=x.dtype) for s in shapes)
+                    for part in stream:
+                        comm.irecv(part, AXIS, src=stage - 1).wait()
                 kernel.set_span(r0 * cols, r1 * cols, rows * cols)
                 for layer in range(first_layer, last_layer):
-                    h = adapter.block(layer, h, c)
+                    stream = adapter.block(layer, stream, ctx)
                 if not is_last:
-                    h = h.contiguous()
-                    sends.append((comm.isend(h, AXIS, dst=stage + 1), h))
+                    for part in stream:
+                        part = part.contiguous()
+                        sends.append((comm.isend(part, AXIS, dst=stage + 1), part))
                     continue
-                v = guidance.combine(adapter.head(h, c, cols))
-                rows_of(x, r0, r1).copy_(scheduler.step(rows_of(x, r0, r1), v, t, t_next))
-                if degree > 1 and step < num_steps - 1:
-                    patch = rows_of(x, r0, r1).contiguous()
+                out = guidance.combine(adapter.head(stream, ctx, cols))
+                rows_of(r0, r1).copy_(stepper.step((r0, r1), step, rows_of(r0, r1), out))
+                if degree > 1 and step < steps - 1:
+                    patch = rows_of(r0, r1).contiguous()
                     sends.append((comm.isend(patch, AXIS, dst=0), patch))
-            sends = _retire(sends, keep=len(units))
+            sends = _retire(sends, keep=len(units) * 4)
     for work, _ in sends:
         work.wait()
     return comm.broadcast(x.contiguous(), AXIS, src=degree - 1)
@@ -153,7 +144,7 @@ def release_other_stages(model: torch.nn.Module, config: ParallelConfig, mesh: M
     """Free the weights of the blocks this rank's stage never runs (moved to the meta
     device), which is where PipeFusion's memory saving comes from. Returns the bytes of
     the parameters still held. The model is no longer usable outside this stage."""
-    adapter = DiTAdapter(model)
+    adapter = adapter_for(model)
     first, last = stage_bounds(adapter.num_layers, mesh.size(AXIS), config.stage_layers)[mesh.rank(AXIS)]
     for index, block in enumerate(adapter.blocks):
         if not first <= index < last:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.diffusion.adapter import DiTAdapter
+from tessera.diffusion.adapter import TesseraDiTAdapter
 from tessera.runtime.mesh import Mesh
 
 AXIS = "tp"
@@ -70,7 +70,7 @@ class ShardedMLP(nn.Module):
 
 
 @contextmanager
-def tensor_parallel(adapter: DiTAdapter, mesh: Mesh) -> Iterator[None]:
+def tensor_parallel(adapter: TesseraDiTAdapter, mesh: Mesh) -> Iterator[None]:
     """Every block's attention and MLP replaced by this rank's shard, then restored."""
     blocks = adapter.blocks
     originals = [(block.attn, block.mlp) for block in blocks]
