@@ -87,8 +87,15 @@ def band_index(mesh: Mesh, axes: tuple[str, ...]) -> int:
 
 @torch.no_grad()
 def band_denoise(
-    adapter: Adapter, *, guidance: Guidance, stepper, noise: torch.Tensor, mesh: Mesh,
-    band_axes: tuple[str, ...], kernel, progress: bool,
+    adapter: Adapter,
+    *,
+    guidance: Guidance,
+    stepper,
+    noise: torch.Tensor,
+    mesh: Mesh,
+    band_axes: tuple[str, ...],
+    kernel,
+    progress: bool,
 ) -> torch.Tensor:
     """Denoise ``noise`` (B, C, H, W); every rank returns the final latent."""
     height, width = noise.shape[2:]
@@ -108,7 +115,9 @@ def band_denoise(
             if kernel:
                 kernel.begin_step(step)
             ctx = adapter.prepare(stepper.model_time(step), guidance.cond)
-            stream = adapter.embed(guidance.expand(stepper.scale_input(step, x)), first_row, height, width, ctx)
+            stream = adapter.embed(
+                guidance.expand(stepper.scale_input(step, x)), first_row, height, width, ctx
+            )
             for layer in range(adapter.num_layers):
                 stream = adapter.block(layer, stream, ctx)
             out = guidance.combine(adapter.head(stream, ctx, cols))

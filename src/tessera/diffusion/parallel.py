@@ -26,17 +26,29 @@ def check_layout(adapter: Adapter, config: ParallelConfig, height: int, width: i
             f"{adapter.num_heads} attention heads are not divisible by the Ulysses degree {config.ulysses_degree}"
         )
     if adapter.num_heads % config.tp_degree:
-        raise ValueError(f"{adapter.num_heads} attention heads are not divisible by the TP degree {config.tp_degree}")
+        raise ValueError(
+            f"{adapter.num_heads} attention heads are not divisible by the TP degree {config.tp_degree}"
+        )
     if config.tp_degree > 1 and not isinstance(adapter, TesseraDiTAdapter):
-        raise ValueError(f"the tensor-parallel baseline supports Tessera's DiT only, not {type(adapter.model).__name__}")
+        raise ValueError(
+            f"the tensor-parallel baseline supports Tessera's DiT only, not {type(adapter.model).__name__}"
+        )
     if config.method == "pipefusion":
         stage_bounds(adapter.num_layers, config.pipefusion_degree, config.stage_layers)
         split_rows(rows, config.patches)
 
 
 def parallel_denoise(
-    model: torch.nn.Module, *, cond: Cond, uncond: Cond | None, guidance_scale: float, stepper,
-    noise: torch.Tensor, config: ParallelConfig, mesh: Mesh | None = None, progress: bool = False,
+    model: torch.nn.Module,
+    *,
+    cond: Cond,
+    uncond: Cond | None,
+    guidance_scale: float,
+    stepper,
+    noise: torch.Tensor,
+    config: ParallelConfig,
+    mesh: Mesh | None = None,
+    progress: bool = False,
 ) -> torch.Tensor:
     """Run the denoising loop of ``stepper`` from ``noise`` (B, C, H, W), spread over the
     ranks as ``config`` says. Every rank returns the final latent."""
@@ -58,8 +70,17 @@ def parallel_denoise(
 
 
 def parallel_sample(
-    model: torch.nn.Module, labels: torch.Tensor, *, config: ParallelConfig, mesh: Mesh | None = None,
-    height: int, width: int, num_steps: int, guidance_scale: float = 1.0, seed: int = 0, progress: bool = False,
+    model: torch.nn.Module,
+    labels: torch.Tensor,
+    *,
+    config: ParallelConfig,
+    mesh: Mesh | None = None,
+    height: int,
+    width: int,
+    num_steps: int,
+    guidance_scale: float = 1.0,
+    seed: int = 0,
+    progress: bool = False,
 ) -> torch.Tensor:
     """Like :func:`tessera.diffusion.sampler.sample` for Tessera's DiT, spread over the
     ranks as ``config`` says. Every rank returns the final latent (B, C, H, W)."""
@@ -67,9 +88,18 @@ def parallel_sample(
     check_layout(adapter, config, height, width)
     param = next(model.parameters())
     labels = labels.to(param.device)
-    noise = initial_noise((labels.shape[0], adapter.in_channels, height, width), seed, param.device, param.dtype)
+    noise = initial_noise(
+        (labels.shape[0], adapter.in_channels, height, width), seed, param.device, param.dtype
+    )
     null = torch.full_like(labels, adapter.null_class)
     return parallel_denoise(
-        model, cond={"labels": labels}, uncond={"labels": null}, guidance_scale=guidance_scale,
-        stepper=FlowStepper(num_steps), noise=noise, config=config, mesh=mesh, progress=progress,
+        model,
+        cond={"labels": labels},
+        uncond={"labels": null},
+        guidance_scale=guidance_scale,
+        stepper=FlowStepper(num_steps),
+        noise=noise,
+        config=config,
+        mesh=mesh,
+        progress=progress,
     )

@@ -60,8 +60,14 @@ class StaleKVKernel:
 
 @torch.no_grad()
 def pipefusion_denoise(
-    adapter: Adapter, *, guidance: Guidance, stepper, noise: torch.Tensor, mesh: Mesh,
-    config: ParallelConfig, progress: bool,
+    adapter: Adapter,
+    *,
+    guidance: Guidance,
+    stepper,
+    noise: torch.Tensor,
+    mesh: Mesh,
+    config: ParallelConfig,
+    progress: bool,
 ) -> torch.Tensor:
     """Denoise ``noise`` (B, C, H, W); every rank returns the final latent."""
     height, width = noise.shape[2:]

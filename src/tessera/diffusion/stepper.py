@@ -34,7 +34,9 @@ class FlowStepper:
     def step(self, key: Hashable, step: int, x: torch.Tensor, model_out: torch.Tensor) -> torch.Tensor:
         return FlowMatchEuler().step(x, model_out, self.times[step], self.times[step + 1])
 
-    def split(self, key: Hashable, parts: dict[Hashable, tuple[int, int]], row_scale: int, height: int) -> None:
+    def split(
+        self, key: Hashable, parts: dict[Hashable, tuple[int, int]], row_scale: int, height: int
+    ) -> None:
         pass
 
 
@@ -64,7 +66,9 @@ class DiffusersStepper:
     def step(self, key: Hashable, step: int, x: torch.Tensor, model_out: torch.Tensor) -> torch.Tensor:
         return self._state(key).step(model_out, self.timesteps[step], x, return_dict=False)[0]
 
-    def split(self, key: Hashable, parts: dict[Hashable, tuple[int, int]], row_scale: int, height: int) -> None:
+    def split(
+        self, key: Hashable, parts: dict[Hashable, tuple[int, int]], row_scale: int, height: int
+    ) -> None:
         """Give each new slice key a copy of ``key``'s state with every latent-shaped tensor
         in it (4-D, ``height`` rows) cut to the slice's rows [start*row_scale, stop*row_scale):
         PipeFusion's switch from the full latent after warm-up to patches."""
