@@ -129,8 +129,61 @@ def _generate_rank(model_dir: str, labels, config, steps: int, guidance: float, 
     return images if global_rank() == 0 else None
 
 
+def _pipeline_rank(model_dir: str, args: dict, config):
+    from tessera.diffusion.pipelines import generate, load_pipeline
+    from tessera.runtime.mesh import global_rank
+
+    pipe = load_pipeline(model_dir, with_text_encoder=global_rank() == 0)
+    pipe.set_progress_bar_config(disable=True)
+    vae_scale = pipe.vae_scale_factor
+    sample = pipe.transformer.config.sample_size * vae_scale
+    height, width = args["height"] or sample, args["width"] or sample
+    image = generate(
+        pipe,
+        prompt=args["prompt"],
+        negative_prompt=args["negative_prompt"],
+        height=height,
+        width=width,
+        num_steps=args["steps"],
+        guidance_scale=args["guidance"],
+        seed=args["seed"],
+        config=config,
+        progress=global_rank() == 0,
+    )
+    return image
+
+
+def cmd_generate_pipeline(args: argparse.Namespace) -> None:
+    from tessera.diffusion.image_grid import check_writable
+    from tessera.runtime import spawn
+
+    if not args.prompt:
+        raise UserError(f"{args.model} is a diffusers pipeline: give a --prompt")
+    out = check_writable(args.out)
+    config = _layout(args)
+    job = {
+        k: getattr(args, k)
+        for k in ("prompt", "negative_prompt", "height", "width", "steps", "guidance", "seed")
+    }
+    if args.nproc == 1:
+        image = _pipeline_rank(str(args.model), job, config)
+    else:
+        image = spawn(_pipeline_rank, args.nproc, str(args.model), job, config, timeout_s=args.timeout)[0]
+    partial = out.with_name(f".{out.name}.partial")
+    image.save(partial, format="PNG")
+    partial.replace(out)
+    print(
+        f"wrote a {image.width}x{image.height} image ({config.describe()}, {args.nproc} process(es)) to {out}"
+    )
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     import torch
+
+    from tessera.diffusion.pipelines import is_pipeline_dir
+
+    if is_pipeline_dir(args.model):
+        return cmd_generate_pipeline(args)
 
     from tessera.data.digits import digit_classifier, parse_digits
     from tessera.diffusion.image_grid import check_writable, save_grid
@@ -211,12 +264,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is ended")
     p.set_defaults(handler=cmd_train)
 
-    p = sub.add_parser("generate", help="sample a trained model into a PNG grid")
-    p.add_argument("--model", required=True, help="checkpoint folder")
+    p = sub.add_parser(
+        "generate", help="sample a Tessera checkpoint or a saved diffusers pipeline into a PNG"
+    )
+    p.add_argument("--model", required=True, help="Tessera checkpoint folder or diffusers pipeline folder")
     p.add_argument("--digits", default="0123456789", help="classes to draw, e.g. 0123456789")
     p.add_argument("--per-digit", type=_positive_int, default=10, help="samples per digit")
     p.add_argument("--steps", type=_positive_int, default=20, help="sampling steps")
     p.add_argument("--guidance", type=float, default=2.0, help="classifier-free guidance scale")
+    p.add_argument("--prompt", help="text prompt (diffusers pipelines)")
+    p.add_argument("--negative-prompt", default="", help="negative prompt (diffusers pipelines)")
+    p.add_argument("--height", type=_positive_int, help="image height in pixels (diffusers pipelines)")
+    p.add_argument("--width", type=_positive_int, help="image width in pixels (diffusers pipelines)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="grid.png", help="output PNG")
     p.add_argument(

@@ -12,6 +12,7 @@ analytic formulas follow too:
     send / recv     bytes sent / bytes received
 
 Along an axis of size 1 nothing moves, so nothing is called and nothing is counted.
+The pseudo-axis ``"world"`` spans every rank of the mesh (the default process group).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 # torch 2.13 renamed the flat collectives; older releases (e.g. on a GPU image) have the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+WORLD = "world"
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -77,8 +81,14 @@ class Comm:
         self.mesh = mesh
         self.ledger = Ledger()
 
+    def _size(self, axis: str) -> int:
+        return self.mesh.size() if axis == WORLD else self.mesh.size(axis)
+
+    def _group(self, axis: str):
+        return None if axis == WORLD else self.mesh.group(axis)
+
     def _moves(self, axis: str) -> bool:
-        return self.mesh.size(axis) > 1
+        return self._size(axis) > 1
 
     def all_reduce(self, t: torch.Tensor, axis: str, *, op: str = "sum", async_op: bool = False):
         """In place. ``op`` is "sum", "avg" (done as sum then divide: gloo has no AVG on
@@ -153,7 +163,8 @@ class Comm:
         if not self._moves(axis):
             return t
         self.ledger.record("broadcast", axis, nbytes(t))
-        dist.broadcast(t, self.mesh.global_rank_of(axis, src), group=self.mesh.group(axis))
+        root = src if axis == WORLD else self.mesh.global_rank_of(axis, src)
+        dist.broadcast(t, root, group=self._group(axis))
         return t
 
     def isend(self, t: torch.Tensor, axis: str, *, dst: int) -> dist.Work:
