@@ -15,8 +15,8 @@ from collections.abc import Callable
 import torch
 from tqdm.auto import tqdm
 
-from tessera.diffusion.adapter import Adapter
-from tessera.diffusion.attention import attention, ulysses_attention
+from tessera.diffusion.adapters import Adapter
+from tessera.diffusion.attention import attend, ulysses_attention
 from tessera.diffusion.guidance import Guidance
 from tessera.runtime.mesh import Mesh
 
@@ -33,8 +33,8 @@ class USPKernel:
     def end_step(self) -> None:
         pass
 
-    def __call__(self, layer: int, q, k, v):
-        return ulysses_attention(q, k, v, self.mesh.comm, "ulysses", ring_axis="ring")
+    def __call__(self, layer: int, q, k, v, text=None):
+        return ulysses_attention(q, k, v, self.mesh.comm, "ulysses", ring_axis="ring", text=text)
 
 
 class DistriFusionKernel:
@@ -61,7 +61,7 @@ class DistriFusionKernel:
             self.stale[layer] = finish()
         self.pending.clear()
 
-    def __call__(self, layer: int, q, k, v):
+    def __call__(self, layer: int, q, k, v, text=None):
         fresh = torch.stack([k, v]).contiguous()  # (2, B, H, n_band, d): one gather for both
         if self.sync:
             full = self.mesh.comm.all_gather(fresh, self.axis, dim=3)
@@ -69,12 +69,12 @@ class DistriFusionKernel:
         else:
             self.pending[layer] = self.mesh.comm.all_gather_async(fresh, self.axis, dim=3)
             if layer not in self.stale:  # no warm-up: nothing seen of the other bands yet
-                return attention(q, k, v)
+                return attend(q, k, v, text)
             n = k.shape[2]
             start = self.mesh.rank(self.axis) * n
             full = self.stale[layer].clone()
             full[:, :, :, start : start + n] = fresh
-        return attention(q, full[0], full[1])
+        return attend(q, full[0], full[1], text)
 
 
 def band_index(mesh: Mesh, axes: tuple[str, ...]) -> int:

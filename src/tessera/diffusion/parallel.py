@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.diffusion.adapter import Adapter, TesseraDiTAdapter, adapter_for
+from tessera.diffusion.adapters import Adapter, TesseraDiTAdapter, adapter_for
 from tessera.diffusion.band_parallel import DistriFusionKernel, USPKernel, band_denoise
 from tessera.diffusion.guidance import Cond, Guidance
 from tessera.diffusion.layout import ParallelConfig, split_rows, stage_bounds

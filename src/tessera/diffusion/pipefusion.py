@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from tessera.diffusion.adapter import Adapter, adapter_for
-from tessera.diffusion.attention import attention
+from tessera.diffusion.adapters import Adapter, adapter_for
+from tessera.diffusion.attention import attend
 from tessera.diffusion.guidance import Guidance
 from tessera.diffusion.layout import ParallelConfig, split_rows, stage_bounds
 from tessera.runtime.mesh import Mesh
@@ -40,12 +40,12 @@ class StaleKVKernel:
         """The tokens [start, stop) of a sequence of ``total`` are being processed."""
         self.start, self.stop, self.total = start, stop, total
 
-    def __call__(self, layer: int, q, k, v):
+    def __call__(self, layer: int, q, k, v, text=None):
         fresh = torch.stack([k, v])
         if self.stop - self.start == self.total:  # full sequence (warm-up): all fresh
             self.buffers[layer] = fresh
             self.seen[layer] = self.total
-            return attention(q, k, v)
+            return attend(q, k, v, text)
         buffer = self.buffers.get(layer)
         if buffer is None:
             buffer = fresh.new_zeros((*fresh.shape[:3], self.total, fresh.shape[-1]))
@@ -55,7 +55,7 @@ class StaleKVKernel:
         # first step attends only to the patches it has seen so far.
         self.seen[layer] = max(self.seen.get(layer, 0), self.stop)
         seen = self.seen[layer]
-        return attention(q, buffer[0, :, :, :seen], buffer[1, :, :, :seen])
+        return attend(q, buffer[0, :, :, :seen], buffer[1, :, :, :seen], text)
 
 
 @torch.no_grad()

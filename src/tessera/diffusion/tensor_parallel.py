@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.diffusion.adapter import TesseraDiTAdapter
+from tessera.diffusion.adapters import TesseraDiTAdapter
 from tessera.runtime.mesh import Mesh
 
 AXIS = "tp"

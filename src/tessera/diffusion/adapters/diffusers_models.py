@@ -1,0 +1,18 @@
+"""Which diffusers transformer classes Tessera's parallel methods support."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def diffusers_adapter_for(model: nn.Module):
+    """An adapter for a supported diffusers transformer, else None."""
+    try:
+        import diffusers
+    except ImportError:  # diffusers is optional for Tessera's own models
+        return None
+    from tessera.diffusion.adapters.pixart import PixArtAdapter
+
+    if isinstance(model, diffusers.PixArtTransformer2DModel):
+        return PixArtAdapter(model)
+    return None
