@@ -61,6 +61,8 @@ class DiffusersStepper:
     def scale_input(self, step: int, x: torch.Tensor) -> torch.Tensor:
         # A throwaway copy: schedulers that scale (Euler) find their sigma from the timestep
         # when they have no step counter yet, so no slice's state is needed or disturbed.
+        if not hasattr(self.pristine, "scale_model_input"):  # flow-matching schedulers do not scale
+            return x
         return copy.deepcopy(self.pristine).scale_model_input(x, self.timesteps[step])
 
     def step(self, key: Hashable, step: int, x: torch.Tensor, model_out: torch.Tensor) -> torch.Tensor:

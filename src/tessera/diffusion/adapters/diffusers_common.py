@@ -40,16 +40,52 @@ class KernelProcessor:
         return out / attn.rescale_output_factor
 
 
+def _heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    b = x.shape[0]
+    return x.view(b, -1, heads, x.shape[-1] // heads).transpose(1, 2)
+
+
+def _merge(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2).flatten(2)
+
+
+class JointKernelProcessor:
+    """SD3-style joint attention (image tokens + text tokens with their own projections)
+    around a Tessera kernel; mirrors diffusers' JointAttnProcessor2_0."""
+
+    def __init__(self, layer_index: int, kernel: AttentionKernel):
+        self.layer_index, self.kernel = layer_index, kernel
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
+        assert encoder_hidden_states is not None and attention_mask is None, "joint attention only"
+        q, k, v = (_heads(f(hidden_states), attn.heads) for f in (attn.to_q, attn.to_k, attn.to_v))
+        if attn.norm_q is not None:
+            q, k = attn.norm_q(q), attn.norm_k(k)
+        text = encoder_hidden_states
+        qt, kt, vt = (
+            _heads(f(text), attn.heads) for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+        )
+        if attn.norm_added_q is not None:
+            qt, kt = attn.norm_added_q(qt), attn.norm_added_k(kt)
+        image_out, text_out = self.kernel(self.layer_index, q, k, v, (qt, kt, vt))
+        image_out = attn.to_out[1](attn.to_out[0](_merge(image_out).to(q.dtype)))
+        text_out = _merge(text_out).to(q.dtype)
+        if not attn.context_pre_only:
+            text_out = attn.to_add_out(text_out)
+        return image_out, text_out
+
+
 @contextmanager
-def swapped_processors(attentions: list[nn.Module], kernel: AttentionKernel) -> Iterator[None]:
-    originals = [a.processor for a in attentions]
+def swapped_processors(pairs: list[tuple[nn.Module, object]]) -> Iterator[None]:
+    """Give each attention module its processor for the duration; restore the originals."""
+    originals = [attn.processor for attn, _ in pairs]
     try:
-        for index, a in enumerate(attentions):
-            a.processor = KernelProcessor(index, kernel)
+        for attn, processor in pairs:
+            attn.processor = processor
         yield
     finally:
-        for a, original in zip(attentions, originals, strict=True):
-            a.processor = original
+        for (attn, _), original in zip(pairs, originals, strict=True):
+            attn.processor = original
 
 
 def band_position_embedding(patch_embed: nn.Module, height: int, width: int) -> torch.Tensor:

@@ -12,7 +12,10 @@ def diffusers_adapter_for(model: nn.Module):
     except ImportError:  # diffusers is optional for Tessera's own models
         return None
     from tessera.diffusion.adapters.pixart import PixArtAdapter
+    from tessera.diffusion.adapters.sd3 import SD3Adapter
 
     if isinstance(model, diffusers.PixArtTransformer2DModel):
         return PixArtAdapter(model)
+    if isinstance(model, diffusers.SD3Transformer2DModel):
+        return SD3Adapter(model)
     return None

@@ -16,7 +16,12 @@ import torch
 from torch import nn
 
 from tessera.diffusion.adapters.base import AttentionKernel, Stream, check_patch_size, serial_kernel
-from tessera.diffusion.adapters.diffusers_common import embed_band, swapped_processors, unpatchify
+from tessera.diffusion.adapters.diffusers_common import (
+    KernelProcessor,
+    embed_band,
+    swapped_processors,
+    unpatchify,
+)
 
 
 @dataclass
@@ -87,4 +92,5 @@ class PixArtAdapter:
         return [(batch, image_tokens, self.hidden_size)]
 
     def attention_kernel(self, kernel: AttentionKernel = serial_kernel):
-        return swapped_processors([b.attn1 for b in self.model.transformer_blocks], kernel)
+        blocks = self.model.transformer_blocks
+        return swapped_processors([(b.attn1, KernelProcessor(i, kernel)) for i, b in enumerate(blocks)])
