@@ -110,16 +110,17 @@ def band_denoise(
     band_rows = rows // bands
     first_row = band_index(mesh, band_axes) * band_rows
     x = noise[:, :, first_row * p : (first_row + band_rows) * p].contiguous()
+    span = (first_row * cols, (first_row + band_rows) * cols)  # this band's image tokens
     with adapter.attention_kernel(kernel) if kernel else contextlib.nullcontext():
         for step in tqdm(range(stepper.num_steps), desc="sampling", disable=not progress, leave=False):
             if kernel:
                 kernel.begin_step(step)
-            ctx = adapter.prepare(stepper.model_time(step), guidance.cond)
+            ctx = adapter.prepare(stepper.model_time(step), guidance.cond, height, width)
             stream = adapter.embed(
                 guidance.expand(stepper.scale_input(step, x)), first_row, height, width, ctx
             )
             for layer in range(adapter.num_layers):
-                stream = adapter.block(layer, stream, ctx)
+                stream = adapter.block(layer, stream, ctx, span)
             out = guidance.combine(adapter.head(stream, ctx, cols))
             x = stepper.step("band", step, x, out)
             if kernel:

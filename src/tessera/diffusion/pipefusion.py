@@ -93,7 +93,7 @@ def pipefusion_denoise(
             units = units_of(step)
             if is_last and step == config.warmup_steps and 0 < step:  # warm-up -> patches
                 stepper.split((0, rows), {unit: unit for unit in patches}, p, height)
-            ctx = adapter.prepare(stepper.model_time(step), guidance.cond)
+            ctx = adapter.prepare(stepper.model_time(step), guidance.cond, height, width)
             for r0, r1 in units:
                 if is_first:
                     if step > 0 and degree > 1:
@@ -107,7 +107,7 @@ def pipefusion_denoise(
                         comm.irecv(part, AXIS, src=stage - 1).wait()
                 kernel.set_span(r0 * cols, r1 * cols, rows * cols)
                 for layer in range(first_layer, last_layer):
-                    stream = adapter.block(layer, stream, ctx)
+                    stream = adapter.block(layer, stream, ctx, (r0 * cols, r1 * cols))
                 if not is_last:
                     for part in stream:
                         part = part.contiguous()

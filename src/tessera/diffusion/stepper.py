@@ -43,8 +43,11 @@ class FlowStepper:
 class DiffusersStepper:
     """A diffusers scheduler (after ``set_timesteps``), one deep copy per slice key."""
 
-    def __init__(self, scheduler: Any, num_steps: int, device: torch.device | str = "cpu"):
-        scheduler.set_timesteps(num_steps, device=device)
+    def __init__(
+        self, scheduler: Any, num_steps: int, device: torch.device | str = "cpu", **timestep_kwargs: Any
+    ):
+        """``timestep_kwargs`` go to ``set_timesteps`` (e.g. Flux's ``sigmas`` and ``mu``)."""
+        scheduler.set_timesteps(num_steps, device=device, **timestep_kwargs)
         self.pristine = copy.deepcopy(scheduler)
         self.timesteps = scheduler.timesteps
         self.num_steps = len(self.timesteps)

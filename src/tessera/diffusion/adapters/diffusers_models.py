@@ -11,6 +11,7 @@ def diffusers_adapter_for(model: nn.Module):
         import diffusers
     except ImportError:  # diffusers is optional for Tessera's own models
         return None
+    from tessera.diffusion.adapters.flux import FluxAdapter
     from tessera.diffusion.adapters.pixart import PixArtAdapter
     from tessera.diffusion.adapters.sd3 import SD3Adapter
 
@@ -18,4 +19,6 @@ def diffusers_adapter_for(model: nn.Module):
         return PixArtAdapter(model)
     if isinstance(model, diffusers.SD3Transformer2DModel):
         return SD3Adapter(model)
+    if isinstance(model, diffusers.FluxTransformer2DModel):
+        return FluxAdapter(model)
     return None

@@ -50,7 +50,7 @@ class PixArtAdapter:
     def check_size(self, height: int, width: int) -> None:
         check_patch_size(height, width, self.patch_size)
 
-    def prepare(self, model_time, cond: dict[str, torch.Tensor]) -> PixArtStep:
+    def prepare(self, model_time, cond: dict[str, torch.Tensor], height: int, width: int) -> PixArtStep:
         model = self.model
         text = cond["prompt_embeds"]
         batch, dtype = text.shape[0], model.pos_embed.proj.weight.dtype
@@ -68,7 +68,7 @@ class PixArtAdapter:
     ) -> Stream:
         return (embed_band(self.model.pos_embed, x_band, row_offset, height, width),)
 
-    def block(self, index: int, stream: Stream, ctx: PixArtStep) -> Stream:
+    def block(self, index: int, stream: Stream, ctx: PixArtStep, span: tuple[int, int]) -> Stream:
         out = self.model.transformer_blocks[index](
             stream[0],
             attention_mask=None,

@@ -60,7 +60,7 @@ class SD3Adapter:
                 f"image size {height}x{width} exceeds this SD3 model's position table ({limit}x{limit})"
             )
 
-    def prepare(self, model_time, cond: dict[str, torch.Tensor]) -> SD3Step:
+    def prepare(self, model_time, cond: dict[str, torch.Tensor], height: int, width: int) -> SD3Step:
         text = cond["prompt_embeds"]
         t = torch.as_tensor(model_time, device=text.device).reshape(-1).expand(text.shape[0])
         temb = self.model.time_text_embed(t, cond["pooled_prompt_embeds"])
@@ -70,7 +70,7 @@ class SD3Adapter:
         image = embed_band(self.model.pos_embed, x_band, row_offset, height, width).contiguous()
         return (image, ctx.text)
 
-    def block(self, index: int, stream: Stream, ctx: SD3Step) -> Stream:
+    def block(self, index: int, stream: Stream, ctx: SD3Step, span: tuple[int, int]) -> Stream:
         text, image = self.model.transformer_blocks[index](
             hidden_states=stream[0], encoder_hidden_states=stream[1], temb=ctx.temb
         )

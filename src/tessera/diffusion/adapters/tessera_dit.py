@@ -46,7 +46,9 @@ class TesseraDiTAdapter:
     def check_size(self, height: int, width: int) -> None:
         check_patch_size(height, width, self.patch_size)
 
-    def prepare(self, model_time: float, cond: dict[str, torch.Tensor]) -> torch.Tensor:
+    def prepare(
+        self, model_time: float, cond: dict[str, torch.Tensor], height: int, width: int
+    ) -> torch.Tensor:
         labels = cond["labels"]
         t = torch.full((labels.shape[0],), float(model_time), device=labels.device)
         return self.model.condition(t, labels)
@@ -54,7 +56,7 @@ class TesseraDiTAdapter:
     def embed(self, x_band: torch.Tensor, row_offset: int, height: int, width: int, ctx) -> Stream:
         return (self.model.embed(x_band, row_offset=row_offset),)
 
-    def block(self, index: int, stream: Stream, ctx) -> Stream:
+    def block(self, index: int, stream: Stream, ctx, span: tuple[int, int]) -> Stream:
         return (self.model.blocks[index](stream[0], ctx),)
 
     def head(self, stream: Stream, ctx, grid_cols: int) -> torch.Tensor:
