@@ -135,9 +135,14 @@ def _pipeline_rank(model_dir: str, args: dict, config):
 
     pipe = load_pipeline(model_dir, with_text_encoder=global_rank() == 0)
     pipe.set_progress_bar_config(disable=True)
-    vae_scale = pipe.vae_scale_factor
-    sample = pipe.transformer.config.sample_size * vae_scale
-    height, width = args["height"] or sample, args["width"] or sample
+    if not (args["height"] and args["width"]):  # the pipeline's own default size
+        latent = getattr(pipe, "default_sample_size", None) or pipe.transformer.config.sample_size
+        args = {
+            **args,
+            "height": args["height"] or latent * pipe.vae_scale_factor,
+            "width": args["width"] or latent * pipe.vae_scale_factor,
+        }
+    height, width = args["height"], args["width"]
     image = generate(
         pipe,
         prompt=args["prompt"],

@@ -16,13 +16,13 @@ import torch
 
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_denoise
+from tessera.diffusion.pipeline_families import family_of
 from tessera.diffusion.stepper import DiffusersStepper
 from tessera.runtime.comm import WORLD
 from tessera.runtime.mesh import Mesh
 
 log = logging.getLogger(__name__)
 
-SUPPORTED = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool]
 
 
@@ -40,10 +40,10 @@ def load_pipeline(directory: str | Path, *, with_text_encoder: bool = True):
     directory = Path(directory)
     if not is_pipeline_dir(directory):
         raise ValueError(f"{directory} is not a diffusers pipeline folder (no model_index.json)")
-    class_name = json.loads((directory / "model_index.json").read_text()).get("_class_name")
-    if class_name not in SUPPORTED:
-        raise ValueError(f"pipeline {class_name} is not supported yet; supported: {', '.join(SUPPORTED)}")
-    skip = {} if with_text_encoder else {"text_encoder": None, "tokenizer": None}
+    index = json.loads((directory / "model_index.json").read_text())
+    family_of(index.get("_class_name"))  # unsupported pipelines fail here, by name
+    text_parts = [k for k in index if k.startswith(("text_encoder", "tokenizer"))]
+    skip = {} if with_text_encoder else {k: None for k in text_parts}
     return DiffusionPipeline.from_pretrained(directory, local_files_only=True, **skip)
 
 
@@ -67,20 +67,6 @@ def _broadcast_tensors(mesh: Mesh, tensors: dict[str, torch.Tensor] | None, keys
     return out
 
 
-def _encode(pipe, prompt: str, negative_prompt: str, guidance_scale: float) -> dict[str, torch.Tensor]:
-    embeds, mask, neg_embeds, neg_mask = pipe.encode_prompt(
-        prompt,
-        do_classifier_free_guidance=guidance_scale > 1.0,
-        negative_prompt=negative_prompt,
-        device=torch.device("cpu"),
-        clean_caption=False,
-    )
-    out = {"prompt_embeds": embeds, "prompt_attention_mask": mask}
-    if guidance_scale > 1.0:
-        out |= {"negative_prompt_embeds": neg_embeds, "negative_prompt_attention_mask": neg_mask}
-    return out
-
-
 @torch.no_grad()
 def generate(
     pipe,
@@ -99,42 +85,26 @@ def generate(
 ) -> Any:
     """The image for ``prompt`` on rank 0 (None on the other ranks)."""
     mesh = mesh or config.build_mesh()
-    scale = pipe.vae_scale_factor
-    if height % scale or width % scale:
+    vae_factor = pipe.vae_scale_factor
+    if height % vae_factor or width % vae_factor:
         raise ValueError(
-            f"image size {height}x{width} is not divisible by the VAE's downscale factor {scale}"
+            f"image size {height}x{width} is not divisible by the VAE's downscale factor {vae_factor}"
         )
-    keys = ("prompt_embeds", "prompt_attention_mask")
-    if guidance_scale > 1.0:
-        keys += ("negative_prompt_embeds", "negative_prompt_attention_mask")
-    encoded = _encode(pipe, prompt, negative_prompt, guidance_scale) if mesh.global_rank == 0 else None
-    text = _broadcast_tensors(mesh, encoded, keys)
-    transformer = pipe.transformer
-    device, dtype = transformer.device, transformer.dtype
-    text = {k: v.to(device) for k, v in text.items()}
-    cond = {
-        "prompt_embeds": text["prompt_embeds"].to(dtype),
-        "prompt_attention_mask": text["prompt_attention_mask"],
-    }
-    uncond = None
-    if guidance_scale > 1.0:
-        uncond = {
-            "prompt_embeds": text["negative_prompt_embeds"].to(dtype),
-            "prompt_attention_mask": text["negative_prompt_attention_mask"],
-        }
-    if transformer.config.sample_size == 128:  # PixArt's 1024-px models take the size as a condition
-        for branch in filter(None, (cond, uncond)):
-            branch["resolution"] = torch.tensor([[height, width]], dtype=dtype, device=device)
-            branch["aspect_ratio"] = torch.tensor([[height / width]], dtype=dtype, device=device)
-    noise = pipe.prepare_latents(
-        1, transformer.config.in_channels, height, width, dtype, device, torch.Generator().manual_seed(seed)
+    family = family_of(type(pipe).__name__)
+    cfg = guidance_scale > 1.0 and family.classifier_free
+    encoded = family.encode(pipe, prompt, negative_prompt, cfg) if mesh.global_rank == 0 else None
+    device = pipe.transformer.device
+    text = {k: v.to(device) for k, v in _broadcast_tensors(mesh, encoded, family.keys(cfg)).items()}
+    cond, uncond, scale = family.conditions(pipe, text, cfg, height, width, guidance_scale)
+    noise = family.noise(pipe, height, width, seed)
+    stepper = DiffusersStepper(
+        pipe.scheduler, num_steps, device=device, **family.scheduler_kwargs(pipe, noise, num_steps)
     )
-    stepper = DiffusersStepper(pipe.scheduler, num_steps, device=device)
     latents = parallel_denoise(
-        transformer,
+        pipe.transformer,
         cond=cond,
         uncond=uncond,
-        guidance_scale=max(guidance_scale, 1.0),
+        guidance_scale=scale,
         stepper=stepper,
         noise=noise,
         config=config,
@@ -143,5 +113,4 @@ def generate(
     )
     if mesh.global_rank != 0:
         return None
-    image = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
-    return pipe.image_processor.postprocess(image, output_type=output_type)[0]
+    return pipe.image_processor.postprocess(family.decode(pipe, latents), output_type=output_type)[0]

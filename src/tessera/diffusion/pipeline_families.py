@@ -1,0 +1,163 @@
+"""Per pipeline family: how to encode prompts, draw the initial noise, set the scheduler
+and decode, exactly as that diffusers pipeline's ``__call__`` does, so a parallel run
+reproduces the pipeline's image for the same seed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+CPU = torch.device("cpu")
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _calculate_shift(scheduler, image_seq_len: int, max_shift_default: float) -> float:
+    """The resolution-dependent timestep shift (mu) of SD3 / Flux pipelines."""
+    c = scheduler.config
+    base_len, max_len = c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096)
+    base_shift, max_shift = c.get("base_shift", 0.5), c.get("max_shift", max_shift_default)
+    m = (max_shift - base_shift) / (max_len - base_len)
+    return image_seq_len * m + (base_shift - m * base_len)
+
+
+class PixArtFamily:
+    names = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")
+    classifier_free = True  # guidance by a second (negative-prompt) branch
+
+    def keys(self, cfg: bool) -> tuple[str, ...]:
+        keys = ("prompt_embeds", "prompt_attention_mask")
+        return keys + tuple(f"negative_{k}" for k in keys) if cfg else keys
+
+    def encode(self, pipe, prompt: str, negative_prompt: str, cfg: bool) -> dict[str, torch.Tensor]:
+        embeds, mask, neg, neg_mask = pipe.encode_prompt(
+            prompt,
+            do_classifier_free_guidance=cfg,
+            negative_prompt=negative_prompt,
+            device=CPU,
+            clean_caption=False,
+        )
+        out = {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+        return (
+            out | {"negative_prompt_embeds": neg, "negative_prompt_attention_mask": neg_mask} if cfg else out
+        )
+
+    def conditions(self, pipe, text: dict, cfg: bool, height: int, width: int, guidance_scale: float):
+        dtype, device = pipe.transformer.dtype, pipe.transformer.device
+        branches = [
+            {
+                "prompt_embeds": text["prompt_embeds"].to(dtype),
+                "prompt_attention_mask": text["prompt_attention_mask"],
+            }
+        ]
+        if cfg:
+            branches.append(
+                {
+                    "prompt_embeds": text["negative_prompt_embeds"].to(dtype),
+                    "prompt_attention_mask": text["negative_prompt_attention_mask"],
+                }
+            )
+        if pipe.transformer.config.sample_size == 128:  # the 1024-px models take the size as a condition
+            for branch in branches:
+                branch["resolution"] = torch.tensor([[height, width]], dtype=dtype, device=device)
+                branch["aspect_ratio"] = torch.tensor([[height / width]], dtype=dtype, device=device)
+        return branches[0], (branches[1] if cfg else None), guidance_scale if cfg else 1.0
+
+    def noise(self, pipe, height: int, width: int, seed: int) -> torch.Tensor:
+        t = pipe.transformer
+        return pipe.prepare_latents(
+            1, t.config.in_channels, height, width, t.dtype, t.device, _generator(seed)
+        )
+
+    def scheduler_kwargs(self, pipe, noise: torch.Tensor, num_steps: int) -> dict[str, Any]:
+        return {}
+
+    def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+        return pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+
+
+class SD3Family(PixArtFamily):
+    names = ("StableDiffusion3Pipeline",)
+
+    def keys(self, cfg: bool) -> tuple[str, ...]:
+        keys = ("prompt_embeds", "pooled_prompt_embeds")
+        return keys + tuple(f"negative_{k}" for k in keys) if cfg else keys
+
+    def encode(self, pipe, prompt: str, negative_prompt: str, cfg: bool) -> dict[str, torch.Tensor]:
+        embeds, neg, pooled, neg_pooled = pipe.encode_prompt(
+            prompt=prompt,
+            prompt_2=None,
+            prompt_3=None,
+            device=CPU,
+            do_classifier_free_guidance=cfg,
+            negative_prompt=negative_prompt,
+        )
+        out = {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+        return (
+            out | {"negative_prompt_embeds": neg, "negative_pooled_prompt_embeds": neg_pooled} if cfg else out
+        )
+
+    def conditions(self, pipe, text: dict, cfg: bool, height: int, width: int, guidance_scale: float):
+        dtype = pipe.transformer.dtype
+        cond = {k: text[k].to(dtype) for k in ("prompt_embeds", "pooled_prompt_embeds")}
+        uncond = {k: text[f"negative_{k}"].to(dtype) for k in cond} if cfg else None
+        return cond, uncond, guidance_scale if cfg else 1.0
+
+    def scheduler_kwargs(self, pipe, noise: torch.Tensor, num_steps: int) -> dict[str, Any]:
+        if not pipe.scheduler.config.get("use_dynamic_shifting", None):
+            return {}
+        p = pipe.transformer.config.patch_size
+        return {"mu": _calculate_shift(pipe.scheduler, (noise.shape[2] // p) * (noise.shape[3] // p), 1.16)}
+
+    def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+        c = pipe.vae.config
+        return pipe.vae.decode(latents / c.scaling_factor + c.shift_factor, return_dict=False)[0]
+
+
+class FluxFamily(SD3Family):
+    """Flux-dev's guidance is an embedding (no second branch); Flux-schnell has none."""
+
+    names = ("FluxPipeline",)
+    classifier_free = False
+
+    def keys(self, cfg: bool) -> tuple[str, ...]:
+        return ("prompt_embeds", "pooled_prompt_embeds")
+
+    def encode(self, pipe, prompt: str, negative_prompt: str, cfg: bool) -> dict[str, torch.Tensor]:
+        embeds, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=CPU)
+        return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
+
+    def conditions(self, pipe, text: dict, cfg: bool, height: int, width: int, guidance_scale: float):
+        t = pipe.transformer
+        cond = {k: text[k].to(t.dtype) for k in ("prompt_embeds", "pooled_prompt_embeds")}
+        if t.config.guidance_embeds:
+            cond["guidance"] = torch.full([1], guidance_scale, dtype=torch.float32, device=t.device)
+        return cond, None, 1.0
+
+    def noise(self, pipe, height: int, width: int, seed: int) -> torch.Tensor:
+        t = pipe.transformer
+        packed, _ = pipe.prepare_latents(
+            1, t.config.in_channels // 4, height, width, t.dtype, t.device, _generator(seed)
+        )
+        return pipe._unpack_latents(packed, height, width, pipe.vae_scale_factor)
+
+    def scheduler_kwargs(self, pipe, noise: torch.Tensor, num_steps: int) -> dict[str, Any]:
+        use_flow_sigmas = getattr(pipe.scheduler.config, "use_flow_sigmas", False)
+        sigmas = None if use_flow_sigmas else np.linspace(1.0, 1 / num_steps, num_steps)
+        tokens = (noise.shape[2] // 2) * (noise.shape[3] // 2)
+        return {"sigmas": sigmas, "mu": _calculate_shift(pipe.scheduler, tokens, 1.15)}
+
+
+FAMILIES = [PixArtFamily(), SD3Family(), FluxFamily()]
+
+
+def family_of(class_name: str):
+    for family in FAMILIES:
+        if class_name in family.names:
+            return family
+    supported = ", ".join(n for f in FAMILIES for n in f.names)
+    raise ValueError(f"pipeline {class_name} is not supported yet; supported: {supported}")
