@@ -41,16 +41,16 @@ class StaleKVKernel:
         self.start, self.stop, self.total = start, stop, total
 
     def __call__(self, layer: int, q, k, v, text=None):
-        fresh = torch.stack([k, v])
         if self.stop - self.start == self.total:  # full sequence (warm-up): all fresh
-            self.buffers[layer] = fresh
+            self.buffers[layer] = torch.stack([k, v])
             self.seen[layer] = self.total
             return attend(q, k, v, text)
         buffer = self.buffers.get(layer)
         if buffer is None:
-            buffer = fresh.new_zeros((*fresh.shape[:3], self.total, fresh.shape[-1]))
+            buffer = k.new_zeros((2, *k.shape[:2], self.total, k.shape[-1]))
             self.buffers[layer] = buffer
-        buffer[:, :, :, self.start : self.stop] = fresh
+        buffer[0, :, :, self.start : self.stop] = k
+        buffer[1, :, :, self.start : self.stop] = v
         # Patches go in order, so what was ever written is a prefix; without warm-up the
         # first step attends only to the patches it has seen so far.
         self.seen[layer] = max(self.seen.get(layer, 0), self.stop)
