@@ -78,6 +78,13 @@ FOUR_RANKS = {
         pipefusion_degree=4, num_patches=5, warmup_steps=STEPS, stage_layers=(1, 1, 2, 1)
     ),
     "cfg2_tp2": ParallelConfig(cfg_parallel=True, tp_degree=2),
+    # PipeFusion stages each with a sequence-parallel pair sharing every patch (2 patches
+    # of 4 token rows: 2 rows per rank of the pair).
+    "pipefusion2_ulysses2_exact": ParallelConfig(pipefusion_degree=2, ulysses_degree=2, warmup_steps=STEPS),
+    "pipefusion2_ring2_exact": ParallelConfig(
+        pipefusion_degree=2, ring_degree=2, num_patches=4, warmup_steps=STEPS
+    ),
+    "pipefusion2_ulysses2_warm1": ParallelConfig(pipefusion_degree=2, ulysses_degree=2, warmup_steps=1),
 }
 
 
@@ -115,6 +122,7 @@ def test_single_process_patches_with_full_warmup_are_exact():
         (dict(pipefusion_degree=2, num_patches=1), "num_patches 1 is fewer than the 2 pipeline stages"),
         (dict(pipefusion_degree=2, stage_layers=(3,)), "stage_layers"),
         (dict(pipefusion_degree=2, tp_degree=2), "cannot be combined"),
+        (dict(distrifusion_degree=2, ulysses_degree=2), "cannot be combined"),
         (dict(ulysses_degree=0), "ulysses_degree must be an integer >= 1"),
     ],
 )
@@ -134,5 +142,12 @@ def test_layout_errors_name_the_numbers():
         parallel_sample(model, LABELS, config=ParallelConfig(), height=15, width=12, num_steps=1)
     with pytest.raises(ValueError, match="cannot split 8 token rows into 9 bands"):
         parallel_sample(model, LABELS, config=ParallelConfig(num_patches=9), **common)
+    with pytest.raises(ValueError, match="a patch of 3 token rows does not split over the 2 ranks"):
+        parallel_sample(
+            model,
+            LABELS,
+            config=ParallelConfig(pipefusion_degree=2, num_patches=3, ulysses_degree=2),
+            **common,
+        )
     with pytest.raises(ValueError, match="no parallel method supports Linear"):
         parallel_sample(torch.nn.Linear(2, 2), LABELS, config=ParallelConfig(), **common)

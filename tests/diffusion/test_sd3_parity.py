@@ -117,3 +117,18 @@ def test_sd3_layouts_match_the_pipeline_loop():
             else:
                 # Exact layouts: split attention changes float32 rounding only (~1e-7).
                 assert error < 1e-5, (name, error)
+
+
+def test_sd3_pipefusion_with_sequence_parallel_stages():
+    """PipeFusion x Ulysses and x Ring on 4 ranks: joint attention with the text stream
+    through the stale-K/V buffer and the USP kernel inside each stage."""
+    expected = pipeline_loop(tiny_sd3(), inputs())
+    layouts = {
+        "pipefusion2_ulysses2": ParallelConfig(pipefusion_degree=2, ulysses_degree=2, warmup_steps=STEPS),
+        "pipefusion2_ring2": ParallelConfig(pipefusion_degree=2, ring_degree=2, warmup_steps=STEPS),
+    }
+    for rank in spawn(_denoise, 4, layouts, timeout_s=300):
+        for name, latent in rank.items():
+            # Exact layouts: split attention changes float32 rounding only (~1e-7).
+            error = _relative_error(latent, expected)
+            assert error < 1e-5, (name, error)

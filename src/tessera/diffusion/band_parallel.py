@@ -120,7 +120,7 @@ def band_denoise(
                 guidance.expand(stepper.scale_input(step, x)), first_row, height, width, ctx
             )
             for layer in range(adapter.num_layers):
-                stream = adapter.block(layer, stream, ctx, span)
+                stream = adapter.block(layer, stream, ctx, [span])
             out = guidance.combine(adapter.head(stream, ctx, cols))
             x = stepper.step("band", step, x, out)
             if kernel:

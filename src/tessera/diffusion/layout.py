@@ -52,12 +52,12 @@ class ParallelConfig:
                     f"the {self.pipefusion_degree} stages"
                 )
         used = [n for n in ("pipefusion", "distrifusion", "tp") if self.degree(n) > 1]
-        if self.sp_degree > 1:
+        if self.sp_degree > 1 and self.pipefusion_degree == 1:
             used.append("ulysses/ring")
         if len(used) > 1:
             raise ValueError(
-                f"{' and '.join(used)} cannot be combined in one run yet; each combines with cfg "
-                "parallel, and Ulysses with Ring"
+                f"{' and '.join(used)} cannot be combined; the baselines (distrifusion, tp) combine with "
+                "cfg parallel only, PipeFusion with cfg, Ulysses and Ring"
             )
 
     def degree(self, axis: str) -> int:

@@ -9,8 +9,8 @@ import torch
 from tessera.diffusion.adapters import Adapter, TesseraDiTAdapter, adapter_for
 from tessera.diffusion.band_parallel import DistriFusionKernel, USPKernel, band_denoise
 from tessera.diffusion.guidance import Cond, Guidance
-from tessera.diffusion.layout import ParallelConfig, split_rows, stage_bounds
-from tessera.diffusion.pipefusion import pipefusion_denoise
+from tessera.diffusion.layout import ParallelConfig, stage_bounds
+from tessera.diffusion.pipefusion import pipefusion_denoise, sub_bands
 from tessera.diffusion.sampler import initial_noise
 from tessera.diffusion.stepper import FlowStepper
 from tessera.diffusion.tensor_parallel import tensor_parallel
@@ -35,7 +35,7 @@ def check_layout(adapter: Adapter, config: ParallelConfig, height: int, width: i
         )
     if config.method == "pipefusion":
         stage_bounds(adapter.num_layers, config.pipefusion_degree, config.stage_layers)
-        split_rows(rows, config.patches)
+        sub_bands(rows, config.patches, config.sp_degree, 0)
 
 
 def parallel_denoise(

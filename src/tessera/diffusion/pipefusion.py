@@ -3,15 +3,20 @@
 The layers are split into stages along the ``pipefusion`` mesh axis and the image's token
 rows into ``num_patches`` patches. Stage s works on patch j of step t while stage s+1
 works on patch j-1: every self-attention layer keeps a buffer of the K/V of the whole
-sequence, in which the rows of patches already seen in step t are fresh and the rest are
-one step stale (sec. 3 of the paper: successive diffusion steps have similar activations,
-so stale context costs little accuracy). The last stage applies the scheduler step to its
-patch and sends the new latent patch straight back to stage 0, so step t+1 starts before
-step t has finished. The first ``warmup_steps`` steps run on the full sequence with fresh
-K/V, synchronously; with warm-up equal to the number of steps the result is exact.
+sequence, in which the patches already seen in step t are fresh and the rest are one step
+stale (sec. 3 of the paper: successive diffusion steps have similar activations, so stale
+context costs little accuracy). The last stage applies the scheduler step to its patch and
+sends the new latent patch straight back to stage 0, so step t+1 starts before step t has
+finished. The first ``warmup_steps`` steps run all patches at once with fresh K/V,
+synchronously; with warm-up equal to the number of steps the result is exact.
 
-Only activations of one patch cross each stage boundary: per step, Bm*N*hidden elements
-out of every stage but the last (Bm the model batch, N the tokens), and the latent back.
+Inside each stage, a sequence-parallel group (``ring`` x ``ulysses``) can share every
+patch: rank k of the group owns the k-th sub-band of rows of each patch, attention runs
+Ulysses then Ring over the group (USP), and each rank's stale-K/V buffer holds its heads
+for its ring chunk of every patch. Without such a group a rank owns whole patches.
+
+Only activations of one patch cross a stage boundary: per step, Bm*N*hidden elements out
+of every stage but the last (Bm the model batch, N the tokens), and the latent back.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tessera.diffusion.adapters import Adapter, adapter_for
-from tessera.diffusion.attention import attend
+from tessera.diffusion.attention import ring_attention
 from tessera.diffusion.guidance import Guidance
 from tessera.diffusion.layout import ParallelConfig, split_rows, stage_bounds
 from tessera.runtime.mesh import Mesh
@@ -29,33 +34,72 @@ AXIS = "pipefusion"
 
 
 class StaleKVKernel:
-    """Attention over a per-layer K/V buffer of the full sequence (the stale-KV buffer)."""
+    """Attention of a unit of patches over the stale-KV buffer, with Ulysses/Ring inside
+    the stage's sequence-parallel group (sizes 1 make those steps no-ops)."""
 
-    def __init__(self):
-        self.buffers: dict[int, torch.Tensor] = {}  # layer -> (2, Bm, H, N, d)
-        self.seen: dict[int, int] = {}  # layer -> tokens of the buffer ever written (a prefix)
-        self.start, self.stop, self.total = 0, 0, 0
+    def __init__(self, mesh: Mesh, patch_tokens: list[int]):
+        self.comm = mesh.comm
+        self.ulysses, self.ring = mesh.size("ulysses"), mesh.size("ring")
+        sp = self.ulysses * self.ring
+        self.local = [n // sp for n in patch_tokens]  # this rank's tokens of each patch
+        slots = [n // self.ring for n in patch_tokens]  # buffer tokens of each patch (a ring chunk)
+        self.offsets = [sum(slots[:j]) for j in range(len(slots) + 1)]
+        self.buffers: dict[int, torch.Tensor] = {}  # layer -> (2, Bm, H/ulysses, tokens/ring, d)
+        self.seen: dict[int, int] = {}  # layer -> buffer tokens ever written (a prefix)
+        self.unit: list[int] = []
 
-    def set_span(self, start: int, stop: int, total: int) -> None:
-        """The tokens [start, stop) of a sequence of ``total`` are being processed."""
-        self.start, self.stop, self.total = start, stop, total
+    def set_unit(self, patches: list[int]) -> None:
+        """The (consecutive) patches whose tokens the next layers process."""
+        self.unit = patches
+
+    def _to_heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, H, local tokens of the unit) -> (B, H/U, ring chunks of the unit), patch-major."""
+        parts = t.split([self.local[j] for j in self.unit], dim=2)
+        return torch.cat(
+            [self.comm.all_to_all(p.contiguous(), "ulysses", scatter_dim=1, gather_dim=2) for p in parts],
+            dim=2,
+        )
+
+    def _to_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        parts = t.split([self.local[j] * self.ulysses for j in self.unit], dim=2)
+        return torch.cat(
+            [self.comm.all_to_all(p.contiguous(), "ulysses", scatter_dim=2, gather_dim=1) for p in parts],
+            dim=2,
+        )
 
     def __call__(self, layer: int, q, k, v, text=None):
-        if self.stop - self.start == self.total:  # full sequence (warm-up): all fresh
-            self.buffers[layer] = torch.stack([k, v])
-            self.seen[layer] = self.total
-            return attend(q, k, v, text)
+        q, k, v = (self._to_heads(t) for t in (q, k, v))
+        if text is not None:  # replicated text tokens take this rank's heads (see ulysses_attention)
+            text = tuple(t.chunk(self.ulysses, dim=1)[self.comm.mesh.rank("ulysses")] for t in text)
         buffer = self.buffers.get(layer)
         if buffer is None:
-            buffer = k.new_zeros((2, *k.shape[:2], self.total, k.shape[-1]))
+            buffer = k.new_zeros((2, *k.shape[:2], self.offsets[-1], k.shape[-1]))
             self.buffers[layer] = buffer
-        buffer[0, :, :, self.start : self.stop] = k
-        buffer[1, :, :, self.start : self.stop] = v
+        start, stop = self.offsets[self.unit[0]], self.offsets[self.unit[-1] + 1]
+        buffer[0, :, :, start:stop] = k
+        buffer[1, :, :, start:stop] = v
         # Patches go in order, so what was ever written is a prefix; without warm-up the
         # first step attends only to the patches it has seen so far.
-        self.seen[layer] = max(self.seen.get(layer, 0), self.stop)
-        seen = self.seen[layer]
-        return attend(q, buffer[0, :, :, :seen], buffer[1, :, :, :seen], text)
+        seen = self.seen[layer] = max(self.seen.get(layer, 0), stop)
+        out = ring_attention(q, buffer[0, :, :, :seen], buffer[1, :, :, :seen], self.comm, "ring", text)
+        if text is None:
+            return self._to_tokens(out)
+        image, text_out = out
+        return self._to_tokens(image), self.comm.all_gather(text_out.contiguous(), "ulysses", dim=1)
+
+
+def sub_bands(rows: int, num_patches: int, sp: int, index: int) -> list[tuple[int, int]]:
+    """This rank's rows [start, stop) of each patch: sub-band ``index`` of ``sp``."""
+    bands = []
+    for r0, r1 in split_rows(rows, num_patches):
+        if (r1 - r0) % sp:
+            raise ValueError(
+                f"a patch of {r1 - r0} token rows does not split over the {sp} ranks of ulysses x ring; "
+                f"use patches whose row counts are multiples of {sp} (rows {rows}, patches {num_patches})"
+            )
+        size = (r1 - r0) // sp
+        bands.append((r0 + index * size, r0 + (index + 1) * size))
+    return bands
 
 
 @torch.no_grad()
@@ -75,68 +119,114 @@ def pipefusion_denoise(
     rows, cols = height // p, width // p
     degree, stage = mesh.size(AXIS), mesh.rank(AXIS)
     first_layer, last_layer = stage_bounds(adapter.num_layers, degree, config.stage_layers)[stage]
-    patches = split_rows(rows, config.patches)
+    sp = mesh.size("ring") * mesh.size("ulysses")
+    mine = sub_bands(
+        rows, config.patches, sp, mesh.rank("ring") * mesh.size("ulysses") + mesh.rank("ulysses")
+    )
+    kernel = StaleKVKernel(mesh, [(r1 - r0) * cols for r0, r1 in split_rows(rows, config.patches)])
     is_first, is_last = stage == 0, stage == degree - 1
-    x = noise.clone()  # stage 0 embeds from it; the last stage steps it
-    kernel = StaleKVKernel()
-    comm, sends = mesh.comm, []
-    steps = stepper.num_steps
+    x = noise.clone()  # stage 0 embeds from its rows; the last stage steps them
+    comm, sends, steps = mesh.comm, [], stepper.num_steps
+    everything = list(range(config.patches))
 
-    def rows_of(r0: int, r1: int) -> torch.Tensor:
-        return x[:, :, r0 * p : r1 * p]
-
-    def units_of(step: int) -> list[tuple[int, int]]:
-        return [(0, rows)] if step < config.warmup_steps else patches
+    def latent_rows(j: int) -> torch.Tensor:
+        return x[:, :, mine[j][0] * p : mine[j][1] * p]
 
     with adapter.attention_kernel(kernel):
         for step in tqdm(range(steps), desc="pipefusion", disable=not progress, leave=False):
-            units = units_of(step)
-            if is_last and step == config.warmup_steps and 0 < step:  # warm-up -> patches
-                stepper.split((0, rows), {unit: unit for unit in patches}, p, height)
+            units = [everything] if step < config.warmup_steps else [[j] for j in everything]
             ctx = adapter.prepare(stepper.model_time(step), guidance.cond, height, width)
-            for r0, r1 in units:
+            for unit in units:
+                spans = [(mine[j][0] * cols, mine[j][1] * cols) for j in unit]
                 if is_first:
-                    if step > 0 and degree > 1:
-                        _receive_latent(comm, x, units_of(step - 1), units, (r0, r1), p, degree)
-                    x_in = guidance.expand(stepper.scale_input(step, rows_of(r0, r1)))
-                    stream = adapter.embed(x_in, r0, height, width, ctx)
+                    stream = _embed_unit(
+                        adapter,
+                        guidance,
+                        stepper,
+                        comm,
+                        unit,
+                        latent_rows,
+                        mine,
+                        step,
+                        ctx,
+                        height,
+                        width,
+                        receive=step > 0 and degree > 1,
+                        last=degree - 1,
+                    )
                 else:
-                    shapes = adapter.stream_shapes(guidance.batch, (r1 - r0) * cols, ctx)
+                    tokens = sum(b - a for a, b in spans)
+                    shapes = adapter.stream_shapes(guidance.batch, tokens, ctx)
                     stream = tuple(torch.empty(s, device=x.device, dtype=x.dtype) for s in shapes)
                     for part in stream:
                         comm.irecv(part, AXIS, src=stage - 1).wait()
-                kernel.set_span(r0 * cols, r1 * cols, rows * cols)
+                kernel.set_unit(unit)
                 for layer in range(first_layer, last_layer):
-                    stream = adapter.block(layer, stream, ctx, (r0 * cols, r1 * cols))
+                    stream = adapter.block(layer, stream, ctx, spans)
                 if not is_last:
                     for part in stream:
                         part = part.contiguous()
                         sends.append((comm.isend(part, AXIS, dst=stage + 1), part))
                     continue
                 out = guidance.combine(adapter.head(stream, ctx, cols))
-                rows_of(r0, r1).copy_(stepper.step((r0, r1), step, rows_of(r0, r1), out))
-                if degree > 1 and step < steps - 1:
-                    patch = rows_of(r0, r1).contiguous()
-                    sends.append((comm.isend(patch, AXIS, dst=0), patch))
-            sends = _retire(sends, keep=len(units) * 4)
+                row_counts = [(mine[j][1] - mine[j][0]) * p for j in unit]
+                for j, out_j in zip(unit, out.split(row_counts, dim=2), strict=True):
+                    latent_rows(j).copy_(stepper.step(j, step, latent_rows(j), out_j))
+                    if degree > 1 and step < steps - 1:
+                        patch = latent_rows(j).contiguous()
+                        sends.append((comm.isend(patch, AXIS, dst=0), patch))
+            sends = _retire(sends, keep=4 * config.patches)
     for work, _ in sends:
         work.wait()
-    return comm.broadcast(x.contiguous(), AXIS, src=degree - 1)
+    return comm.broadcast(_assemble(x, mesh, config, rows, p), AXIS, src=degree - 1)
 
 
-def _receive_latent(comm, x, previous_units, units, unit, p, degree) -> None:
-    """Stage 0: the latent rows of ``unit`` for this step, as the last stage sent them
-    after the previous step (the full latent after a warm-up step, else patch by patch)."""
-    if previous_units == units:
-        r0, r1 = unit
-        buffer = torch.empty_like(x[:, :, r0 * p : r1 * p]).contiguous()
-        comm.irecv(buffer, AXIS, src=degree - 1).wait()
-        x[:, :, r0 * p : r1 * p] = buffer
-    elif unit == units[0]:  # the first patch step after warm-up: one full latent arrives
-        for r0, r1 in previous_units:
-            buffer = torch.empty_like(x[:, :, r0 * p : r1 * p]).contiguous()
-            comm.irecv(buffer, AXIS, src=degree - 1).wait()
-            x[:, :, r0 * p : r1 * p] = buffer
+def _embed_unit(
+    adapter,
+    guidance,
+    stepper,
+    comm,
+    unit,
+    latent_rows,
+    mine,
+    step,
+    ctx,
+    height,
+    width,
+    *,
+    receive: bool,
+    last: int,
+):
+    """Stage 0: the unit's latent rows (as the last stage sent them after the previous
+    step, patch by patch), embedded into one stream."""
+    parts = []
+    for j in unit:
+        if receive:
+            buffer = torch.empty_like(latent_rows(j)).contiguous()
+            comm.irecv(buffer, AXIS, src=last).wait()
+            latent_rows(j).copy_(buffer)
+        x_in = guidance.expand(stepper.scale_input(step, latent_rows(j)))
+        parts.append(adapter.embed(x_in, mine[j][0], height, width, ctx))
+    image = torch.cat([part[0] for part in parts], dim=1)
+    return (image, *parts[0][1:])  # joint-attention models: the text stream is shared
+
+
+def _assemble(x: torch.Tensor, mesh: Mesh, config: ParallelConfig, rows: int, p: int) -> torch.Tensor:
+    """The full latent from every sequence-parallel rank's sub-bands of each patch."""
+    if mesh.size("ring") * mesh.size("ulysses") == 1:
+        return x.contiguous()
+    sp = mesh.size("ring") * mesh.size("ulysses")
+    index = mesh.rank("ring") * mesh.size("ulysses") + mesh.rank("ulysses")
+    patches = []
+    for (r0, r1), (s0, s1) in zip(
+        split_rows(rows, config.patches), sub_bands(rows, config.patches, sp, index), strict=True
+    ):
+        part = x[:, :, s0 * p : s1 * p].contiguous()
+        for axis in ("ulysses", "ring"):  # innermost first: neighbouring sub-bands join first
+            part = mesh.comm.all_gather(part, axis, dim=2)
+        assert part.shape[2] == (r1 - r0) * p
+        patches.append(part)
+    return torch.cat(patches, dim=2).contiguous()
 
 
 def _retire(sends: list, keep: int) -> list:

@@ -34,11 +34,6 @@ class FlowStepper:
     def step(self, key: Hashable, step: int, x: torch.Tensor, model_out: torch.Tensor) -> torch.Tensor:
         return FlowMatchEuler().step(x, model_out, self.times[step], self.times[step + 1])
 
-    def split(
-        self, key: Hashable, parts: dict[Hashable, tuple[int, int]], row_scale: int, height: int
-    ) -> None:
-        pass
-
 
 class DiffusersStepper:
     """A diffusers scheduler (after ``set_timesteps``), one deep copy per slice key."""
@@ -70,24 +65,3 @@ class DiffusersStepper:
 
     def step(self, key: Hashable, step: int, x: torch.Tensor, model_out: torch.Tensor) -> torch.Tensor:
         return self._state(key).step(model_out, self.timesteps[step], x, return_dict=False)[0]
-
-    def split(
-        self, key: Hashable, parts: dict[Hashable, tuple[int, int]], row_scale: int, height: int
-    ) -> None:
-        """Give each new slice key a copy of ``key``'s state with every latent-shaped tensor
-        in it (4-D, ``height`` rows) cut to the slice's rows [start*row_scale, stop*row_scale):
-        PipeFusion's switch from the full latent after warm-up to patches."""
-        whole = self.states.pop(key, None) or copy.deepcopy(self.pristine)
-        for part, (start, stop) in parts.items():
-            state = copy.deepcopy(whole)
-            for name, value in vars(state).items():
-                setattr(state, name, _cut(value, start * row_scale, stop * row_scale, height))
-            self.states[part] = state
-
-
-def _cut(value: Any, start: int, stop: int, height: int) -> Any:
-    if torch.is_tensor(value) and value.dim() == 4 and value.shape[2] == height:
-        return value[:, :, start:stop].clone()
-    if isinstance(value, list | tuple):
-        return type(value)(_cut(v, start, stop, height) for v in value)
-    return value

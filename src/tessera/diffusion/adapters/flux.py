@@ -62,9 +62,9 @@ class FluxStep:
     text_rotary: tuple[torch.Tensor, torch.Tensor]
     image_rotary: tuple[torch.Tensor, torch.Tensor]  # the full image's table
 
-    def rotary(self, span: tuple[int, int]) -> Rotary:
-        start, stop = span
-        return Rotary(text=self.text_rotary, image=tuple(t[start:stop] for t in self.image_rotary))
+    def rotary(self, spans: list[tuple[int, int]]) -> Rotary:
+        image = tuple(torch.cat([t[a:b] for a, b in spans]) for t in self.image_rotary)
+        return Rotary(text=self.text_rotary, image=image)
 
 
 def _rope(x: torch.Tensor, table: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -161,7 +161,7 @@ class FluxAdapter:
     def embed(self, x_band: torch.Tensor, row_offset: int, height: int, width: int, ctx: FluxStep) -> Stream:
         return (self.model.x_embedder(pack(x_band)), ctx.text)
 
-    def block(self, index: int, stream: Stream, ctx: FluxStep, span: tuple[int, int]) -> Stream:
+    def block(self, index: int, stream: Stream, ctx: FluxStep, spans: list[tuple[int, int]]) -> Stream:
         blocks = (
             self.model.transformer_blocks if index < self.num_double else self.model.single_transformer_blocks
         )
@@ -170,7 +170,7 @@ class FluxAdapter:
             hidden_states=stream[0],
             encoder_hidden_states=stream[1],
             temb=ctx.temb,
-            image_rotary_emb=ctx.rotary(span),
+            image_rotary_emb=ctx.rotary(spans),
         )
         return (image, text)
 

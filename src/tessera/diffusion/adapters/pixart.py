@@ -68,7 +68,7 @@ class PixArtAdapter:
     ) -> Stream:
         return (embed_band(self.model.pos_embed, x_band, row_offset, height, width),)
 
-    def block(self, index: int, stream: Stream, ctx: PixArtStep, span: tuple[int, int]) -> Stream:
+    def block(self, index: int, stream: Stream, ctx: PixArtStep, spans: list[tuple[int, int]]) -> Stream:
         out = self.model.transformer_blocks[index](
             stream[0],
             attention_mask=None,

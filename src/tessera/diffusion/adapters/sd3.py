@@ -70,7 +70,7 @@ class SD3Adapter:
         image = embed_band(self.model.pos_embed, x_band, row_offset, height, width).contiguous()
         return (image, ctx.text)
 
-    def block(self, index: int, stream: Stream, ctx: SD3Step, span: tuple[int, int]) -> Stream:
+    def block(self, index: int, stream: Stream, ctx: SD3Step, spans: list[tuple[int, int]]) -> Stream:
         text, image = self.model.transformer_blocks[index](
             hidden_states=stream[0], encoder_hidden_states=stream[1], temb=ctx.temb
         )

@@ -56,7 +56,7 @@ class TesseraDiTAdapter:
     def embed(self, x_band: torch.Tensor, row_offset: int, height: int, width: int, ctx) -> Stream:
         return (self.model.embed(x_band, row_offset=row_offset),)
 
-    def block(self, index: int, stream: Stream, ctx, span: tuple[int, int]) -> Stream:
+    def block(self, index: int, stream: Stream, ctx, spans: list[tuple[int, int]]) -> Stream:
         return (self.model.blocks[index](stream[0], ctx),)
 
     def head(self, stream: Stream, ctx, grid_cols: int) -> torch.Tensor:
