@@ -37,8 +37,8 @@ class StaleKVKernel:
     """Attention of a unit of patches over the stale-KV buffer, with Ulysses/Ring inside
     the stage's sequence-parallel group (sizes 1 make those steps no-ops)."""
 
-    def __init__(self, mesh: Mesh, patch_tokens: list[int]):
-        self.comm = mesh.comm
+    def __init__(self, mesh: Mesh, patch_tokens: list[int], model_batch: int):
+        self.comm, self.model_batch = mesh.comm, model_batch
         self.ulysses, self.ring = mesh.size("ulysses"), mesh.size("ring")
         sp = self.ulysses * self.ring
         self.local = [n // sp for n in patch_tokens]  # this rank's tokens of each patch
@@ -47,13 +47,16 @@ class StaleKVKernel:
         self.buffers: dict[int, torch.Tensor] = {}  # layer -> (2, Bm, H/ulysses, tokens/ring, d)
         self.seen: dict[int, int] = {}  # layer -> buffer tokens ever written (a prefix)
         self.unit: list[int] = []
+        self.rows = slice(0, model_batch)
 
-    def set_unit(self, patches: list[int]) -> None:
-        """The (consecutive) patches whose tokens the next layers process."""
-        self.unit = patches
+    def set_unit(self, patches: list[int], batch: tuple[int, int]) -> None:
+        """The (consecutive) patches, and the rows of the model batch, processed next."""
+        self.unit, self.rows = patches, slice(*batch)
 
     def _to_heads(self, t: torch.Tensor) -> torch.Tensor:
         """(B, H, local tokens of the unit) -> (B, H/U, ring chunks of the unit), patch-major."""
+        if self.ulysses == 1:
+            return t
         parts = t.split([self.local[j] for j in self.unit], dim=2)
         return torch.cat(
             [self.comm.all_to_all(p.contiguous(), "ulysses", scatter_dim=1, gather_dim=2) for p in parts],
@@ -61,6 +64,8 @@ class StaleKVKernel:
         )
 
     def _to_tokens(self, t: torch.Tensor) -> torch.Tensor:
+        if self.ulysses == 1:
+            return t
         parts = t.split([self.local[j] * self.ulysses for j in self.unit], dim=2)
         return torch.cat(
             [self.comm.all_to_all(p.contiguous(), "ulysses", scatter_dim=2, gather_dim=1) for p in parts],
@@ -73,15 +78,16 @@ class StaleKVKernel:
             text = tuple(t.chunk(self.ulysses, dim=1)[self.comm.mesh.rank("ulysses")] for t in text)
         buffer = self.buffers.get(layer)
         if buffer is None:
-            buffer = k.new_zeros((2, *k.shape[:2], self.offsets[-1], k.shape[-1]))
+            buffer = k.new_zeros((2, self.model_batch, k.shape[1], self.offsets[-1], k.shape[-1]))
             self.buffers[layer] = buffer
         start, stop = self.offsets[self.unit[0]], self.offsets[self.unit[-1] + 1]
-        buffer[0, :, :, start:stop] = k
-        buffer[1, :, :, start:stop] = v
+        mine = buffer[:, self.rows]
+        mine[0, :, :, start:stop] = k
+        mine[1, :, :, start:stop] = v
         # Patches go in order, so what was ever written is a prefix; without warm-up the
         # first step attends only to the patches it has seen so far.
         seen = self.seen[layer] = max(self.seen.get(layer, 0), stop)
-        out = ring_attention(q, buffer[0, :, :, :seen], buffer[1, :, :, :seen], self.comm, "ring", text)
+        out = ring_attention(q, mine[0, :, :, :seen], mine[1, :, :, :seen], self.comm, "ring", text)
         if text is None:
             return self._to_tokens(out)
         image, text_out = out
@@ -123,44 +129,58 @@ def pipefusion_denoise(
     mine = sub_bands(
         rows, config.patches, sp, mesh.rank("ring") * mesh.size("ulysses") + mesh.rank("ulysses")
     )
-    kernel = StaleKVKernel(mesh, [(r1 - r0) * cols for r0, r1 in split_rows(rows, config.patches)])
+    kernel = StaleKVKernel(
+        mesh, [(r1 - r0) * cols for r0, r1 in split_rows(rows, config.patches)], guidance.batch
+    )
     is_first, is_last = stage == 0, stage == degree - 1
     x = noise.clone()  # stage 0 embeds from its rows; the last stage steps them
     comm, sends, steps = mesh.comm, [], stepper.num_steps
-    everything = list(range(config.patches))
+    everything, whole = list(range(config.patches)), (0, guidance.batch)
+    # Warm-up steps cannot be pipelined by patches (every patch needs every other's fresh
+    # K/V), but they can by micro-batches of the model batch (e.g. the two CFG branches):
+    # batch rows are independent, so this is exact and hides part of the warm-up bubble.
+    micro = split_rows(guidance.batch, min(degree, guidance.batch))
 
     def latent_rows(j: int) -> torch.Tensor:
         return x[:, :, mine[j][0] * p : mine[j][1] * p]
 
     with adapter.attention_kernel(kernel):
         for step in tqdm(range(steps), desc="pipefusion", disable=not progress, leave=False):
-            units = [everything] if step < config.warmup_steps else [[j] for j in everything]
-            ctx = adapter.prepare(stepper.model_time(step), guidance.cond, height, width)
-            for unit in units:
+            warm = step < config.warmup_steps
+            units = [(everything, mb) for mb in micro] if warm else [([j], whole) for j in everything]
+            ctxs = {
+                mb: adapter.prepare(stepper.model_time(step), _rows(guidance.cond, mb), height, width)
+                for mb in {mb for _, mb in units}
+            }
+            outputs = []
+            for unit, mb in units:
+                ctx = ctxs[mb]
                 spans = [(mine[j][0] * cols, mine[j][1] * cols) for j in unit]
                 if is_first:
+                    receive = step > 0 and degree > 1 and mb[0] == 0  # each step's latent arrives once
                     stream = _embed_unit(
                         adapter,
                         guidance,
                         stepper,
                         comm,
                         unit,
+                        mb,
                         latent_rows,
                         mine,
                         step,
                         ctx,
                         height,
                         width,
-                        receive=step > 0 and degree > 1,
+                        receive=receive,
                         last=degree - 1,
                     )
                 else:
                     tokens = sum(b - a for a, b in spans)
-                    shapes = adapter.stream_shapes(guidance.batch, tokens, ctx)
+                    shapes = adapter.stream_shapes(mb[1] - mb[0], tokens, ctx)
                     stream = tuple(torch.empty(s, device=x.device, dtype=x.dtype) for s in shapes)
                     for part in stream:
                         comm.irecv(part, AXIS, src=stage - 1).wait()
-                kernel.set_unit(unit)
+                kernel.set_unit(unit, mb)
                 for layer in range(first_layer, last_layer):
                     stream = adapter.block(layer, stream, ctx, spans)
                 if not is_last:
@@ -168,7 +188,11 @@ def pipefusion_denoise(
                         part = part.contiguous()
                         sends.append((comm.isend(part, AXIS, dst=stage + 1), part))
                     continue
-                out = guidance.combine(adapter.head(stream, ctx, cols))
+                outputs.append(adapter.head(stream, ctx, cols))
+                if mb[1] < guidance.batch:  # wait for the unit's other micro-batches
+                    continue
+                out = guidance.combine(torch.cat(outputs))
+                outputs = []
                 row_counts = [(mine[j][1] - mine[j][0]) * p for j in unit]
                 for j, out_j in zip(unit, out.split(row_counts, dim=2), strict=True):
                     latent_rows(j).copy_(stepper.step(j, step, latent_rows(j), out_j))
@@ -181,12 +205,17 @@ def pipefusion_denoise(
     return comm.broadcast(_assemble(x, mesh, config, rows, p), AXIS, src=degree - 1)
 
 
+def _rows(cond: dict[str, torch.Tensor], batch: tuple[int, int]) -> dict[str, torch.Tensor]:
+    return {k: v[batch[0] : batch[1]] for k, v in cond.items()}
+
+
 def _embed_unit(
     adapter,
     guidance,
     stepper,
     comm,
     unit,
+    batch,
     latent_rows,
     mine,
     step,
@@ -198,14 +227,14 @@ def _embed_unit(
     last: int,
 ):
     """Stage 0: the unit's latent rows (as the last stage sent them after the previous
-    step, patch by patch), embedded into one stream."""
+    step, patch by patch), embedded into one stream for the model-batch rows ``batch``."""
     parts = []
     for j in unit:
         if receive:
             buffer = torch.empty_like(latent_rows(j)).contiguous()
             comm.irecv(buffer, AXIS, src=last).wait()
             latent_rows(j).copy_(buffer)
-        x_in = guidance.expand(stepper.scale_input(step, latent_rows(j)))
+        x_in = guidance.expand(stepper.scale_input(step, latent_rows(j)))[batch[0] : batch[1]]
         parts.append(adapter.embed(x_in, mine[j][0], height, width, ctx))
     image = torch.cat([part[0] for part in parts], dim=1)
     return (image, *parts[0][1:])  # joint-attention models: the text stream is shared
