@@ -5,6 +5,7 @@ against the loop FluxPipeline runs on packed latents (with true CFG)."""
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+from parity import perturbed, relative_error
 
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_denoise
@@ -27,11 +28,8 @@ def tiny_flux() -> FluxTransformer2DModel:
         pooled_projection_dim=16,
         guidance_embeds=True,
         axes_dims_rope=(2, 2, 4),
-    ).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    )
+    return perturbed(model)
 
 
 def scheduler_and_kwargs():
@@ -114,10 +112,6 @@ def _denoise(layouts: dict[str, ParallelConfig]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 def test_flux_layouts_match_the_pipeline_loop():
     expected = pipeline_loop(tiny_flux(), inputs())
     serial = _denoise(
@@ -125,7 +119,7 @@ def test_flux_layouts_match_the_pipeline_loop():
     )
     for name, latent in serial.items():
         # Same ops (batched branches instead of two calls): float32 rounding only.
-        assert _relative_error(latent, expected) < 1e-6, name
+        assert relative_error(latent, expected) < 1e-6, name
     layouts = {
         "ulysses2": ParallelConfig(ulysses_degree=2),
         "ring2": ParallelConfig(ring_degree=2),
@@ -136,5 +130,5 @@ def test_flux_layouts_match_the_pipeline_loop():
     for rank in spawn(_denoise, 2, layouts, timeout_s=300):
         for name, latent in rank.items():
             # Exact layouts: split attention changes float32 rounding only (~1e-7).
-            error = _relative_error(latent, expected)
+            error = relative_error(latent, expected)
             assert error < 1e-5, (name, error)

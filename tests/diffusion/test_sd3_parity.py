@@ -5,6 +5,7 @@ for every band and patch."""
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+from parity import perturbed, relative_error
 
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_denoise
@@ -30,11 +31,8 @@ def tiny_sd3() -> SD3Transformer2DModel:
         pos_embed_max_size=16,
         dual_attention_layers=(0,),
         qk_norm="rms_norm",
-    ).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return model
+    )
+    return perturbed(model)
 
 
 def inputs() -> dict[str, torch.Tensor]:
@@ -88,10 +86,6 @@ def _denoise(layouts: dict[str, ParallelConfig]) -> dict[str, torch.Tensor]:
     }
 
 
-def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).norm() / b.norm()).item()
-
-
 def test_sd3_layouts_match_the_pipeline_loop():
     expected = pipeline_loop(tiny_sd3(), inputs())
     serial = _denoise(
@@ -99,7 +93,7 @@ def test_sd3_layouts_match_the_pipeline_loop():
     )
     for name, latent in serial.items():
         # Same ops; PipeFusion's patches only change float32 summation order.
-        assert _relative_error(latent, expected) < 1e-6, name
+        assert relative_error(latent, expected) < 1e-6, name
     layouts = {
         "ulysses2": ParallelConfig(ulysses_degree=2),
         "ring2": ParallelConfig(ring_degree=2),
@@ -110,7 +104,7 @@ def test_sd3_layouts_match_the_pipeline_loop():
     }
     for rank in spawn(_denoise, 2, layouts, timeout_s=300):
         for name, latent in rank.items():
-            error = _relative_error(latent, expected)
+            error = relative_error(latent, expected)
             if name.endswith("warm1"):
                 # Stale K/V after one warm-up step: a real, bounded difference.
                 assert 1e-6 < error < 0.2, (name, error)
@@ -130,5 +124,5 @@ def test_sd3_pipefusion_with_sequence_parallel_stages():
     for rank in spawn(_denoise, 4, layouts, timeout_s=300):
         for name, latent in rank.items():
             # Exact layouts: split attention changes float32 rounding only (~1e-7).
-            error = _relative_error(latent, expected)
+            error = relative_error(latent, expected)
             assert error < 1e-5, (name, error)

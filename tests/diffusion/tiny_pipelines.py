@@ -4,6 +4,7 @@ tokenizer made in code), saved with save_pretrained like a user's download would
 from pathlib import Path
 
 import torch
+from parity import perturbed
 
 WORDS = "a an the photo of cat dog red blue green small large painting sky sea tree house".split()
 
@@ -21,50 +22,39 @@ def tiny_t5_tokenizer():
     )
 
 
-def build_pixart_pipeline(directory: Path, *, seed: int = 0) -> Path:
-    from diffusers import (
-        AutoencoderKL,
-        DPMSolverMultistepScheduler,
-        PixArtAlphaPipeline,
-        PixArtTransformer2DModel,
+def tiny_pixart_transformer():
+    from diffusers import PixArtTransformer2DModel
+
+    return perturbed(
+        PixArtTransformer2DModel(
+            sample_size=8,
+            num_layers=3,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            in_channels=4,
+            out_channels=8,
+            cross_attention_dim=32,
+            caption_channels=24,
+            patch_size=2,
+            norm_type="ada_norm_single",
+            num_embeds_ada_norm=1000,
+        )
     )
+
+
+def build_pixart_pipeline(directory: Path, *, seed: int = 0) -> Path:
+    from diffusers import DPMSolverMultistepScheduler, PixArtAlphaPipeline
     from transformers import T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
     text_encoder = T5EncoderModel(
         T5Config(vocab_size=len(WORDS) + 3, d_model=24, d_ff=32, num_layers=1, num_heads=2, d_kv=12)
     ).eval()
-    transformer = PixArtTransformer2DModel(
-        sample_size=8,
-        num_layers=3,
-        attention_head_dim=8,
-        num_attention_heads=4,
-        in_channels=4,
-        out_channels=8,
-        cross_attention_dim=32,
-        caption_channels=24,
-        patch_size=2,
-        norm_type="ada_norm_single",
-        num_embeds_ada_norm=1000,
-    )
-    with torch.no_grad():
-        for p in transformer.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=4,
-        block_out_channels=(8, 8),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        layers_per_block=1,
-        norm_num_groups=4,
-        sample_size=32,
-    )
+    transformer = tiny_pixart_transformer()
     pipe = PixArtAlphaPipeline(
         tokenizer=tiny_t5_tokenizer(),
         text_encoder=text_encoder,
-        vae=vae,
+        vae=_tiny_vae(4),
         transformer=transformer,
         scheduler=DPMSolverMultistepScheduler(),
     )
@@ -121,18 +111,11 @@ def _tiny_vae(latent_channels: int, **extra):
     )
 
 
-def _perturb(module):
-    with torch.no_grad():  # off the zero-initialised start so the transformer matters
-        for p in module.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    return module
-
-
 def build_sd3_pipeline(directory: Path, *, seed: int = 0) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
 
     torch.manual_seed(seed)
-    transformer = _perturb(
+    transformer = perturbed(
         SD3Transformer2DModel(
             sample_size=8,
             patch_size=2,
@@ -166,7 +149,7 @@ def build_flux_pipeline(directory: Path, *, seed: int = 0) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
     torch.manual_seed(seed)
-    transformer = _perturb(
+    transformer = perturbed(
         FluxTransformer2DModel(
             patch_size=1,
             in_channels=16,

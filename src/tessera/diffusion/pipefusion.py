@@ -157,23 +157,14 @@ def pipefusion_denoise(
                 ctx = ctxs[mb]
                 spans = [(mine[j][0] * cols, mine[j][1] * cols) for j in unit]
                 if is_first:
-                    receive = step > 0 and degree > 1 and mb[0] == 0  # each step's latent arrives once
-                    stream = _embed_unit(
-                        adapter,
-                        guidance,
-                        stepper,
-                        comm,
-                        unit,
-                        mb,
-                        latent_rows,
-                        mine,
-                        step,
-                        ctx,
-                        height,
-                        width,
-                        receive=receive,
-                        last=degree - 1,
-                    )
+                    if step > 0 and degree > 1 and mb[0] == 0:  # each step's latent arrives once
+                        for j in unit:  # as the last stage sent it after the previous step
+                            _receive_into(comm, latent_rows(j), src=degree - 1)
+                    bands = [
+                        guidance.expand(stepper.scale_input(step, latent_rows(j)))[mb[0] : mb[1]]
+                        for j in unit
+                    ]
+                    stream = _embed(adapter, bands, [mine[j][0] for j in unit], height, width, ctx)
                 else:
                     tokens = sum(b - a for a, b in spans)
                     shapes = adapter.stream_shapes(mb[1] - mb[0], tokens, ctx)
@@ -209,33 +200,18 @@ def _rows(cond: dict[str, torch.Tensor], batch: tuple[int, int]) -> dict[str, to
     return {k: v[batch[0] : batch[1]] for k, v in cond.items()}
 
 
-def _embed_unit(
-    adapter,
-    guidance,
-    stepper,
-    comm,
-    unit,
-    batch,
-    latent_rows,
-    mine,
-    step,
-    ctx,
-    height,
-    width,
-    *,
-    receive: bool,
-    last: int,
-):
-    """Stage 0: the unit's latent rows (as the last stage sent them after the previous
-    step, patch by patch), embedded into one stream for the model-batch rows ``batch``."""
-    parts = []
-    for j in unit:
-        if receive:
-            buffer = torch.empty_like(latent_rows(j)).contiguous()
-            comm.irecv(buffer, AXIS, src=last).wait()
-            latent_rows(j).copy_(buffer)
-        x_in = guidance.expand(stepper.scale_input(step, latent_rows(j)))[batch[0] : batch[1]]
-        parts.append(adapter.embed(x_in, mine[j][0], height, width, ctx))
+def _receive_into(comm, rows: torch.Tensor, *, src: int) -> None:
+    buffer = torch.empty_like(rows).contiguous()
+    comm.irecv(buffer, AXIS, src=src).wait()
+    rows.copy_(buffer)
+
+
+def _embed(adapter: Adapter, bands: list[torch.Tensor], row_offsets: list[int], height: int, width: int, ctx):
+    """One stream from several bands of latent rows (their image tokens concatenated)."""
+    parts = [
+        adapter.embed(band, offset, height, width, ctx)
+        for band, offset in zip(bands, row_offsets, strict=True)
+    ]
     image = torch.cat([part[0] for part in parts], dim=1)
     return (image, *parts[0][1:])  # joint-attention models: the text stream is shared
 
