@@ -5,7 +5,7 @@ against the loop FluxPipeline runs on packed latents (with true CFG)."""
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from parity import perturbed, relative_error
+from parity import check_against, exact_two_rank_layouts, perturbed
 
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_denoise
@@ -114,21 +114,9 @@ def _denoise(layouts: dict[str, ParallelConfig]) -> dict[str, torch.Tensor]:
 
 def test_flux_layouts_match_the_pipeline_loop():
     expected = pipeline_loop(tiny_flux(), inputs())
-    serial = _denoise(
-        {"serial": ParallelConfig(), "patches": ParallelConfig(num_patches=3, warmup_steps=STEPS)}
+    check_against(
+        expected,
+        _denoise({"serial": ParallelConfig(), "patches": ParallelConfig(num_patches=3, warmup_steps=STEPS)}),
     )
-    for name, latent in serial.items():
-        # Same ops (batched branches instead of two calls): float32 rounding only.
-        assert relative_error(latent, expected) < 1e-6, name
-    layouts = {
-        "ulysses2": ParallelConfig(ulysses_degree=2),
-        "ring2": ParallelConfig(ring_degree=2),
-        "cfg2": ParallelConfig(cfg_parallel=True),
-        "pipefusion2": ParallelConfig(pipefusion_degree=2, num_patches=3, warmup_steps=STEPS),
-        "distrifusion2": ParallelConfig(distrifusion_degree=2, warmup_steps=STEPS),
-    }
-    for rank in spawn(_denoise, 2, layouts, timeout_s=300):
-        for name, latent in rank.items():
-            # Exact layouts: split attention changes float32 rounding only (~1e-7).
-            error = relative_error(latent, expected)
-            assert error < 1e-5, (name, error)
+    for rank in spawn(_denoise, 2, exact_two_rank_layouts(STEPS), timeout_s=300):
+        check_against(expected, rank)
