@@ -72,7 +72,8 @@ class DistriFusionKernel:
                 return attend(q, k, v, text)
             n = k.shape[2]
             start = self.mesh.rank(self.axis) * n
-            full = self.stale[layer].clone()
+            # In place: this step's gather replaces the whole buffer at end_step anyway.
+            full = self.stale[layer]
             full[:, :, :, start : start + n] = fresh
         return attend(q, full[0], full[1], text)
 
