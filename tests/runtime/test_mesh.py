@@ -46,3 +46,27 @@ def test_torchrun_command_passes_multinode_flags_through():
     assert "--standalone" not in multi and "--nnodes=2" in multi
     with pytest.raises(ValueError, match="--nproc must be >= 1, got 0"):
         torchrun_command(0, "train.py", [], [])
+
+
+def test_tessera_launch_runs_a_script_under_torchrun(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "launch_probe.py"
+    out = tmp_path / "probe"
+    cmd = [sys.executable, "-m", "tessera.cli", "launch", "-n", "2", str(script), str(out), "--flag", "x"]
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for rank in range(2):
+        report = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert report["sum"] == 3.0 and report["extra"] == ["--flag", "x"]  # script args pass through
+        assert report["ledger"] == {"all_reduce@dp": {"bytes": 4, "calls": 1}}
