@@ -13,4 +13,5 @@ x = torch.tensor([float(mesh.global_rank + 1)])
 mesh.comm.all_reduce(x, "dp")
 with open(f"{sys.argv[1]}.rank{mesh.global_rank}.json", "w") as f:
     json.dump({"sum": x.item(), "extra": sys.argv[2:], "ledger": mesh.comm.ledger.snapshot()}, f)
+torch.distributed.barrier()  # no rank leaves while a peer still talks to it
 torch.distributed.destroy_process_group()
