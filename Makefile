@@ -1,6 +1,8 @@
 # `make demo` and `make test` work on a fresh machine: they build .venv and install
 # everything first (torch pinned to 2.13.0 through constraints.txt, so no other package
 # can pull a different, multi-GB build).
+# Nothing is ever fetched from a model hub: pipelines load from local folders only.
+export HF_HUB_OFFLINE := 1
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
