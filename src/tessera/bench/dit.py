@@ -105,62 +105,81 @@ def _tp_param_bytes(model: DiT, degree: int) -> int:
     return total
 
 
+def _measure(name: str, size: int, plan: DitBenchPlan) -> tuple[dict, torch.Tensor]:
+    """One layout at one size: its row (without the ratios to serial) and final latent."""
+    config = LAYOUTS[name]
+    ranks = spawn(
+        _rank_run, config.world_size, config, size, plan.steps, plan.batch, plan.repeats, timeout_s=1800
+    )
+    dims = Dims(
+        steps=plan.steps,
+        layers=BENCH_MODEL.depth,
+        tokens=(size // BENCH_MODEL.patch_size) ** 2,
+        hidden=BENCH_MODEL.hidden_size,
+        batch=plan.batch,
+        latent_elems=BENCH_MODEL.in_channels * size * size,
+        guidance=True,
+    )
+    measured, formula = measured_bytes([r["ledger"] for r in ranks]), formula_bytes(config, dims)
+    row = {
+        "method": name,
+        "size": f"{size}x{size}",
+        "tokens": dims.tokens,
+        "ranks": config.world_size,
+        "seconds": round(max(r["seconds"] for r in ranks), 3),  # the slowest rank ends the run
+        "all_seconds": [round(max(r["all_seconds"][i] for r in ranks), 3) for i in range(plan.repeats)],
+        "bytes_per_step": measured // plan.steps,
+        "formula_bytes_per_step": formula // plan.steps,
+        "bytes_rel_error": abs(measured - formula) / formula if formula else float(measured != 0),
+        "param_mib_per_rank": round(max(r["param_bytes"] for r in ranks) / 2**20, 2),
+        "peak_rss_mib_per_rank": round(max(r["peak_rss"] for r in ranks) / 2**20, 1),
+        "sampling_extra_mib_per_rank": round(max(r["sampling_extra"] for r in ranks) / 2**20, 1),
+    }
+    return row, ranks[0]["latent"]
+
+
+COLUMNS = [
+    "method",
+    "size",
+    "ranks",
+    "seconds",
+    "speedup",
+    "bytes_per_step",
+    "formula_bytes_per_step",
+    "bytes_rel_error",
+    "param_mib_per_rank",
+    "sampling_extra_mib_per_rank",
+    "rel_diff_vs_serial",
+]
+
+
 def run_dit_bench(plan: DitBenchPlan, digits_model: Path | None, progress: bool = True) -> BenchResult:
-    rows, worst_bytes_error = [], 0.0
-    jobs = [(size, name) for size in plan.sizes for name in LAYOUTS]
-    serial_seconds: dict[int, float] = {}
-    serial_latent: dict[int, torch.Tensor] = {}
+    rows, serial = [], {}
+    jobs = [(size, name) for size in plan.sizes for name in LAYOUTS]  # serial first at each size
     for size, name in tqdm(jobs, desc="bench dit", disable=not progress):
-        config = LAYOUTS[name]
-        ranks = spawn(
-            _rank_run, config.world_size, config, size, plan.steps, plan.batch, plan.repeats, timeout_s=1800
-        )
-        seconds = max(r["seconds"] for r in ranks)
-        latent = ranks[0]["latent"]
+        row, latent = _measure(name, size, plan)
         if name == "serial":
-            serial_seconds[size], serial_latent[size] = seconds, latent
-        dims = Dims(
-            steps=plan.steps,
-            layers=BENCH_MODEL.depth,
-            tokens=(size // BENCH_MODEL.patch_size) ** 2,
-            hidden=BENCH_MODEL.hidden_size,
-            batch=plan.batch,
-            latent_elems=BENCH_MODEL.in_channels * size * size,
-            guidance=True,
-        )
-        measured, formula = measured_bytes([r["ledger"] for r in ranks]), formula_bytes(config, dims)
-        error = abs(measured - formula) / formula if formula else float(measured != 0)
-        worst_bytes_error = max(worst_bytes_error, error)
-        diff = (latent - serial_latent[size]).norm() / serial_latent[size].norm()
-        rows.append(
-            {
-                "method": name,
-                "size": f"{size}x{size}",
-                "tokens": dims.tokens,
-                "ranks": config.world_size,
-                "seconds": round(seconds, 3),
-                "speedup": round(serial_seconds[size] / seconds, 3),
-                "all_seconds": [
-                    round(max(r["all_seconds"][i] for r in ranks), 3) for i in range(plan.repeats)
-                ],
-                "bytes_per_step": measured // plan.steps,
-                "formula_bytes_per_step": formula // plan.steps,
-                "bytes_rel_error": error,
-                "param_mib_per_rank": round(max(r["param_bytes"] for r in ranks) / 2**20, 2),
-                "peak_rss_mib_per_rank": round(max(r["peak_rss"] for r in ranks) / 2**20, 1),
-                "sampling_extra_mib_per_rank": round(max(r["sampling_extra"] for r in ranks) / 2**20, 1),
-                "rel_diff_vs_serial": float(diff),
-            }
-        )
+            serial[size] = (row["seconds"], latent)
+        base_seconds, base_latent = serial[size]
+        row["speedup"] = round(base_seconds / row["seconds"], 3)
+        row["rel_diff_vs_serial"] = float((latent - base_latent).norm() / base_latent.norm())
+        rows.append(row)
     largest = f"{plan.sizes[-1]}x{plan.sizes[-1]}"
-    speedup = next(r["speedup"] for r in rows if r["method"] == "pipefusion" and r["size"] == largest)
     headline = {
-        "pipefusion_speedup": speedup,
+        "pipefusion_speedup": next(
+            r["speedup"] for r in rows if r["method"] == "pipefusion" and r["size"] == largest
+        ),
         "largest_size": largest,
-        "max_bytes_rel_error": worst_bytes_error,
+        "max_bytes_rel_error": max(r["bytes_rel_error"] for r in rows),
     }
     extra = {
-        "plan": {"sizes": plan.sizes, "steps": plan.steps, "batch": plan.batch, "guidance": GUIDANCE},
+        "plan": {
+            "sizes": plan.sizes,
+            "steps": plan.steps,
+            "batch": plan.batch,
+            "repeats": plan.repeats,
+            "guidance": GUIDANCE,
+        },
         "model": BENCH_MODEL.to_dict(),
         "layouts": {k: v.describe() for k, v in LAYOUTS.items()},
     }
@@ -173,26 +192,11 @@ def run_dit_bench(plan: DitBenchPlan, digits_model: Path | None, progress: bool 
         "peak_rss includes the ~0.3 GB Python + torch runtime; sampling_extra is the rise during sampling",
     ]
     if digits_model is not None:
-        fidelity = run_fidelity(digits_model, steps=20, per_digit=10 if plan is FULL else 4)
-        extra["fidelity"] = fidelity
-        for row in fidelity:
-            headline[f"psnr_{row['method']}"] = row["psnr_db"]
+        extra["fidelity"] = run_fidelity(digits_model, steps=20, per_digit=10 if plan is FULL else 4)
+        headline |= {f"psnr_{row['method']}": row["psnr_db"] for row in extra["fidelity"]}
     else:
         notes.append("fidelity skipped: no trained digits checkpoint (run `make demo` first)")
-    columns = [
-        "method",
-        "size",
-        "ranks",
-        "seconds",
-        "speedup",
-        "bytes_per_step",
-        "formula_bytes_per_step",
-        "bytes_rel_error",
-        "param_mib_per_rank",
-        "sampling_extra_mib_per_rank",
-        "rel_diff_vs_serial",
-    ]
-    return BenchResult(name="dit", headline=headline, rows=rows, columns=columns, notes=notes, extra=extra)
+    return BenchResult(name="dit", headline=headline, rows=rows, columns=COLUMNS, notes=notes, extra=extra)
 
 
 def _fidelity_rank(
