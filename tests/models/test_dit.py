@@ -38,7 +38,7 @@ def test_band_embedding_equals_slice_of_full_embedding():
     x = torch.randn(1, 2, 8, 8)
     full = model.embed(x)
     band = model.embed(x[:, :, 4:6], row_offset=2)  # patch rows 2 of a 4x4 grid
-    torch.testing.assert_close(band, full[:, 8:12], rtol=0, atol=0)
+    torch.testing.assert_close(band, full[:, 8:12], rtol=0, atol=0)  # the same ops on the same numbers
 
 
 def test_adaln_zero_starts_as_zero_velocity():
