@@ -20,7 +20,8 @@ each triangle multiplication) are all-gathered. Per block, in order:
 
 that is 6 all-gathers and 6 all-to-alls per block. Lengths that do not divide P are
 padded with masked positions, which the Evoformer's masks keep away from real ones.
-Gradients (training) need autograd-aware collectives and are not implemented yet.
+The collectives are differentiable (all-gather backward is a reduce-scatter, all-to-all
+backward the inverse all-to-all), so the same code trains.
 """
 
 from __future__ import annotations
@@ -101,7 +102,9 @@ def dap_block(block: EvoformerBlock, m_seq, z_rows, masks: dict, layout: DAPLayo
     m_cols = layout.rows_to_columns(m_seq)
     m_cols = m_cols + block.msa_column(m_cols, masks["msa_cols"])
     m_cols = m_cols + block.msa_transition(m_cols)
-    z_rows = z_rows + _outer_product_mean(block.outer_product_mean, m_cols, masks["msa_cols"], masks["msa"], layout)
+    z_rows = z_rows + _outer_product_mean(
+        block.outer_product_mean, m_cols, masks["msa_cols"], masks["msa"], layout
+    )
     m_seq = layout.columns_to_rows(m_cols)
     z_rows = z_rows + _triangle_multiplication(block.tri_mul_out, z_rows, masks["pair_rows"], layout)
     z_cols = layout.rows_to_columns(z_rows)
@@ -129,10 +132,10 @@ def _pad(t: torch.Tensor, dims: tuple[int, ...], multiple: int) -> torch.Tensor:
     return F.pad(t, pads)
 
 
-@torch.no_grad()
 def dap_evoformer(model: Evoformer, m, z, msa_mask=None, pair_mask=None, *, mesh: Mesh, axis: str = "dap"):
     """The Evoformer's output for full inputs held on every rank, computed with DAP over
-    ``axis``; every rank returns the full (m, z)."""
+    ``axis``; every rank returns the full (m, z). Differentiable: the collectives carry
+    gradients back (each rank's parameter gradients are its share; sum them over ``axis``)."""
     msa_mask = torch.ones(m.shape[:3]) if msa_mask is None else msa_mask
     pair_mask = torch.ones(z.shape[:3]) if pair_mask is None else pair_mask
     model.check_inputs(m, z, msa_mask, pair_mask)

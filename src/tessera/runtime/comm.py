@@ -106,7 +106,10 @@ class Comm:
         return work
 
     def all_gather(self, t: torch.Tensor, axis: str, *, dim: int = 0) -> torch.Tensor:
-        """Concatenation along ``dim`` of every rank's ``t`` (equal shapes), in axis order."""
+        """Concatenation along ``dim`` of every rank's ``t`` (equal shapes), in axis order.
+        Differentiable: the gradient is reduce-scattered back (each rank's use summed)."""
+        if torch.is_grad_enabled() and t.requires_grad and self._moves(axis):
+            return _AllGather.apply(t, self, axis, dim)
         return self.all_gather_async(t, axis, dim=dim)()
 
     def all_gather_async(self, t: torch.Tensor, axis: str, *, dim: int = 0) -> Callable[[], torch.Tensor]:
@@ -142,7 +145,13 @@ class Comm:
 
     def all_to_all(self, t: torch.Tensor, axis: str, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split ``t`` into equal chunks along ``scatter_dim``, send chunk i to rank i, and
-        concatenate what arrives along ``gather_dim``."""
+        concatenate what arrives along ``gather_dim``. Differentiable: the gradient takes the
+        inverse all-to-all."""
+        if torch.is_grad_enabled() and t.requires_grad and self._moves(axis):
+            return _AllToAll.apply(t, self, axis, scatter_dim, gather_dim)
+        return self._all_to_all(t, axis, scatter_dim=scatter_dim, gather_dim=gather_dim)
+
+    def _all_to_all(self, t: torch.Tensor, axis: str, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         n = self.mesh.size(axis)
         if n == 1:
             return t
@@ -185,3 +194,29 @@ class Comm:
                 dist.barrier()
         elif self._moves(axis):
             dist.barrier(group=self.mesh.group(axis))
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm: Comm, axis: str, dim: int):
+        ctx.comm, ctx.axis, ctx.dim = comm, axis, dim
+        return comm.all_gather_async(t, axis, dim=dim)()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.reduce_scatter(grad.contiguous(), ctx.axis, dim=ctx.dim), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm: Comm, axis: str, scatter_dim: int, gather_dim: int):
+        ctx.comm, ctx.axis, ctx.dims = comm, axis, (scatter_dim, gather_dim)
+        return comm._all_to_all(t, axis, scatter_dim=scatter_dim, gather_dim=gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        out = ctx.comm._all_to_all(
+            grad.contiguous(), ctx.axis, scatter_dim=gather_dim, gather_dim=scatter_dim
+        )
+        return out, None, None, None, None
