@@ -223,16 +223,23 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from tessera.bench.dit import FULL, QUICK, plot_dit, run_dit_bench
     from tessera.bench.harness import write_results
 
-    if args.name != "dit":
-        raise UserError(f"unknown benchmark {args.name!r}; available: dit")
-    digits = Path(args.digits_model)
-    result = run_dit_bench(
-        QUICK if args.quick else FULL, digits if (digits / "config.json").exists() else None
-    )
-    paths = write_results(result, args.out, plot_dit)
+    if args.name == "dit":
+        from tessera.bench.dit import FULL, QUICK, plot_dit, run_dit_bench
+
+        digits = Path(args.digits_model)
+        result = run_dit_bench(
+            QUICK if args.quick else FULL, digits if (digits / "config.json").exists() else None
+        )
+        plot = plot_dit
+    elif args.name == "dap":
+        from tessera.bench.dap import plot_dap, run_dap_bench
+
+        result, plot = run_dap_bench(quick=args.quick), plot_dap
+    else:
+        raise UserError(f"unknown benchmark {args.name!r}; available: dit, dap")
+    paths = write_results(result, args.out, plot)
     print("headline: " + ", ".join(f"{k}={v}" for k, v in result.headline.items()))
     print("wrote " + ", ".join(str(p) for p in paths))
 
@@ -302,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_generate)
 
     p = sub.add_parser("bench", help="run a benchmark (baseline and Tessera in one run)")
-    p.add_argument("name", help="benchmark: dit")
+    p.add_argument("name", help="benchmark: dit or dap")
     p.add_argument("--quick", action="store_true", help="small version, under two minutes on 2 cores")
     p.add_argument("--out", default="benchmarks/results", help="folder for NAME.json / .md / .png")
     p.add_argument(
