@@ -18,13 +18,17 @@ each triangle multiplication) are all-gathered. Per block, in order:
     triangle att. end      z by column     all-to-all z (row -> column); all-gather the bias
     pair transition        z by column     all-to-all z (column -> row)
 
-that is 6 all-gathers and 6 all-to-alls per block. Lengths that do not divide P are
+that is 6 all-gathers and 6 all-to-alls per block. Each all-gather is launched
+asynchronously and waited for only when its result is needed, with the independent work
+(the queries/keys/values, the other projection, the gates) computed in between. Lengths that do not divide P are
 padded with masked positions, which the Evoformer's masks keep away from real ones.
 The collectives are differentiable (all-gather backward is a reduce-scatter, all-to-all
 backward the inverse all-to-all), so the same code trains.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -50,19 +54,27 @@ class DAPLayout:
     def gather(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return self.comm.all_gather(t.contiguous(), self.axis, dim=dim)
 
+    def launch_gather(self, t: torch.Tensor, dim: int) -> Callable[[], torch.Tensor]:
+        """Start an all-gather and return its wait: the caller computes in between (FastFold's
+        duality async operations). Under autograd the differentiable gather runs at once."""
+        if torch.is_grad_enabled() and t.requires_grad:
+            gathered = self.gather(t, dim)
+            return lambda: gathered
+        return self.comm.all_gather_async(t.contiguous(), self.axis, dim=dim)
+
     def local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.chunk(self.size, dim=dim)[self.rank]
 
 
-def _pair_bias(norm, to_bias, z_rows, layout: DAPLayout) -> torch.Tensor:
-    """Full (B, 1, H, r, r) attention bias from row-sharded pair features."""
-    return layout.gather(to_bias(norm(z_rows)), dim=1).permute(0, 3, 1, 2)[:, None]
-
-
-def _attend(attention, x, mask, bias):
+def _attend(attention, x, mask, norm, to_bias, z_rows, layout: DAPLayout):
+    """Gated attention along x's second-to-last axis, biased by the full (r x r x H) pair
+    bias, whose all-gather runs while the queries, keys and values are computed."""
+    bias_wait = layout.launch_gather(to_bias(norm(z_rows)), dim=1)
     h = attention.norm(x)
     q, k, v = (_heads(t, attention.heads) for t in attention.to_qkv(h).chunk(3, dim=-1))
-    return _gated_attention(q, k, v, _key_mask_bias(mask) + bias, attention.to_gate(h), attention.to_out)
+    gate, key_bias = attention.to_gate(h), _key_mask_bias(mask)
+    bias = bias_wait().permute(0, 3, 1, 2)[:, None]  # (B, 1, H, r, r)
+    return _gated_attention(q, k, v, key_bias + bias, gate, attention.to_out)
 
 
 def _outer_product_mean(opm, m_cols, mask_cols, mask_full, layout: DAPLayout) -> torch.Tensor:
@@ -70,9 +82,9 @@ def _outer_product_mean(opm, m_cols, mask_cols, mask_full, layout: DAPLayout) ->
     inputs every rank holds whole, so only the projection is gathered."""
     h = opm.norm(m_cols)
     mask = mask_cols.to(h.dtype)
-    a = opm.left(h) * mask[..., None]
-    b = layout.gather(opm.right(h) * mask[..., None], dim=2)
-    outer = torch.einsum("bsic,bsjd->bijcd", a, b).flatten(-2)
+    b_wait = layout.launch_gather(opm.right(h) * mask[..., None], dim=2)
+    a = opm.left(h) * mask[..., None]  # computed while b travels
+    outer = torch.einsum("bsic,bsjd->bijcd", a, b_wait()).flatten(-2)
     count = torch.einsum("bsi,bsj->bij", mask, mask_full.to(h.dtype))[..., None]
     return opm.to_out(outer) / (count + opm.eps)
 
@@ -81,30 +93,30 @@ def _triangle_multiplication(tri, z, mask, layout: DAPLayout) -> torch.Tensor:
     """Outgoing on row-sharded z (gathers b), incoming on column-sharded z (gathers a)."""
     h = tri.norm_in(z)
     mask = mask[..., None].to(h.dtype)
-    a = torch.sigmoid(tri.left_gate(h)) * tri.left(h) * mask
-    b = torch.sigmoid(tri.right_gate(h)) * tri.right(h) * mask
     if tri.outgoing:
-        x = torch.einsum("bikc,bjkc->bijc", a, layout.gather(b, dim=1))
+        wait = layout.launch_gather(torch.sigmoid(tri.right_gate(h)) * tri.right(h) * mask, dim=1)
+        a = torch.sigmoid(tri.left_gate(h)) * tri.left(h) * mask  # computed while b travels
+        gate = torch.sigmoid(tri.out_gate(h))
+        x = torch.einsum("bikc,bjkc->bijc", a, wait())
     else:
-        x = torch.einsum("bkic,bkjc->bijc", layout.gather(a, dim=2), b)
-    return torch.sigmoid(tri.out_gate(h)) * tri.to_out(tri.norm_out(x))
+        wait = layout.launch_gather(torch.sigmoid(tri.left_gate(h)) * tri.left(h) * mask, dim=2)
+        b = torch.sigmoid(tri.right_gate(h)) * tri.right(h) * mask  # computed while a travels
+        gate = torch.sigmoid(tri.out_gate(h))
+        x = torch.einsum("bkic,bkjc->bijc", wait(), b)
+    return gate * tri.to_out(tri.norm_out(x))
 
 
 def dap_block(block: EvoformerBlock, m_seq, z_rows, masks: dict, layout: DAPLayout):
     """One Evoformer block on sharded inputs: m by sequence, z by row, and back."""
-    att = block.msa_row.attention
+    row = block.msa_row
     m_seq = m_seq + _attend(
-        att,
-        m_seq,
-        masks["msa_seq"],
-        _pair_bias(block.msa_row.pair_norm, block.msa_row.pair_bias, z_rows, layout),
+        row.attention, m_seq, masks["msa_seq"], row.pair_norm, row.pair_bias, z_rows, layout
     )
     m_cols = layout.rows_to_columns(m_seq)
     m_cols = m_cols + block.msa_column(m_cols, masks["msa_cols"])
     m_cols = m_cols + block.msa_transition(m_cols)
-    z_rows = z_rows + _outer_product_mean(
-        block.outer_product_mean, m_cols, masks["msa_cols"], masks["msa"], layout
-    )
+    opm = block.outer_product_mean
+    z_rows = z_rows + _outer_product_mean(opm, m_cols, masks["msa_cols"], masks["msa"], layout)
     m_seq = layout.columns_to_rows(m_cols)
     z_rows = z_rows + _triangle_multiplication(block.tri_mul_out, z_rows, masks["pair_rows"], layout)
     z_cols = layout.rows_to_columns(z_rows)
@@ -112,15 +124,14 @@ def dap_block(block: EvoformerBlock, m_seq, z_rows, masks: dict, layout: DAPLayo
     z_rows = layout.columns_to_rows(z_cols)
     start = block.tri_att_start
     z_rows = z_rows + _attend(
-        start.attention,
-        z_rows,
-        masks["pair_rows"],
-        _pair_bias(start.attention.norm, start.to_bias, z_rows, layout),
+        start.attention, z_rows, masks["pair_rows"], start.attention.norm, start.to_bias, z_rows, layout
     )
     z_cols = layout.rows_to_columns(z_rows)
     end, zt = block.tri_att_end, z_cols.transpose(1, 2)  # rows of z^T: algorithm 14 as 13 on z^T
-    bias = _pair_bias(end.attention.norm, end.to_bias, zt, layout)
-    z_cols = z_cols + _attend(end.attention, zt, masks["pair_cols"].transpose(1, 2), bias).transpose(1, 2)
+    mask_t = masks["pair_cols"].transpose(1, 2)
+    z_cols = z_cols + _attend(
+        end.attention, zt, mask_t, end.attention.norm, end.to_bias, zt, layout
+    ).transpose(1, 2)
     z_cols = z_cols + block.pair_transition(z_cols)
     return m_seq, layout.columns_to_rows(z_cols)
 
