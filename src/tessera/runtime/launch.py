@@ -186,9 +186,12 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, results: mp
         )
         value = fn(*args)
         results.put((spec.rank, True, pickle.dumps(value)))
+        dist.barrier()  # leave together: a peer torn down mid-collective can abort the process
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         results.put((spec.rank, False, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
     finally:
+        results.close()
+        results.join_thread()  # the message is out before any teardown can kill the process
         if dist.is_initialized():
             dist.destroy_process_group()
 
