@@ -6,4 +6,12 @@ from tessera.runtime import Mesh, RankError, spawn
 
 __version__ = "0.1.0"
 
-__all__ = ["Mesh", "ParallelConfig", "RankError", "__version__", "parallel_denoise", "parallel_sample", "spawn"]
+__all__ = [
+    "Mesh",
+    "ParallelConfig",
+    "RankError",
+    "__version__",
+    "parallel_denoise",
+    "parallel_sample",
+    "spawn",
+]

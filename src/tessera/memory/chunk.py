@@ -1,0 +1,93 @@
+"""Chunks: fixed-size flat buffers holding many tensors in a known order (PatrickStar,
+Fang et al. 2021). Parameters, gradients and optimizer states live in chunks so that
+whole chunks can be moved between memory tiers, sharded over ranks, or communicated in
+one collective, instead of tensor by tensor.
+
+A chunk's capacity is padded to a multiple of ``align`` (the data-parallel world size),
+so every chunk splits into equal shards. A tensor larger than the chunk size gets a chunk
+of its own; tensors never straddle chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    offset: int
+    shape: torch.Size
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+@dataclass
+class Chunk:
+    capacity: int
+    dtype: torch.dtype
+    device: torch.device | str = "cpu"
+    slots: list[Slot] = field(default_factory=list)
+    buffer: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.buffer = torch.zeros(self.capacity, dtype=self.dtype, device=self.device)
+
+    @property
+    def used(self) -> int:
+        return self.slots[-1].offset + self.slots[-1].numel if self.slots else 0
+
+    def fits(self, numel: int) -> bool:
+        return self.used + numel <= self.capacity
+
+    def append(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Copy ``tensor`` in; returns the view of the chunk that now holds it."""
+        if tensor.dtype != self.dtype:
+            raise ValueError(f"tensor {name!r} is {tensor.dtype}, but this chunk holds {self.dtype}")
+        if not self.fits(tensor.numel()):
+            raise ValueError(
+                f"tensor {name!r} ({tensor.numel()} elements) does not fit: {self.capacity - self.used} free"
+            )
+        slot = Slot(name, self.used, tensor.shape)
+        self.slots.append(slot)
+        view = self.view(slot)
+        view.copy_(tensor.detach())
+        return view
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        return self.buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def shard(self, rank: int, world: int) -> torch.Tensor:
+        """Rank ``rank``'s equal 1/``world`` of the buffer (capacity is a multiple of ``world``)."""
+        assert self.capacity % world == 0, "chunk capacity must be padded to the world size"
+        size = self.capacity // world
+        return self.buffer[rank * size : (rank + 1) * size]
+
+
+def pack(
+    named: list[tuple[str, torch.Tensor]],
+    *,
+    chunk_elems: int,
+    align: int = 1,
+    device: torch.device | str = "cpu",
+) -> list[Chunk]:
+    """Tensors, in the given order, into chunks of ``chunk_elems`` elements (rounded up to a
+    multiple of ``align``); a tensor larger than that gets a chunk of exactly its size
+    (rounded up likewise). Tensors of different dtypes go to different chunks."""
+    if chunk_elems < 1 or align < 1:
+        raise ValueError(f"chunk_elems and align must be >= 1, got {chunk_elems} and {align}")
+    chunks: list[Chunk] = []
+    open_chunk: dict[torch.dtype, Chunk] = {}
+    for name, tensor in named:
+        current = open_chunk.get(tensor.dtype)
+        if current is None or not current.fits(tensor.numel()):
+            capacity = max(chunk_elems, tensor.numel())
+            current = Chunk(capacity + (-capacity % align), tensor.dtype, device)
+            chunks.append(current)
+            open_chunk[tensor.dtype] = current
+        current.append(name, tensor)
+    return chunks
