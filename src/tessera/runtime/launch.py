@@ -100,6 +100,8 @@ def spawn(
         return _collect(procs, results, timeout_s)
     finally:
         _end_all(procs)
+        results.close()
+        results.cancel_join_thread()  # the parent never put anything; nothing to flush
         del store
 
 
