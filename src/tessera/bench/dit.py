@@ -8,7 +8,6 @@ untimed 1-step run (start-up costs out of the figure).
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +22,6 @@ from tessera.diffusion.parallel import parallel_sample
 from tessera.diffusion.pipefusion import release_other_stages
 from tessera.models.dit import DiT, DiTConfig
 from tessera.runtime import spawn
-
-log = logging.getLogger(__name__)
 
 # PixArt-alpha's layout at a third of its depth and width: 4 latent channels, 2x2 patches.
 BENCH_MODEL = DiTConfig(

@@ -8,7 +8,6 @@ under any ParallelConfig; rank 0 decodes the latent with the VAE and returns the
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,6 @@ from tessera.diffusion.pipeline_families import family_of
 from tessera.diffusion.stepper import DiffusersStepper
 from tessera.runtime.comm import WORLD
 from tessera.runtime.mesh import Mesh
-
-log = logging.getLogger(__name__)
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool]
 

@@ -22,7 +22,8 @@ class FlowStepper:
     """Tessera's flow-matching Euler (stateless); the model takes t in [0, 1]."""
 
     def __init__(self, num_steps: int):
-        self.times = FlowMatchEuler().timesteps(num_steps).tolist()
+        self.euler = FlowMatchEuler()
+        self.times = self.euler.timesteps(num_steps).tolist()
         self.num_steps = num_steps
 
     def model_time(self, step: int) -> float:
@@ -32,7 +33,7 @@ class FlowStepper:
         return x
 
     def step(self, key: Hashable, step: int, x: torch.Tensor, model_out: torch.Tensor) -> torch.Tensor:
-        return FlowMatchEuler().step(x, model_out, self.times[step], self.times[step + 1])
+        return self.euler.step(x, model_out, self.times[step], self.times[step + 1])
 
 
 class DiffusersStepper:
@@ -47,6 +48,7 @@ class DiffusersStepper:
         self.timesteps = scheduler.timesteps
         self.num_steps = len(self.timesteps)
         self.states: dict[Hashable, Any] = {}
+        self.scalers: dict[int, Any] = {}  # step -> a throwaway copy for scale_model_input
 
     def _state(self, key: Hashable) -> Any:
         if key not in self.states:
@@ -57,11 +59,14 @@ class DiffusersStepper:
         return self.timesteps[step]
 
     def scale_input(self, step: int, x: torch.Tensor) -> torch.Tensor:
-        # A throwaway copy: schedulers that scale (Euler) find their sigma from the timestep
-        # when they have no step counter yet, so no slice's state is needed or disturbed.
+        # Schedulers that scale (Euler) find their sigma from the timestep when they have no
+        # step counter yet, and scaling never advances it: one throwaway copy per step serves
+        # every slice, and no slice's state is needed or disturbed.
         if not hasattr(self.pristine, "scale_model_input"):  # flow-matching schedulers do not scale
             return x
-        return copy.deepcopy(self.pristine).scale_model_input(x, self.timesteps[step])
+        if step not in self.scalers:
+            self.scalers = {step: copy.deepcopy(self.pristine)}  # earlier steps are done with
+        return self.scalers[step].scale_model_input(x, self.timesteps[step])
 
     def step(self, key: Hashable, step: int, x: torch.Tensor, model_out: torch.Tensor) -> torch.Tensor:
         return self._state(key).step(model_out, self.timesteps[step], x, return_dict=False)[0]

@@ -47,15 +47,6 @@ class DiTConfig:
         if self.mlp_ratio <= 0:
             raise ValueError(f"mlp_ratio must be > 0, got {self.mlp_ratio}")
 
-    @property
-    def grid_size(self) -> int:
-        """Tokens along each side of the image."""
-        return self.image_size // self.patch_size
-
-    @property
-    def num_tokens(self) -> int:
-        return self.grid_size**2
-
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -10,7 +10,6 @@ its peers blocked in a collective.
 from __future__ import annotations
 
 import datetime
-import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -23,8 +22,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 300.0
 
