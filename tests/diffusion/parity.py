@@ -44,3 +44,17 @@ def check_against(
             # Exact layouts: split attention and batched branches change float32 rounding
             # only (measured ~2e-7); 1e-5 leaves a 50x margin.
             assert error < 1e-5, (name, error)
+
+
+def joint_inputs(batch: int) -> dict[str, torch.Tensor]:
+    """Random conditioning and noise for the tiny SD3 / Flux transformers: a 6-token prompt
+    of width 24, pooled width 16, a 4-channel 16 x 12 latent (8 x 6 tokens)."""
+    g = torch.Generator().manual_seed(1)
+    shapes = {
+        "text": (batch, 6, 24),
+        "negative": (batch, 6, 24),
+        "pooled": (batch, 16),
+        "negative_pooled": (batch, 16),
+        "noise": (batch, 4, 16, 12),
+    }
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}

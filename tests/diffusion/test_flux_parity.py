@@ -5,7 +5,7 @@ against the loop FluxPipeline runs on packed latents (with true CFG)."""
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from parity import check_against, exact_two_rank_layouts, perturbed
+from parity import check_against, exact_two_rank_layouts, joint_inputs, perturbed
 
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_denoise
@@ -39,17 +39,7 @@ def scheduler_and_kwargs():
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return {
-        name: torch.randn(shape, generator=g)
-        for name, shape in {
-            "text": (BATCH, 6, 24),
-            "negative": (BATCH, 6, 24),
-            "pooled": (BATCH, 16),
-            "negative_pooled": (BATCH, 16),
-            "noise": (BATCH, 4, H, W),
-        }.items()
-    }
+    return joint_inputs(BATCH)
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ for every band and patch."""
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-from parity import check_against, exact_two_rank_layouts, perturbed
+from parity import check_against, exact_two_rank_layouts, joint_inputs, perturbed
 
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_denoise
@@ -36,17 +36,7 @@ def tiny_sd3() -> SD3Transformer2DModel:
 
 
 def inputs() -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return {
-        name: torch.randn(shape, generator=g)
-        for name, shape in {
-            "text": (BATCH, 6, 24),
-            "negative": (BATCH, 6, 24),
-            "pooled": (BATCH, 16),
-            "negative_pooled": (BATCH, 16),
-            "noise": (BATCH, 4, 16, 12),
-        }.items()
-    }
+    return joint_inputs(BATCH)
 
 
 @torch.no_grad()
