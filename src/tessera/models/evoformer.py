@@ -36,9 +36,19 @@ class EvoformerConfig:
 
 
 def _gated_attention(q, k, v, bias, gate, out_proj) -> torch.Tensor:
-    """q/k/v (..., H, n, d), bias broadcastable to (..., H, n, n), gate (..., n, H*d)."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
-    out = out.transpose(-2, -3).flatten(-2)  # (..., n, H*d)
+    """q/k/v (..., H, n, d), bias broadcastable to (..., H, n, n), gate (..., n, H*d).
+
+    The leading dims are folded into one batch dim so torch's fused 4-D attention kernel
+    runs (the (..., H, n, n) logits are never stored)."""
+    lead, tail = q.shape[:-3], q.shape[-3:]
+    bias = bias.to(q.dtype).expand(*lead, *bias.shape[-3:])
+    out = F.scaled_dot_product_attention(
+        q.reshape(-1, *tail),
+        k.reshape(-1, *tail),
+        v.reshape(-1, *v.shape[-3:]),
+        attn_mask=bias.reshape(-1, *bias.shape[-3:]),
+    )
+    out = out.reshape(*lead, *out.shape[-3:]).transpose(-2, -3).flatten(-2)  # (..., n, H*d)
     return out_proj(torch.sigmoid(gate) * out)
 
 

@@ -1,0 +1,97 @@
+"""Rewrite the traced graph: each chunked region becomes one loop over slices.
+
+The region's nodes move into their own small ``GraphModule`` that takes ``(start, length,
+*inputs)``, narrows each input it reads along that input's chunk dim, and rewrites the one
+entry of a size list (``view``, ``reshape``, ``expand``) that names the chunked dim to
+``length``. A ``ChunkLoop`` module runs it over ``range(0, length, chunk)`` and copies each
+slice into the output, which is allocated once. In the main graph the loop takes the place
+of the region's last node, so ``print(chunked.graph_module.code)`` shows where each loop runs
+and ``print(chunked.graph_module.chunk_loop_0.region.code)`` what it runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx, nn
+
+from tessera.autochunk.memory import Region
+from tessera.autochunk.rules import SIZE_LIST_OPS, input_dims
+
+
+class ChunkLoop(nn.Module):
+    """Run ``region(start, n, *inputs)`` over slices of ``chunk`` along ``dim`` of ``length``."""
+
+    def __init__(self, region: fx.GraphModule, dim: int, length: int, chunk: int):
+        super().__init__()
+        self.region, self.dim, self.length, self.chunk = region, dim, length, chunk
+
+    def forward(self, *inputs):
+        out = None
+        for start in range(0, self.length, self.chunk):
+            n = min(self.chunk, self.length - start)
+            piece = self.region(start, n, *inputs)
+            if out is None:
+                shape = list(piece.shape)
+                shape[self.dim] = self.length
+                out = piece.new_empty(shape)
+            out.narrow(self.dim, start, n).copy_(piece)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}, length={self.length}, chunk={self.chunk}"
+
+
+def region_module(region: Region, order: dict) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """The region's nodes as a GraphModule over (start, length, *distinct input nodes)."""
+    graph = fx.Graph()
+    start, length = graph.placeholder("start"), graph.placeholder("length")
+    sources = list(dict.fromkeys(node for node, _ in region.inputs))
+    held = {node: graph.placeholder(node.name) for node in sources}
+    sliced: dict[tuple[fx.Node, int], fx.Node] = {}
+    env: dict[fx.Node, fx.Node] = {}
+
+    for node in sorted(region.dims, key=order.__getitem__):
+        per_arg = dict(input_dims(node, region.dims[node]))
+
+        def mapped(arg, per_arg=per_arg):
+            if arg in env:
+                return env[arg]
+            dim = per_arg.get(arg)
+            if dim is None:
+                return held[arg]
+            key = (arg, dim)
+            if key not in sliced:
+                sliced[key] = graph.call_function(torch.narrow, (held[arg], dim, start, length))
+            return sliced[key]
+
+        new = graph.node_copy(node, mapped)
+        if node.target in SIZE_LIST_OPS:
+            sizes = list(new.args[1])
+            d = region.dims[node]
+            if sizes[d] != -1:
+                sizes[d] = length
+            new.args = (new.args[0], sizes, *new.args[2:])
+        env[node] = new
+    graph.output(env[region.end])
+    return fx.GraphModule(nn.Module(), graph), sources
+
+
+def apply_regions(gm: fx.GraphModule, regions: list[Region], order: dict) -> fx.GraphModule:
+    """Replace each region in ``gm`` (in place) by a ChunkLoop call; returns ``gm``."""
+    built = [region_module(region, order) for region in regions]  # before any node is replaced
+    replaced: dict[fx.Node, fx.Node] = {}
+    for i, (region, (sub, sources)) in enumerate(zip(regions, built, strict=True)):
+        name = f"chunk_loop_{i}"
+        gm.add_submodule(name, ChunkLoop(sub, region.dims[region.end], region.length, region.chunk))
+        with gm.graph.inserting_before(region.end):
+            loop = gm.graph.call_module(name, tuple(replaced.get(n, n) for n in sources))
+        replaced[region.end] = loop
+        loop.meta = dict(region.end.meta)
+        region.end.replace_all_uses_with(loop)
+        for node in sorted(region.dims, key=order.__getitem__, reverse=True):
+            if node not in region.copies:
+                gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()  # copies whose whole value no one outside reads any more
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,148 @@
+"""Which regions to chunk and how finely.
+
+Repeatedly: find the step of the schedule where estimated activation memory peaks; try
+every node in a window after it as the end of a region, along each of its dimensions; keep
+the region that lowers the whole graph's peak the most (scored at one row per slice, the
+least memory that region can reach). Stop when the highest unchunked step is no higher
+than what the chunked loops need at their finest, or nothing helps.
+
+Then choose slice sizes: each loop gets the largest slice whose step stays under the
+target. With a budget the target is the budget (an error with the numbers if the floor is
+above it); without one it is the highest unchunked step, or a loop's own floor plus
+``slack`` when that is higher, so no loop is cut finer than the graph as a whole needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from tessera.autochunk.memory import MemoryModel, Region, Timeline
+from tessera.autochunk.region import build_region
+from tessera.autochunk.rules import shape
+
+MiB = 1024 * 1024
+
+
+class BudgetError(ValueError):
+    """max_memory is below the least activation memory chunking can reach."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    regions: list[Region]
+    original_peak: int
+    estimated_peak: int
+    floor_peak: int
+    peak_node: str
+
+    def describe(self) -> str:
+        lines = [
+            f"activation peak {self.original_peak / MiB:.1f} MiB -> {self.estimated_peak / MiB:.1f} MiB "
+            f"(estimated; floor {self.floor_peak / MiB:.1f} MiB), {len(self.regions)} chunked region(s)"
+        ]
+        for r in self.regions:
+            lines.append(
+                f"  {r.end.name}: {len(r.dims)} nodes along dim {r.dims[r.end]} "
+                f"(length {r.length}) in slices of {r.chunk}"
+            )
+        return "\n".join(lines)
+
+
+def _at(regions: list[Region], chunk: int | None = None) -> list[Region]:
+    return [replace(r, chunk=chunk if chunk is not None else r.chunk) for r in regions]
+
+
+def _plain_peak(line: Timeline) -> tuple[int, int]:
+    best, where = 0, -1
+    for i, (step, b) in enumerate(zip(line.steps, line.bytes_at, strict=True)):
+        if step.region is None and b > best:
+            best, where = b, i
+    return best, where
+
+
+def _loop_bytes(model: MemoryModel, line: Timeline, region: Region, chunk: int) -> int:
+    """The loop step's bytes at ``chunk`` given a timeline computed with ``region.chunk``."""
+    i = next(i for i, s in enumerate(line.steps) if s.region is not None and s.region.end is region.end)
+    return line.bytes_at[i] - model.inner_peak(region) + model.inner_peak(region, chunk)
+
+
+def _largest_chunk(model: MemoryModel, line: Timeline, region: Region, target: int) -> int:
+    lo, hi = 1, region.length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _loop_bytes(model, line, region, mid) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def plan(
+    model: MemoryModel,
+    *,
+    max_memory: int | None = None,
+    max_regions: int = 32,
+    window: int = 48,
+    slack: float = 1.1,
+) -> Plan:
+    original = model.timeline([])
+    regions: list[Region] = []
+    while len(regions) < max_regions:
+        line = model.timeline(_at(regions, 1))
+        plain, where = _plain_peak(line)
+        loops = max(
+            (b for s, b in zip(line.steps, line.bytes_at, strict=True) if s.region is not None), default=0
+        )
+        if where < 0 or plain <= loops:
+            break
+        taken = {n for r in regions for n in r.dims if n not in r.copies}
+        pinned = frozenset(n for r in regions for n, _ in r.inputs)
+        start = model.order[line.steps[where].node]
+        # A region is worth taking if it lowers the peak, or (when several steps share the
+        # peak) lowers the memory summed over all steps without raising the peak.
+        best, best_score = None, (line.peak, sum(line.bytes_at) * 0.99)
+        for end in model.nodes[start : start + window]:
+            out = shape(end)
+            if out is None or end in taken:
+                continue
+            for d in range(len(out)):
+                for region in build_region(model, end, d, taken, pinned):
+                    trial = model.timeline(_at(regions + [region], 1))
+                    score = (trial.peak, sum(trial.bytes_at))  # ties on the peak: less memory overall
+                    if score < best_score:
+                        best, best_score = region, score
+        if best is None:
+            break
+        regions.append(best)
+
+    floor_line = model.timeline(_at(regions, 1))
+    floor = floor_line.peak
+    plain, _ = _plain_peak(floor_line)
+    if max_memory is not None:
+        if floor > max_memory:
+            step = floor_line.peak_step
+            raise BudgetError(
+                f"max_memory {max_memory / MiB:.1f} MiB is below what chunking can reach: the least "
+                f"estimated activation peak is {floor / MiB:.1f} MiB (at node {step.node.name!r}"
+                f"{', a chunked region at one row per slice' if step.region else ', which no region can slice'}"
+                f"); unchunked it is {original.peak / MiB:.1f} MiB"
+            )
+        target = max_memory
+    else:
+        loop_floor = max(
+            (b for s, b in zip(floor_line.steps, floor_line.bytes_at, strict=True) if s.region), default=0
+        )
+        target = max(plain, int(loop_floor * slack))
+    chosen = []
+    for region in _at(regions, 1):
+        chunk = _largest_chunk(model, floor_line, region, target)
+        if chunk < region.length:
+            chosen.append(replace(region, chunk=chunk))
+    final = model.timeline(chosen)
+    return Plan(
+        regions=chosen,
+        original_peak=original.peak,
+        estimated_peak=final.peak,
+        floor_peak=floor,
+        peak_node=final.peak_step.node.name if final.steps else "",
+    )
