@@ -143,6 +143,24 @@ class Comm:
         _reduce_scatter_flat(out.view(-1), src.view(-1), group=self.mesh.group(axis))
         return out.movedim(0, dim)
 
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, axis: str) -> None:
+        """Flat, in place: ``out`` (n x shard elements) becomes every rank's ``shard`` in axis order."""
+        if self.mesh.size(axis) == 1:
+            out.view(-1).copy_(shard.view(-1))
+            return
+        self.ledger.record("all_gather", axis, nbytes(shard))
+        _all_gather_flat(
+            out.view(-1), shard.contiguous().view(-1), group=self.mesh.group(axis), async_op=False
+        )
+
+    def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, axis: str) -> None:
+        """Flat, in place: ``out`` becomes my 1/n of the sum over ranks of ``full``."""
+        if self.mesh.size(axis) == 1:
+            out.view(-1).copy_(full.view(-1))
+            return
+        self.ledger.record("reduce_scatter", axis, nbytes(full))
+        _reduce_scatter_flat(out.view(-1), full.contiguous().view(-1), group=self.mesh.group(axis))
+
     def all_to_all(self, t: torch.Tensor, axis: str, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split ``t`` into equal chunks along ``scatter_dim``, send chunk i to rank i, and
         concatenate what arrives along ``gather_dim``. Differentiable: the gradient takes the
