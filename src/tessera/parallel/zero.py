@@ -154,7 +154,7 @@ class ZeroEngine:
         else:
             self.optimizer = optimizer
         if zero == 3:
-            for cg, shard in zip(self.groups, self.shards, strict=True):
+            for cg in self.groups:
                 cg.bind()
                 cg.release()
             self._install_stage3_hooks()
