@@ -12,11 +12,19 @@ with rtol 1e-5.
 
 import torch
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
+import tessera
+from tessera.models.dit import DiT, DiTConfig
 from tessera.runtime import spawn
-from tessera.train.boost import boost
-from tessera.train.plan import Plan
+from tessera.train.export import full_state_dict
 
 STEPS = 3
 GLOBAL_BATCH, SEQ, VOCAB = 8, 12, 128
@@ -55,15 +63,47 @@ def _gpt2():
     return model
 
 
+def _bert():
+    torch.manual_seed(0)
+    cfg = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=SEQ,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    return BertForMaskedLM(cfg)  # decoder tied to the word embedding
+
+
+def _dit():
+    torch.manual_seed(0)
+    return DiT(DiTConfig(image_size=8, patch_size=2, hidden_size=32, depth=2, num_heads=4))
+
+
 BUILDERS = {
     "llama": _llama,  # grouped-query attention: 4 query heads, 2 key/value heads
     "llama_tied": lambda: _llama(kv_heads=4, tied=True),
     "gpt2": _gpt2,
+    "bert": _bert,
+    "dit": _dit,
 }
 
 
-def _batches():
+def _batches(family="llama"):
     g = torch.Generator().manual_seed(3)
+    if family == "dit":
+        return [
+            (
+                torch.randn(GLOBAL_BATCH, 1, 8, 8, generator=g),
+                torch.rand(GLOBAL_BATCH, generator=g),
+                torch.randint(0, 10, (GLOBAL_BATCH,), generator=g),
+                torch.randn(GLOBAL_BATCH, 1, 8, 8, generator=g),
+            )
+            for _ in range(STEPS)
+        ]
     return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
@@ -73,6 +113,15 @@ def lm_loss(model, tokens):
     return nn.functional.cross_entropy(shifted, tokens[:, 1:].reshape(-1))
 
 
+def dit_loss(model, batch):
+    x, t, y, target = batch
+    return nn.functional.mse_loss(model(x, t, y), target)
+
+
+def _loss(family):
+    return dit_loss if family == "dit" else lm_loss
+
+
 def _optimizer(model):
     # eps 1e-4, not 1e-8: some elements' true gradient is exactly zero (attention ignores the
     # key bias), and Adam would turn their rounding noise (~1e-10) into lr-sized steps.
@@ -80,22 +129,19 @@ def _optimizer(model):
 
 
 def _full_params(model, optimizer) -> dict[str, torch.Tensor]:
-    if optimizer is not None and optimizer.plan.zero == 3:
-        optimizer.engine.gather_all()
-    out = {}
-    for name, p in model.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name] = t.detach().clone()
-    return out
+    """Parameters whole, in the model class's own layout (export's gather undoes TP layouts)."""
+    state = full_state_dict(model, optimizer)
+    names = [n for n, _ in model.named_parameters()]
+    return {n: state[n] for n in names}
 
 
 def reference(family: str, max_norm: float | None):
     model = BUILDERS[family]()
     opt = _optimizer(model)
     losses = []
-    for tokens in _batches():
+    for batch in _batches(family):
         opt.zero_grad()
-        loss = lm_loss(model, tokens)
+        loss = _loss(family)(model, batch)
         loss.backward()
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -108,8 +154,8 @@ def _worker(runs):
     results = []
     for family, plan_kwargs in runs:
         model = BUILDERS[family]()
-        model, opt = boost(model, _optimizer(model), Plan(**plan_kwargs))
-        losses = [opt.train_step(tokens, lm_loss)["loss"] for tokens in _batches()]
+        model, opt = tessera.boost(model, _optimizer(model), tessera.Plan(**plan_kwargs))
+        losses = [opt.train_step(batch, _loss(family))["loss"] for batch in _batches(family)]
         results.append((losses, _full_params(model, opt)))
     return results
 
@@ -161,5 +207,9 @@ def test_tensor_parallel_and_dp_x_tp_on_four_ranks():
         ("llama_tied", dict(tp=4, max_grad_norm=CLIP)),
         ("llama", dict(dp=2, tp=2, zero=2, grad_accum=2, max_grad_norm=CLIP)),
         ("llama", dict(dp=2, tp=2, zero=1)),
+        ("gpt2", dict(tp=4, max_grad_norm=CLIP)),
+        ("gpt2", dict(dp=2, tp=2, zero=2, grad_accum=2)),
+        ("bert", dict(dp=2, tp=2, max_grad_norm=CLIP)),
+        ("dit", dict(dp=2, tp=2, zero=1, max_grad_norm=CLIP)),
     ]
     _check(runs, spawn(_worker, 4, runs)[0])

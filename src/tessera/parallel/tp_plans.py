@@ -10,8 +10,10 @@ sizes, vocabulary) — a ``ValueError`` naming the value and the module otherwis
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 
@@ -36,6 +38,7 @@ class TPPlan:
     layers: dict[str, str]
     heads: dict[str, str] = field(default_factory=dict)  # module pattern -> attribute
     vocab_parallel_loss: bool = False
+    prepare: Callable[[nn.Module, int], None] | None = None  # layout changes the split needs
 
 
 LLAMA = TPPlan(
@@ -67,6 +70,12 @@ BERT = TPPlan(
     },
 )
 
+BERT_MLM = TPPlan(
+    family="bert_mlm",
+    layers={**BERT.layers, "cls.predictions.decoder": "vocab_logits"},
+    vocab_parallel_loss=True,
+)
+
 DIT = TPPlan(
     family="dit",
     layers={
@@ -80,7 +89,73 @@ DIT = TPPlan(
     heads={"blocks.*.attn": "num_heads"},
 )
 
-PLANS = {"llama": LLAMA, "bert": BERT, "dit": DIT}
+
+def _linear_from_conv1d(conv, rows=None) -> nn.Linear:
+    """GPT-2's Conv1D (y = x W + b, W stored in x out) as the nn.Linear computing the same,
+    optionally with its output features reordered by ``rows``."""
+    weight, bias = conv.weight.detach().t(), conv.bias.detach()
+    if rows is not None:
+        weight, bias = weight[rows], bias[rows]
+    linear = nn.Linear(weight.shape[1], weight.shape[0], device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        linear.bias.copy_(bias)
+    return linear
+
+
+def prepare_gpt2(model: nn.Module, degree: int) -> None:
+    """Make GPT-2 shardable by the plan: its Conv1D layers become nn.Linear (the transposed
+    weight), and the fused q|k|v projection's output features are reordered rank by rank
+    (rank r's block holds its heads' q, then k, then v), so a column split hands every rank
+    whole heads; each attention then splits its local q|k|v by its local width."""
+    from transformers.pytorch_utils import Conv1D
+
+    for block in model.transformer.h:
+        attn, mlp = block.attn, block.mlp
+        if not isinstance(attn.c_attn, Conv1D):
+            continue  # already prepared
+        width = attn.embed_dim
+        if attn.num_heads % degree:
+            raise ValueError(f"tp={degree} does not divide the {attn.num_heads} heads of GPT-2 attention")
+        per = width // degree
+        rows = gpt2_qkv_rows(width, degree)
+        attn.c_attn = _linear_from_conv1d(attn.c_attn, rows)
+        attn.c_proj = _linear_from_conv1d(attn.c_proj)
+        mlp.c_fc = _linear_from_conv1d(mlp.c_fc)
+        mlp.c_proj = _linear_from_conv1d(mlp.c_proj)
+        attn.split_size = per
+    model._tessera_gpt2_tp_degree = degree  # tessera.train.export undoes the layout change
+
+
+def gpt2_qkv_rows(width: int, degree: int) -> torch.Tensor:
+    """Fused q|k|v output features ordered rank by rank: rank r's block is its q, k, v heads."""
+    per = width // degree
+    return torch.cat(
+        [
+            torch.arange(part * width + r * per, part * width + (r + 1) * per)
+            for r in range(degree)
+            for part in range(3)
+        ]
+    )
+
+
+GPT2 = TPPlan(
+    family="gpt2",
+    layers={
+        "transformer.wte": "vocab_embedding",
+        "transformer.h.*.attn.c_attn": "colwise",
+        "transformer.h.*.attn.c_proj": "rowwise",
+        "transformer.h.*.mlp.c_fc": "colwise",
+        "transformer.h.*.mlp.c_proj": "rowwise",
+        "lm_head": "vocab_logits",
+    },
+    prepare=prepare_gpt2,
+    vocab_parallel_loss=True,
+)
+
+
+# Looked up by class name, first match wins: "BertForMaskedLM" before any other "Bert...".
+PLANS = {"gpt2": GPT2, "llama": LLAMA, "bertformaskedlm": BERT_MLM, "bert": BERT, "dit": DIT}
 
 
 def plan_for(model: nn.Module) -> TPPlan:
@@ -115,6 +190,9 @@ def apply_tp(model: nn.Module, plan: TPPlan, device_mesh, degree: int) -> nn.Mod
     """Shard ``model`` in place over ``device_mesh`` (1-D, size ``degree``) by ``plan``."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    _check_hf_heads(model, degree)
+    if plan.prepare is not None:
+        plan.prepare(model, degree)
     modules = dict(model.named_modules())
     resolved: dict[str, str] = {}
     for pattern, style in plan.layers.items():
@@ -147,7 +225,12 @@ def apply_tp(model: nn.Module, plan: TPPlan, device_mesh, degree: int) -> nn.Mod
             if fnmatch.fnmatchcase(name, pattern):
                 setattr(modules[name], attribute, getattr(modules[name], attribute) // degree)
     for (owner, attr), (source, source_attr) in tied:
-        setattr(owner, attr, getattr(source, source_attr))  # parallelize_module split the tie: restore it
+        # parallelize_module split the tie: restore it, keeping the sharded (DTensor) one
+        mine, theirs = getattr(owner, attr), getattr(source, source_attr)
+        if hasattr(mine, "placements") and not hasattr(theirs, "placements"):
+            setattr(source, source_attr, mine)
+        else:
+            setattr(owner, attr, theirs)
     return model
 
 

@@ -1,0 +1,79 @@
+"""Export a boosted model as a HuggingFace ``save_pretrained`` folder.
+
+Every rank takes part (the full tensors are gathered: stage 3 chunks over ``dp``, DTensor
+shards over ``tp``); one rank writes. Layout changes a tensor parallel plan made (GPT-2's
+Conv1D turned into Linear, its fused q|k|v rows reordered by rank) are undone, so the
+folder loads with the model class's own ``from_pretrained``. Written to a temporary folder
+and renamed into place: a crash never leaves a half-written export under the final name.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def full_state_dict(model: nn.Module, optimizer=None) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer whole, in the model class's own layout (a collective)."""
+    if optimizer is not None and getattr(optimizer, "plan", None) is not None and optimizer.plan.zero == 3:
+        optimizer.engine.gather_all()
+    state = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        state[name] = full.detach().clone()
+    degree = getattr(model, "_tessera_gpt2_tp_degree", None)
+    if degree is not None:
+        state = gpt2_hf_layout(model, state, degree)
+    return state
+
+
+def gpt2_hf_layout(model: nn.Module, state: dict[str, torch.Tensor], degree: int) -> dict[str, torch.Tensor]:
+    """Undo ``prepare_gpt2``: Linear weights back to Conv1D's (in x out), q|k|v rows back in order."""
+    from tessera.parallel.tp_plans import gpt2_qkv_rows
+
+    out = dict(state)
+    for i, block in enumerate(model.transformer.h):
+        prefix = f"transformer.h.{i}."
+        rows = gpt2_qkv_rows(block.attn.embed_dim, degree)
+        inverse = torch.empty_like(rows)
+        inverse[rows] = torch.arange(len(rows))
+        w, b = state[prefix + "attn.c_attn.weight"], state[prefix + "attn.c_attn.bias"]
+        out[prefix + "attn.c_attn.weight"] = w[inverse].t().contiguous()
+        out[prefix + "attn.c_attn.bias"] = b[inverse].contiguous()
+        for name in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            out[prefix + name + ".weight"] = state[prefix + name + ".weight"].t().contiguous()
+    return out
+
+
+def save_hf(model: nn.Module, optimizer, path: str | os.PathLike, *, is_writer: bool) -> None:
+    """Gather on every rank; ``is_writer`` writes ``path`` (atomically) with save_pretrained."""
+    state = full_state_dict(model, optimizer)
+    if not is_writer:
+        return
+    config = model.config
+    fresh = type(model)(config)
+    missing, unexpected = fresh.load_state_dict(state, strict=False)
+    if unexpected or [m for m in missing if not m.endswith(tuple(_tied_names(fresh)))]:
+        raise RuntimeError(
+            f"export does not match {type(model).__name__}: missing {missing}, unexpected {unexpected}"
+        )
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    fresh.save_pretrained(partial)
+    if path.exists():
+        shutil.rmtree(path)
+    os.replace(partial, path)
+
+
+def _tied_names(model: nn.Module) -> list[str]:
+    seen, tied = {}, []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            tied.append(name)
+        seen.setdefault(id(p), name)
+    return tied

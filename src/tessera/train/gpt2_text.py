@@ -1,0 +1,139 @@
+"""Recipe ``gpt2-text``: a small byte-level GPT-2 (HuggingFace ``GPT2LMHeadModel``) trained
+under any ``Plan`` on text that ships with Python itself — the sources of a fixed list of
+standard-library modules — so it runs offline anywhere.
+
+Every rank builds the same global batches from the step number (windows at positions drawn
+from a seeded generator); ``boost`` hands each data-parallel rank its share. Metrics per
+logged step: loss, tokens/s, achieved FLOP/s and an MFU estimate, peak resident memory of
+the rank, and the bytes each mesh axis moved.
+"""
+
+from __future__ import annotations
+
+import json
+import sysconfig
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+RECIPE_NAME = "gpt2-text"
+SOURCES = ("textwrap.py", "string.py", "fractions.py", "heapq.py", "bisect.py", "difflib.py", "shlex.py")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPT2TextRecipe:
+    n_embd: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    seq: int = 128
+    batch_size: int = 16
+    steps: int = 200
+    lr: float = 3e-3
+    seed: int = 0
+    log_every: int = 20
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if name != "lr" and (not isinstance(value, int) or value < (0 if name == "seed" else 1)):
+                raise ValueError(f"GPT2TextRecipe.{name} must be a positive integer, got {value!r}")
+
+
+def corpus() -> torch.Tensor:
+    """The bytes of the standard-library sources in SOURCES, as a 1-D uint8 tensor."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    data = b"\n".join((root / name).read_bytes() for name in SOURCES)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def global_batch(recipe: GPT2TextRecipe, step: int, text: torch.Tensor) -> torch.Tensor:
+    g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + step)
+    starts = torch.randint(0, len(text) - recipe.seq, (recipe.batch_size,), generator=g)
+    return torch.stack([text[s : s + recipe.seq] for s in starts.tolist()]).long()
+
+
+def build_model(recipe: GPT2TextRecipe) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(recipe.seed)
+    cfg = GPT2Config(
+        vocab_size=256,
+        n_embd=recipe.n_embd,
+        n_layer=recipe.n_layer,
+        n_head=recipe.n_head,
+        n_positions=recipe.seq,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=tokens).logits
+    return nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+    )
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, matmul_peak: float) -> dict:
+    """One rank of a run (called under spawn or torchrun)."""
+    from tqdm.auto import tqdm
+
+    import tessera
+    from tessera.runtime import Mesh
+    from tessera.train.export import save_hf
+
+    mesh = Mesh(dp=plan.dp, tp=plan.tp)
+    text = corpus()
+    model = build_model(recipe)
+    params = sum(p.numel() for p in model.parameters())
+    model, opt = tessera.boost(
+        model, torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0), plan, mesh
+    )
+    rank0 = torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
+    flops_per_token = 6 * params + 12 * recipe.n_layer * recipe.n_embd * recipe.seq
+    log = []
+    began = time.perf_counter()
+    window_start, window_tokens = began, 0
+    bar = tqdm(range(recipe.steps), desc="train", disable=not rank0)
+    for step in bar:
+        stats = opt.train_step(global_batch(recipe, step, text), lm_loss)
+        window_tokens += recipe.batch_size * recipe.seq
+        if (step + 1) % recipe.log_every == 0 or step + 1 == recipe.steps:
+            now = time.perf_counter()
+            tokens_per_s = window_tokens / (now - window_start)
+            entry = {
+                "step": step + 1,
+                "loss": stats["loss"],
+                "tokens_per_s": tokens_per_s,
+                "achieved_gflops": tokens_per_s * flops_per_token / 1e9,
+                "mfu": tokens_per_s * flops_per_token / (matmul_peak * plan.world_size),
+                "peak_rss_mib": _peak_rss_mib(),
+                "comm_bytes": {k: v["bytes"] for k, v in mesh.comm.ledger.snapshot().items()},
+            }
+            log.append(entry)
+            bar.set_postfix(
+                loss=f"{entry['loss']:.3f}", tok_s=f"{tokens_per_s:.0f}", mfu=f"{entry['mfu']:.1%}"
+            )
+            window_start, window_tokens = now, 0
+    seconds = time.perf_counter() - began
+    if out is not None:
+        save_hf(model, opt, out, is_writer=rank0)
+        if rank0:
+            (Path(out) / "train_log.json").write_text(
+                json.dumps({"plan": plan.to_dict(), "log": log}, indent=2)
+            )
+    return {"seconds": seconds, "final_loss": log[-1]["loss"], "log": log}

@@ -1,0 +1,70 @@
+"""Plan validation and the clear errors boost and the tensor parallel plans give."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tessera
+from tessera.parallel.tp_plans import LLAMA, TPPlan, apply_tp, plan_for
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(dp=0), "Plan.dp must be a positive integer, got 0"),
+        (dict(tp=1.5), "Plan.tp must be a positive integer, got 1.5"),
+        (dict(zero=4), "Plan.zero must be 0, 1, 2 or 3, got 4"),
+        (dict(precision="fp16"), "Plan.precision must be one of"),
+        (dict(grad_accum=0), "Plan.grad_accum must be a positive integer"),
+        (dict(max_grad_norm=-1.0), "Plan.max_grad_norm must be > 0 or None, got -1.0"),
+    ],
+)
+def test_bad_plans_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tessera.Plan(**kwargs)
+
+
+def _llama(heads=4, kv=2, vocab=128):
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+    )
+    return LlamaForCausalLM(cfg)
+
+
+def test_plan_whose_product_is_not_the_world_size():
+    model = _llama()
+    with pytest.raises(ValueError, match=r"Plan dp=2 x tp=2 = 4 processes, but the world has 1"):
+        tessera.boost(model, torch.optim.AdamW(model.parameters()), tessera.Plan(dp=2, tp=2))
+
+
+def test_tp_degree_must_divide_heads_hidden_and_vocabulary():
+    with pytest.raises(ValueError, match=r"tp=4 does not divide num_key_value_heads=2 of LlamaForCausalLM"):
+        apply_tp(_llama(), LLAMA, None, 4)
+    with pytest.raises(ValueError, match=r"tp=3 does not divide num_attention_heads=4 of LlamaForCausalLM"):
+        apply_tp(_llama(), LLAMA, None, 3)
+    with pytest.raises(
+        ValueError, match=r"tp=2 does not divide the vocabulary \(127\) of module 'model.embed_tokens'"
+    ):
+        apply_tp(_llama(vocab=127), LLAMA, None, 2)
+
+
+def test_plan_pattern_matching_nothing_and_unknown_model():
+    bad = TPPlan(family="llama", layers={**LLAMA.layers, "model.layers.*.self_attn.qkv": "colwise"})
+    with pytest.raises(
+        ValueError, match=r"pattern 'model.layers.\*.self_attn.qkv' matches no module of LlamaForCausalLM"
+    ):
+        apply_tp(_llama(), bad, None, 2)
+    with pytest.raises(ValueError, match=r"no tensor parallel plan for Sequential; plans exist for"):
+        plan_for(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+
+
+def test_optimizer_must_hold_the_models_parameters():
+    model = _llama()
+    stray = torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match="the optimizer holds 1 tensor"):
+        tessera.boost(model, torch.optim.SGD([*model.parameters(), stray], lr=0.1), tessera.Plan())
