@@ -237,12 +237,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from tessera.bench.dap import plot_dap, run_dap_bench
 
         result, plot = run_dap_bench(quick=args.quick), plot_dap
+    elif args.name == "train":
+        from tessera.bench.train import plot_train, run_train_bench
+
+        result, plot = run_train_bench(quick=args.quick), plot_train
     elif args.name == "autochunk":
         from tessera.bench.autochunk import plot_autochunk, run_autochunk_bench
 
         result, plot = run_autochunk_bench(quick=args.quick), plot_autochunk
     else:
-        raise UserError(f"unknown benchmark {args.name!r}; available: dit, dap, autochunk")
+        raise UserError(f"unknown benchmark {args.name!r}; available: dit, dap, autochunk, train")
     paths = write_results(result, args.out, plot)
     print("headline: " + ", ".join(f"{k}={v}" for k, v in result.headline.items()))
     print("wrote " + ", ".join(str(p) for p in paths))
@@ -313,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_generate)
 
     p = sub.add_parser("bench", help="run a benchmark (baseline and Tessera in one run)")
-    p.add_argument("name", help="benchmark: dit, dap or autochunk")
+    p.add_argument("name", help="benchmark: dit, dap, autochunk or train")
     p.add_argument("--quick", action="store_true", help="small version, under two minutes on 2 cores")
     p.add_argument("--out", default="benchmarks/results", help="folder for NAME.json / .md / .png")
     p.add_argument(

@@ -17,9 +17,10 @@ def _named():
 def test_pack_keeps_order_values_and_alignment():
     chunks = pack(_named(), chunk_elems=20, align=4)
     layout = [[(s.name, s.offset) for s in c.slots] for c in chunks]
-    # a (12) + b (5) fill the first chunk; big (40) gets its own; c starts a new one.
+    # a (12) + b (5) fill the first chunk; big (40) gets its own; c starts a new one. Each is
+    # trimmed to what it holds, rounded up to the alignment: 17 -> 20, 40, 4.
     assert layout == [[("a", 0), ("b", 12)], [("big", 0)], [("c", 0)]]
-    assert [c.capacity for c in chunks] == [20, 40, 20] and all(c.capacity % 4 == 0 for c in chunks)
+    assert [c.capacity for c in chunks] == [20, 40, 4] and all(c.capacity % 4 == 0 for c in chunks)
     for name, tensor in _named():
         chunk = next(c for c in chunks if any(s.name == name for s in c.slots))
         slot = next(s for s in chunk.slots if s.name == name)

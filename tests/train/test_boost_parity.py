@@ -213,3 +213,28 @@ def test_tensor_parallel_and_dp_x_tp_on_four_ranks():
         ("dit", dict(dp=2, tp=2, zero=1, max_grad_norm=CLIP)),
     ]
     _check(runs, spawn(_worker, 4, runs)[0])
+
+
+def _export_worker(folder):
+    model = BUILDERS["gpt2"]()
+    del model.unused
+    model, opt = tessera.boost(model, _optimizer(model), tessera.Plan(tp=2, zero=0))
+    for batch in _batches()[:1]:
+        opt.train_step(batch, lm_loss)
+    from tessera.train.export import save_hf
+
+    save_hf(model, opt, folder, is_writer=torch.distributed.get_rank() == 0)
+    return _full_params(model, opt)
+
+
+def test_export_after_tensor_parallel_loads_with_from_pretrained(tmp_path):
+    """GPT-2 trained at tp=2 (Conv1D turned Linear, q|k|v reordered) exports to a folder
+    GPT2LMHeadModel.from_pretrained loads with the same (HF-layout) weights."""
+    folder = tmp_path / "gpt2-export"
+    params = spawn(_export_worker, 2, str(folder))[0]
+    loaded = GPT2LMHeadModel.from_pretrained(folder)
+    assert not list(tmp_path.glob(".*partial*"))  # written atomically: no temporary left
+    for name, p in loaded.named_parameters():
+        torch.testing.assert_close(p, params[name], rtol=0, atol=0, msg=name)
+    logits = loaded(input_ids=_batches()[0][:2]).logits
+    assert logits.shape == (2, SEQ, VOCAB) and torch.isfinite(logits).all()

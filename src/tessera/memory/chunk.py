@@ -61,6 +61,14 @@ class Chunk:
     def view(self, slot: Slot) -> torch.Tensor:
         return self.buffer[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
+    def trim(self, align: int = 1) -> None:
+        """Shrink the capacity to what is used, rounded up to a multiple of ``align`` (the
+        last chunk of a model is usually far from full)."""
+        capacity = self.used + (-self.used % align)
+        if capacity < self.capacity:
+            self.buffer = self.buffer[:capacity].clone()
+            self.capacity = capacity
+
     def shard(self, rank: int, world: int) -> torch.Tensor:
         """Rank ``rank``'s equal 1/``world`` of the buffer (capacity is a multiple of ``world``)."""
         assert self.capacity % world == 0, "chunk capacity must be padded to the world size"
@@ -77,7 +85,8 @@ def pack(
 ) -> list[Chunk]:
     """Tensors, in the given order, into chunks of ``chunk_elems`` elements (rounded up to a
     multiple of ``align``); a tensor larger than that gets a chunk of exactly its size
-    (rounded up likewise). Tensors of different dtypes go to different chunks."""
+    (rounded up likewise). Tensors of different dtypes go to different chunks. Each chunk is
+    then trimmed to what it holds (rounded up to ``align``)."""
     if chunk_elems < 1 or align < 1:
         raise ValueError(f"chunk_elems and align must be >= 1, got {chunk_elems} and {align}")
     chunks: list[Chunk] = []
@@ -90,4 +99,6 @@ def pack(
             chunks.append(current)
             open_chunk[tensor.dtype] = current
         current.append(name, tensor)
+    for chunk in chunks:
+        chunk.trim(align)
     return chunks

@@ -158,6 +158,9 @@ class ZeroEngine:
                 cg.bind()
                 cg.release()
             self._install_stage3_hooks()
+        else:
+            for cg in self.groups:
+                cg.release()  # the packed copy is not needed: parameters keep their own storage
         for p in self.owner:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -259,18 +262,26 @@ class ZeroEngine:
 
     # ---- stage 3 ---------------------------------------------------------------------------
     def _install_stage3_hooks(self) -> None:
+        """Gather a chunk before the first module that uses it runs forward, free it after
+        the last one (in the order recorded on the first forward; until then after each
+        module), gather it again when backward reaches a module using it, and free it once
+        its gradients are reduced."""
         by_module: dict[nn.Module, list[ChunkGroup]] = {}
         for module in self.model.modules():
             mine = {self.owner[p] for p in module.parameters(recurse=False) if p in self.owner}
             if mine:
                 by_module[module] = sorted(mine, key=self.groups.index)
         shard_of = dict(zip(self.groups, self.shards, strict=True))
+        order: list[nn.Module] = []
+        last_user: dict[ChunkGroup, nn.Module] = {}
 
         def gather(groups):
             for cg in groups:
                 cg.gather(shard_of[cg].detach(), self.comm)
 
         def pre_forward(module, args):
+            if not last_user:
+                order.append(module)
             gather(by_module[module])
 
         def post_forward(module, args, output):
@@ -286,15 +297,19 @@ class ZeroEngine:
                         tensors, lambda grads: gather(groups), mode="any"
                     )
             for cg in groups:
-                if not any(cg in by_module[m] for m in self._running - {module}):
+                if last_user.get(cg, module) is module:
                     cg.release()
 
-        self._running: set[nn.Module] = set()
+        def end_of_forward(module, args, output):
+            if not last_user and order:
+                for m in order:
+                    for cg in by_module[m]:
+                        last_user[cg] = m
+
         for module in by_module:
-            module.register_forward_pre_hook(lambda m, a: self._running.add(m))
             module.register_forward_pre_hook(pre_forward)
             module.register_forward_hook(post_forward)
-            module.register_forward_hook(lambda m, a, o: self._running.discard(m))
+        self.model.register_forward_hook(end_of_forward)
 
     def gather_all(self) -> None:
         """Stage 3: make every parameter whole (for evaluation or saving)."""
