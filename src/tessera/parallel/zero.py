@@ -260,6 +260,41 @@ class ZeroEngine:
         for p in self.owner:
             p.grad = None
 
+    # ---- loading (tessera.train.sharded_checkpoint) -----------------------------------------
+    def load_local(self, p: nn.Parameter, kind: str, local: torch.Tensor, scalars: dict) -> None:
+        """Set this rank's piece of parameter ``p`` (``kind`` "param") or of one of its
+        per-element optimizer states from ``local`` (p's whole local tensor)."""
+        cg = self.owner[p]
+        slot = cg.chunk.slots[next(i for i, q in enumerate(cg.params) if q is p)]
+        with torch.no_grad():
+            if kind == "param" and self.zero < 3:
+                _local(p.data).copy_(local)
+            if self.zero == 0:
+                if kind != "param":
+                    value = local.clone()
+                    if hasattr(p, "placements"):
+                        from torch.distributed.tensor import DTensor
+
+                        value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
+                    state = self.optimizer.state[p]
+                    state[kind] = value
+                    state.update({k: torch.tensor(v) for k, v in scalars.items()})
+                return
+            shard = self.shards[self.groups.index(cg)]
+            lo = cg.rank * cg.shard_size
+            a, b = max(lo, slot.offset), min(lo + cg.shard_size, slot.offset + slot.numel)
+            if a >= b:
+                return
+            piece = local.reshape(-1)[a - slot.offset : b - slot.offset]
+            if kind == "param":
+                shard.data[a - lo : b - lo] = piece
+            else:
+                state = self.optimizer.state[shard]
+                if kind not in state:
+                    state[kind] = torch.zeros_like(shard.data)
+                state[kind][a - lo : b - lo] = piece
+                state.update({k: torch.tensor(v) for k, v in scalars.items()})
+
     # ---- stage 3 ---------------------------------------------------------------------------
     def _install_stage3_hooks(self) -> None:
         """Gather a chunk before the first module that uses it runs forward, free it after

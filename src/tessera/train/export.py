@@ -33,20 +33,36 @@ def full_state_dict(model: nn.Module, optimizer=None) -> dict[str, torch.Tensor]
 
 def gpt2_hf_layout(model: nn.Module, state: dict[str, torch.Tensor], degree: int) -> dict[str, torch.Tensor]:
     """Undo ``prepare_gpt2``: Linear weights back to Conv1D's (in x out), q|k|v rows back in order."""
+    return {name: gpt2_tensor_layout(name, t, degree, to_hf=True) for name, t in state.items()}
+
+
+_GPT2_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
+def gpt2_tensor_layout(name: str, t: torch.Tensor, degree: int, *, to_hf: bool) -> torch.Tensor:
+    """One GPT-2 tensor between HF's layout and ``prepare_gpt2``'s at tensor parallel ``degree``
+    (``to_hf`` False: HF -> prepared). Other tensors pass through."""
     from tessera.parallel.tp_plans import gpt2_qkv_rows
 
-    out = dict(state)
-    for i, block in enumerate(model.transformer.h):
-        prefix = f"transformer.h.{i}."
-        rows = gpt2_qkv_rows(block.attn.embed_dim, degree)
-        inverse = torch.empty_like(rows)
-        inverse[rows] = torch.arange(len(rows))
-        w, b = state[prefix + "attn.c_attn.weight"], state[prefix + "attn.c_attn.bias"]
-        out[prefix + "attn.c_attn.weight"] = w[inverse].t().contiguous()
-        out[prefix + "attn.c_attn.bias"] = b[inverse].contiguous()
-        for name in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
-            out[prefix + name + ".weight"] = state[prefix + name + ".weight"].t().contiguous()
-    return out
+    layer = next(
+        (k for k in _GPT2_LINEARS if name.endswith(f".{k}.weight") or name.endswith(f".{k}.bias")), None
+    )
+    if layer is None or ".h." not in name:
+        return t
+    is_weight = name.endswith(".weight")
+    if not to_hf and is_weight:
+        t = t.t()
+    if layer == "attn.c_attn":
+        rows = gpt2_qkv_rows(t.shape[0] // 3, degree)
+        if to_hf:
+            inverse = torch.empty_like(rows)
+            inverse[rows] = torch.arange(len(rows))
+            t = t[inverse]
+        else:
+            t = t[rows]
+    if to_hf and is_weight:
+        t = t.t()
+    return t.contiguous()
 
 
 def save_hf(model: nn.Module, optimizer, path: str | os.PathLike, *, is_writer: bool) -> None:
