@@ -101,3 +101,25 @@ def test_nproc_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--recipe", "digits-dit", "--nproc", "0"])
     assert "expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_train_gpt2_text_under_a_plan_then_resume_under_another(tmp_path, capsys):
+    out = tmp_path / "gpt2"
+    common = ["train", "--recipe", "gpt2-text", "--out", str(out)]
+    assert cli.main([*common, "--nproc", "2", "--zero", "3", "--grad-accum", "2", "--steps", "3"]) == 0
+    assert "trained 3 steps of gpt2-text with dp=2 tp=1 zero=3" in capsys.readouterr().out
+    assert cli.main([*common, "--nproc", "2", "--tp", "2", "--steps", "5", "--resume"]) == 0
+    assert "trained 2 steps of gpt2-text with dp=1 tp=2 zero=0" in capsys.readouterr().out
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(out / "hf")  # the export loads with HF's own class
+    assert model.config.vocab_size == 256
+    capsys.readouterr()  # from_pretrained's progress bar
+    assert "already holds a checkpoint" in _error_of(capsys, [*common, "--nproc", "2"])
+    assert "--nproc 2 is not a multiple of --tp 3" in _error_of(
+        capsys, [*common, "--nproc", "2", "--tp", "3", "--resume"]
+    )
+    assert "Plan dp=2 x tp=2 = 4 processes, but the world has 2" in _error_of(
+        capsys, [*common, "--nproc", "2", "--dp", "2", "--tp", "2", "--resume"]
+    )
+    assert "apply to gpt2-text" in _error_of(capsys, ["train", "--recipe", "digits-dit", "--zero", "2"])

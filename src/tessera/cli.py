@@ -50,10 +50,25 @@ def _world() -> int:
 def cmd_train(args: argparse.Namespace) -> None:
     from tessera.runtime import spawn
     from tessera.train import checkpoint as ckpt
+    from tessera.train import gpt2_text
     from tessera.train.digits_dit import RECIPE_NAME, DigitsDiTRecipe
 
+    if args.recipe == gpt2_text.RECIPE_NAME:
+        return _train_with_plan(args)
     if args.recipe != RECIPE_NAME:
-        raise UserError(f"unknown recipe {args.recipe!r}; available: {RECIPE_NAME}")
+        raise UserError(f"unknown recipe {args.recipe!r}; available: {RECIPE_NAME}, {gpt2_text.RECIPE_NAME}")
+    if (args.dp, args.tp, args.zero, args.grad_accum, args.max_grad_norm, args.precision) != (
+        None,
+        1,
+        0,
+        1,
+        None,
+        "fp32",
+    ):
+        raise UserError(
+            f"recipe {RECIPE_NAME} trains data parallel over --nproc only; --dp/--tp/--zero/--grad-accum/"
+            f"--max-grad-norm/--precision apply to {gpt2_text.RECIPE_NAME}"
+        )
     overrides = {
         k: v
         for k, v in (("steps", args.steps), ("seed", args.seed), ("batch_size", args.batch_size))
@@ -81,6 +96,60 @@ def cmd_train(args: argparse.Namespace) -> None:
         f"trained {summary['steps_run']} steps on {args.nproc} process(es) in "
         f"{time.perf_counter() - began:.1f}s (loop {summary['seconds']:.1f}s); "
         f"final loss {summary['final_loss']:.4f}; checkpoint: {out}"
+    )
+
+
+def _train_with_plan(args: argparse.Namespace) -> None:
+    import tessera
+    from tessera.bench.train import matmul_peak_flops
+    from tessera.runtime import spawn
+    from tessera.train import gpt2_text
+
+    if args.dp is None and args.nproc % args.tp:
+        raise UserError(
+            f"--nproc {args.nproc} is not a multiple of --tp {args.tp}: dp x tp must equal the processes"
+        )
+    dp = args.dp if args.dp is not None else args.nproc // args.tp
+    try:
+        plan = tessera.Plan(
+            dp=dp,
+            tp=args.tp,
+            zero=args.zero,
+            precision=args.precision,
+            grad_accum=args.grad_accum,
+            max_grad_norm=args.max_grad_norm,
+        )
+        plan.check_world(args.nproc)
+        overrides = {
+            k: v
+            for k, v in (("steps", args.steps), ("seed", args.seed), ("batch_size", args.batch_size))
+            if v is not None
+        }
+        recipe = gpt2_text.GPT2TextRecipe(**overrides)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    if recipe.batch_size % (plan.dp * plan.grad_accum):
+        raise UserError(
+            f"batch size {recipe.batch_size} does not split into dp={plan.dp} x grad_accum={plan.grad_accum}"
+        )
+    out = Path(args.out)
+    if not args.resume and (out / "checkpoint").exists():
+        raise UserError(
+            f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out"
+        )
+    peak = matmul_peak_flops()
+    began = time.perf_counter()
+    call = (recipe, plan, str(out), args.resume, peak)
+    if args.nproc == 1:
+        summary = gpt2_text.train_rank(*call)
+    else:
+        summary = spawn(gpt2_text.train_rank, args.nproc, *call, timeout_s=args.timeout)[0]
+    last = summary["log"][-1] if summary["log"] else {}
+    print(
+        f"trained {summary['steps_run']} steps of {gpt2_text.RECIPE_NAME} with dp={plan.dp} tp={plan.tp} "
+        f"zero={plan.zero} in {time.perf_counter() - began:.1f}s; final loss {summary['final_loss']}; "
+        f"{last.get('tokens_per_s', 0):.0f} tokens/s, MFU {last.get('mfu', 0):.1%}, peak RSS {last.get('peak_rss_mib', 0):.0f} MiB (rank 0); "
+        f"checkpoint: {out / 'checkpoint'}, HuggingFace export: {out / 'hf'}"
     )
 
 
@@ -274,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a recipe with data parallel processes")
-    p.add_argument("--recipe", required=True, help="recipe name (digits-dit)")
+    p.add_argument("--recipe", required=True, help="recipe name (digits-dit, gpt2-text)")
     p.add_argument("--nproc", type=_positive_int, default=1, help="local processes (ranks)")
     p.add_argument("--out", default="runs/digits-dit", help="checkpoint folder")
     p.add_argument("--steps", type=_positive_int, help="total optimizer steps")
@@ -282,6 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int)
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is ended")
+    p.add_argument("--dp", type=_positive_int, help="data parallel degree (default: nproc / tp)")
+    p.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel degree")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over dp")
+    p.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step")
+    p.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm")
+    p.add_argument(
+        "--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast, fp32 master"
+    )
     p.set_defaults(handler=cmd_train)
 
     p = sub.add_parser(

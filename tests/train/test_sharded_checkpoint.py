@@ -154,3 +154,24 @@ def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
         sc.load_sharded(llama, llama_opt, tmp_path / "gpt2")
     with pytest.raises(CheckpointError, match="config.json is missing"):
         sc.load_sharded(model, opt, tmp_path / "nothing")
+
+
+def _continue_worker(folder, plan_kwargs):
+    model, opt = _boosted(tessera.Plan(**plan_kwargs))
+    sc.load_sharded(model, opt, folder)
+    return opt.train_step(_batch(2), lm_loss)["loss"], full_state_dict(model, opt)
+
+
+def test_load_into_other_plans_continues_the_same_training(tmp_path):
+    """Saved at dp2 x tp2 (ZeRO-2), resumed at dp2 ZeRO-3 and at tp2 ZeRO-1: the next step
+    gives the loss and parameters the original run got (fp32 rounding only)."""
+    folder = tmp_path / "ckpt"
+    _, _, next_loss, full_after = spawn(_save_worker, 4, str(folder))[0]
+    for plan_kwargs in (dict(dp=2, zero=3, chunk_mib=0.01), dict(tp=2, zero=1)):
+        loss, params = spawn(_continue_worker, 2, str(folder), plan_kwargs)[0]
+        assert loss == pytest.approx(next_loss, rel=1e-5), plan_kwargs
+        for name, ref in full_after.items():
+            if name in params:
+                torch.testing.assert_close(
+                    params[name], ref, rtol=1e-4, atol=1e-5, msg=f"{plan_kwargs} {name}"
+                )

@@ -88,13 +88,14 @@ def _peak_rss_mib() -> float:
     return 0.0
 
 
-def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, matmul_peak: float) -> dict:
+def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matmul_peak: float) -> dict:
     """One rank of a run (called under spawn or torchrun)."""
     from tqdm.auto import tqdm
 
     import tessera
     from tessera.runtime import Mesh
     from tessera.train.export import save_hf
+    from tessera.train.sharded_checkpoint import load_sharded, save_sharded
 
     mesh = Mesh(dp=plan.dp, tp=plan.tp)
     text = corpus()
@@ -103,12 +104,15 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, matmul_peak: float
     model, opt = tessera.boost(
         model, torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0), plan, mesh
     )
+    first = 0
+    if resume:
+        first = load_sharded(model, opt, Path(out) / "checkpoint")["extra"]["step"]
     rank0 = torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
     flops_per_token = 6 * params + 12 * recipe.n_layer * recipe.n_embd * recipe.seq
     log = []
     began = time.perf_counter()
     window_start, window_tokens = began, 0
-    bar = tqdm(range(recipe.steps), desc="train", disable=not rank0)
+    bar = tqdm(range(first, recipe.steps), desc="train", disable=not rank0)
     for step in bar:
         stats = opt.train_step(global_batch(recipe, step, text), lm_loss)
         window_tokens += recipe.batch_size * recipe.seq
@@ -131,9 +135,17 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, matmul_peak: float
             window_start, window_tokens = now, 0
     seconds = time.perf_counter() - began
     if out is not None:
-        save_hf(model, opt, out, is_writer=rank0)
+        save_sharded(
+            model, opt, Path(out) / "checkpoint", extra={"step": recipe.steps, "recipe": asdict(recipe)}
+        )
+        save_hf(model, opt, Path(out) / "hf", is_writer=rank0)
         if rank0:
             (Path(out) / "train_log.json").write_text(
                 json.dumps({"plan": plan.to_dict(), "log": log}, indent=2)
             )
-    return {"seconds": seconds, "final_loss": log[-1]["loss"], "log": log}
+    return {
+        "seconds": seconds,
+        "steps_run": recipe.steps - first,
+        "final_loss": log[-1]["loss"] if log else None,
+        "log": log,
+    }

@@ -135,8 +135,8 @@ def _scalars(optimizer) -> dict:
     return {}
 
 
-def save_sharded(model: nn.Module, optimizer, path: str | Path) -> Path:
-    """Every rank calls this; see the module doc."""
+def save_sharded(model: nn.Module, optimizer, path: str | Path, *, extra: dict | None = None) -> Path:
+    """Every rank calls this; see the module doc. ``extra`` (JSON) is kept in config.json."""
     rank, world = _rank_world()
     path = Path(path)
     staging = path.with_name(f".{path.name}.partial")
@@ -176,6 +176,7 @@ def save_sharded(model: nn.Module, optimizer, path: str | Path) -> Path:
             "gpt2_tp_degree": getattr(model, "_tessera_gpt2_tp_degree", None),
             "optimizer": type(optimizer.engine.optimizer).__name__,
             "scalars": _scalars(optimizer),
+            "extra": extra or {},
         }
         (staging / "config.json").write_text(json.dumps(meta, indent=2))
         _swap_into_place(staging, path)
