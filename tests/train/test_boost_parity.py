@@ -135,13 +135,14 @@ def _full_params(model, optimizer) -> dict[str, torch.Tensor]:
     return {n: state[n] for n in names}
 
 
-def reference(family: str, max_norm: float | None):
+def reference(family: str, max_norm: float | None, precision: str = "fp32"):
     model = BUILDERS[family]()
     opt = _optimizer(model)
     losses = []
     for batch in _batches(family):
         opt.zero_grad()
-        loss = _loss(family)(model, batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = _loss(family)(model, batch)
         loss.backward()
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -162,12 +163,20 @@ def _worker(runs):
 
 def _check(runs, results):
     for (family, plan_kwargs), (losses, params) in zip(runs, results, strict=True):
-        ref_losses, ref_params = reference(family, plan_kwargs.get("max_grad_norm"))
+        precision = plan_kwargs.get("precision", "fp32")
+        ref_losses, ref_params = reference(family, plan_kwargs.get("max_grad_norm"), precision)
+        # bf16 autocast: matmuls round to 8 bits of mantissa, and a half-batch rounds
+        # differently from the whole one, so losses agree to ~1e-3; Adam turns the rounding
+        # of a near-zero gradient into a visibly different step for a few elements
+        # (measured: 1 of 4096 at 3.2e-3 after 3 steps of lr 1e-2). fp32 as above.
+        loss_tol, param_tol = (
+            ((1e-5, 1e-6), (1e-4, 1e-5)) if precision == "fp32" else ((5e-3, 5e-3), (2e-2, 6e-3))
+        )
         torch.testing.assert_close(
             torch.tensor(losses),
             torch.tensor(ref_losses),
-            rtol=1e-5,
-            atol=1e-6,
+            rtol=loss_tol[0],
+            atol=loss_tol[1],
             msg=f"{family} {plan_kwargs} losses {losses} vs {ref_losses}",
         )
         assert ref_params.keys() == params.keys()
@@ -176,8 +185,8 @@ def _check(runs, results):
             torch.testing.assert_close(
                 params[name],
                 ref,
-                rtol=1e-4,
-                atol=1e-5,
+                rtol=param_tol[0],
+                atol=param_tol[1],
                 msg=lambda m, n=name, label=label: f"{label} {n}: {m}",
             )
         start = dict(BUILDERS[family]().named_parameters())
@@ -198,6 +207,7 @@ def test_data_parallel_and_zero_stages_on_two_ranks():
         ("gpt2", dict(dp=2, zero=2, grad_accum=2, max_grad_norm=CLIP)),
         ("gpt2", dict(dp=2, zero=3, grad_accum=2, max_grad_norm=CLIP, chunk_mib=0.01)),
         ("llama", dict(dp=2, zero=3)),
+        ("llama", dict(dp=2, zero=2, precision="bf16")),
     ]
     _check(runs, spawn(_worker, 2, runs)[0])
 

@@ -68,3 +68,20 @@ def test_optimizer_must_hold_the_models_parameters():
     stray = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="the optimizer holds 1 tensor"):
         tessera.boost(model, torch.optim.SGD([*model.parameters(), stray], lr=0.1), tessera.Plan())
+
+
+def test_bf16_plan_runs_the_forward_under_autocast_with_fp32_master_weights():
+    model = _llama()
+    model, opt = tessera.boost(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-3), tessera.Plan(precision="bf16")
+    )
+    seen = {}
+
+    def loss_fn(m, tokens):
+        logits = m(input_ids=tokens).logits
+        seen["logits"] = logits.dtype
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, 128), tokens.reshape(-1))
+
+    stats = opt.train_step(torch.randint(0, 128, (4, 8)), loss_fn)
+    assert seen["logits"] == torch.bfloat16 and stats["loss"] > 0
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32

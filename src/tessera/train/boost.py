@@ -85,7 +85,7 @@ class BoostedOptimizer:
         self.zero_grad()
         total = 0.0
         autocast = (
-            torch.autocast(device_type=self.mesh.device().type, dtype=torch.bfloat16)
+            torch.autocast(device_type=self.mesh.device.type, dtype=torch.bfloat16)
             if self.plan.precision == "bf16"
             else contextlib.nullcontext()
         )
