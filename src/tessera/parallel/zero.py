@@ -1,5 +1,6 @@
 """Data parallelism and ZeRO 1/2/3 as settings of one core: parameters grouped into flat
-chunks (``tessera.memory.chunk``), each chunk split into equal shards over the ``dp`` axis.
+chunks (``tessera.memory.chunk_manager``), each chunk split into equal shards over the
+``dp`` axis. This module is the sharding: who owns which range, and the collectives.
 
 One chunk is the unit of every collective: after backward, a chunk's gradients are copied
 into one flat buffer as soon as the last of its parameters has its gradient, and reduced in
@@ -33,72 +34,9 @@ import math
 import torch
 from torch import nn
 
-from tessera.memory.chunk import pack
+from tessera.memory.chunk_manager import ChunkManager, ParamChunk
+from tessera.memory.chunk_manager import local as _local
 from tessera.runtime import Mesh
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _tp_sharded(p: torch.Tensor) -> bool:
-    placements = getattr(p, "placements", ())
-    return any(pl.is_shard() for pl in placements)
-
-
-class ChunkGroup:
-    """The parameters of one chunk: their slots, the shard this rank owns, and (stage 3) the
-    full buffer their data lives in."""
-
-    def __init__(
-        self, chunk, params: list[nn.Parameter], group_index: int, tp_sharded: bool, mesh: Mesh, axis
-    ):
-        self.chunk, self.params, self.group_index, self.tp_sharded = chunk, params, group_index, tp_sharded
-        self.mesh, self.axis = mesh, axis
-        self.dp = mesh.size(axis)
-        self.rank = mesh.rank(axis)
-        self.pending = len(params)
-        self.reduced = False
-        self.full = True
-
-    @property
-    def shard_size(self) -> int:
-        return self.chunk.capacity // self.dp
-
-    def flat_grads(self) -> torch.Tensor:
-        flat = torch.zeros(self.chunk.capacity, dtype=torch.float32, device=self.chunk.buffer.device)
-        for slot, p in zip(self.chunk.slots, self.params, strict=True):
-            if p.grad is not None and hasattr(p, "placements") and p.grad.placements != p.placements:
-                # a tied parameter used by differently sharded modules can get its gradient
-                # in another layout: bring it to the parameter's own
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-            if p.grad is not None:
-                flat[slot.offset : slot.offset + slot.numel].copy_(_local(p.grad).reshape(-1))
-        return flat
-
-    def write_params(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            for slot, p in zip(self.chunk.slots, self.params, strict=True):
-                _local(p.data).copy_(flat[slot.offset : slot.offset + slot.numel].view_as(_local(p.data)))
-
-    # stage 3: the chunk's buffer is the parameters' storage
-    def bind(self) -> None:
-        for slot, p in zip(self.chunk.slots, self.params, strict=True):
-            p.data = self.chunk.view(slot)
-
-    def release(self) -> None:
-        if self.full:
-            self.chunk.buffer.untyped_storage().resize_(0)
-            self.full = False
-
-    def gather(self, shard: torch.Tensor, comm) -> None:
-        if self.full:
-            return
-        buffer = self.chunk.buffer
-        buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
-            comm.all_gather_into(buffer, shard, self.axis)
-        self.full = True
 
 
 class ZeroEngine:
@@ -124,26 +62,18 @@ class ZeroEngine:
         self.max_grad_norm = max_grad_norm
         self.comm = mesh.comm
         self.sync = True
-        self.groups: list[ChunkGroup] = []
-        self.owner: dict[nn.Parameter, ChunkGroup] = {}
         dp = mesh.size(axis)
-        for gi, group in enumerate(optimizer.param_groups):
-            params = [p for p in group["params"] if p.requires_grad]
-            for kind in (True, False):
-                chosen = [p for p in params if _tp_sharded(p) == kind]
-                if not chosen:
-                    continue
-                named = [(str(i), _local(p.detach()).float()) for i, p in enumerate(chosen)]
-                for chunk in pack(named, chunk_elems=chunk_elems, align=dp, device=_local(chosen[0]).device):
-                    members = [chosen[int(slot.name)] for slot in chunk.slots]
-                    cg = ChunkGroup(chunk, members, gi, kind, mesh, axis)
-                    self.groups.append(cg)
-                    for p in members:
-                        self.owner[p] = cg
+        self.dp, self.rank = dp, mesh.rank(axis)
+        self.manager = ChunkManager(optimizer.param_groups, chunk_elems=chunk_elems, align=dp)
+        self.groups: list[ParamChunk] = self.manager.chunks
+        self.owner = self.manager.owner
+        self.pending = {cg: len(cg.params) for cg in self.groups}
+        self.reduced = {cg: False for cg in self.groups}
+        self.grad_shard: dict[ParamChunk, torch.Tensor | None] = {}
         self.shards: list[nn.Parameter] = []
         if zero >= 1:
             for cg in self.groups:
-                shard = nn.Parameter(cg.chunk.shard(cg.rank, dp).clone())
+                shard = nn.Parameter(cg.chunk.shard(self.rank, dp).clone())
                 self.shards.append(shard)
             inner_groups = []
             for gi, group in enumerate(optimizer.param_groups):
@@ -156,11 +86,11 @@ class ZeroEngine:
         if zero == 3:
             for cg in self.groups:
                 cg.bind()
-                cg.release()
+                cg.free()
             self._install_stage3_hooks()
         else:
             for cg in self.groups:
-                cg.release()  # the packed copy is not needed: parameters keep their own storage
+                cg.free()  # the packed copy is not needed: parameters keep their own storage
         for p in self.owner:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -178,32 +108,45 @@ class ZeroEngine:
         if not self.sync:
             return
         cg = self.owner[p]
-        cg.pending -= 1
-        if cg.pending == 0:
+        self.pending[cg] -= 1
+        if self.pending[cg] == 0:
             self._reduce(cg)
 
-    def _reduce(self, cg: ChunkGroup) -> None:
+    def shard_bounds(self, cg: ParamChunk) -> tuple[int, int]:
+        """The flat range of ``cg`` this rank owns."""
+        size = cg.chunk.capacity // self.dp
+        return self.rank * size, (self.rank + 1) * size
+
+    def _reduce(self, cg: ParamChunk) -> None:
         flat = cg.flat_grads()
+        lo, hi = self.shard_bounds(cg)
         if self.zero <= 1:
             self.comm.all_reduce(flat, self.axis, op="avg")
-            for slot, p in zip(cg.chunk.slots, cg.params, strict=True):
-                if p.grad is not None:
-                    _local(p.grad).copy_(flat[slot.offset : slot.offset + slot.numel].view_as(_local(p.grad)))
-            cg.grad_shard = flat[cg.rank * cg.shard_size : (cg.rank + 1) * cg.shard_size].clone()
+            cg.write_grads(flat)
+            self.grad_shard[cg] = flat[lo:hi].clone()
         else:
-            shard = torch.empty(cg.shard_size, dtype=flat.dtype, device=flat.device)
+            shard = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
             self.comm.reduce_scatter_into(shard, flat, self.axis)
-            cg.grad_shard = shard.div_(cg.dp)
+            self.grad_shard[cg] = shard.div_(self.dp)
             for p in cg.params:
                 p.grad = None
             if self.zero == 3:
-                cg.release()
-        cg.reduced = True
+                cg.free()
+        self.reduced[cg] = True
+
+    def gather(self, cg: ParamChunk, shard: torch.Tensor) -> None:
+        """Stage 3: refill ``cg``'s buffer from every rank's shard (autograd's saved views of
+        it stay valid: their version counter is left as it was)."""
+        if cg.resident:
+            return
+        buffer = cg.restore()
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
+            self.comm.all_gather_into(buffer, shard, self.axis)
 
     def finish_backward(self) -> None:
         """Reduce chunks some of whose parameters got no gradient this step (unused ones)."""
         for cg in self.groups:
-            if not cg.reduced:
+            if not self.reduced[cg]:
                 self._reduce(cg)
 
     # ---- optimizer -------------------------------------------------------------------------
@@ -217,7 +160,7 @@ class ZeroEngine:
                     torch.zeros((), dtype=torch.float64),
                 )
             else:
-                part = cg.grad_shard.double().pow(2).sum()
+                part = self.grad_shard[cg].double().pow(2).sum()
             if self.tp_axis is not None and not cg.tp_sharded:
                 part = part / self.mesh.size(self.tp_axis)  # every tp rank holds the same copy
             total += part
@@ -240,10 +183,10 @@ class ZeroEngine:
                             if p.grad is not None:
                                 p.grad.mul_(scale)
                     else:
-                        cg.grad_shard.mul_(scale)
+                        self.grad_shard[cg].mul_(scale)
         if self.zero >= 1:
             for cg, shard in zip(self.groups, self.shards, strict=True):
-                shard.grad = cg.grad_shard
+                shard.grad = self.grad_shard[cg]
         self.optimizer.step()
         if self.zero in (1, 2):
             for cg, shard in zip(self.groups, self.shards, strict=True):
@@ -251,8 +194,8 @@ class ZeroEngine:
                 self.comm.all_gather_into(full, shard.detach(), self.axis)
                 cg.write_params(full)
         for cg in self.groups:
-            cg.pending, cg.reduced = len(cg.params), False
-            cg.grad_shard = None
+            self.pending[cg], self.reduced[cg] = len(cg.params), False
+        self.grad_shard.clear()
         return norm
 
     def zero_grad(self) -> None:
@@ -265,7 +208,7 @@ class ZeroEngine:
         """Set this rank's piece of parameter ``p`` (``kind`` "param") or of one of its
         per-element optimizer states from ``local`` (p's whole local tensor)."""
         cg = self.owner[p]
-        slot = cg.chunk.slots[next(i for i, q in enumerate(cg.params) if q is p)]
+        slot = cg.slot_of(p)
         with torch.no_grad():
             if kind == "param" and self.zero < 3:
                 _local(p.data).copy_(local)
@@ -281,8 +224,8 @@ class ZeroEngine:
                     state.update({k: torch.tensor(v) for k, v in scalars.items()})
                 return
             shard = self.shards[self.groups.index(cg)]
-            lo = cg.rank * cg.shard_size
-            a, b = max(lo, slot.offset), min(lo + cg.shard_size, slot.offset + slot.numel)
+            lo, hi = self.shard_bounds(cg)
+            a, b = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
             if a >= b:
                 return
             piece = local.reshape(-1)[a - slot.offset : b - slot.offset]
@@ -301,18 +244,18 @@ class ZeroEngine:
         the last one (in the order recorded on the first forward; until then after each
         module), gather it again when backward reaches a module using it, and free it once
         its gradients are reduced."""
-        by_module: dict[nn.Module, list[ChunkGroup]] = {}
+        by_module: dict[nn.Module, list[ParamChunk]] = {}
         for module in self.model.modules():
             mine = {self.owner[p] for p in module.parameters(recurse=False) if p in self.owner}
             if mine:
                 by_module[module] = sorted(mine, key=self.groups.index)
         shard_of = dict(zip(self.groups, self.shards, strict=True))
         order: list[nn.Module] = []
-        last_user: dict[ChunkGroup, nn.Module] = {}
+        last_user: dict[ParamChunk, nn.Module] = {}
 
         def gather(groups):
             for cg in groups:
-                cg.gather(shard_of[cg].detach(), self.comm)
+                self.gather(cg, shard_of[cg].detach())
 
         def pre_forward(module, args):
             if not last_user:
@@ -333,7 +276,7 @@ class ZeroEngine:
                     )
             for cg in groups:
                 if last_user.get(cg, module) is module:
-                    cg.release()
+                    cg.free()
 
         def end_of_forward(module, args, output):
             if not last_user and order:
@@ -349,7 +292,7 @@ class ZeroEngine:
     def gather_all(self) -> None:
         """Stage 3: make every parameter whole (for evaluation or saving)."""
         for cg, shard in zip(self.groups, self.shards, strict=True):
-            cg.gather(shard.detach(), self.comm)
+            self.gather(cg, shard.detach())
 
 
 def chunk_elems_for(mib: float) -> int:

@@ -89,7 +89,7 @@ def _pieces(optimizer):
             local_shape = list(slot.shape)
             numel = slot.numel
             if engine.zero >= 1:
-                lo, hi = cg.rank * cg.shard_size, (cg.rank + 1) * cg.shard_size
+                lo, hi = engine.shard_bounds(cg)
                 a, b = max(lo, slot.offset), min(hi, slot.offset + numel)
                 if a < b:
                     shard = engine.shards[i]

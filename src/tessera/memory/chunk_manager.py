@@ -1,0 +1,101 @@
+"""Parameters living in chunks: which chunk holds which parameter, and the chunk's storage.
+
+``ChunkManager`` packs a model's trainable parameters into flat chunks (``chunk.py``), one
+optimizer group and one kind (tensor-parallel-sharded or not) per chunk, in the optimizer's
+order. Each ``ParamChunk`` knows its parameters' slots and can:
+
+- copy their gradients into one flat buffer, or a flat buffer back into the parameters;
+- ``bind`` the parameters to views of the chunk buffer, so the chunk is their storage;
+- ``free`` that storage (size 0, views kept) and ``restore`` it for refilling.
+
+Nothing here communicates or decides who owns what: sharding over ranks is
+``tessera.parallel.zero``'s job; moving chunks between memory tiers builds on ``free`` /
+``restore``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tessera.memory.chunk import Chunk, Slot, pack
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor itself, or a DTensor's local shard."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def tp_sharded(p: torch.Tensor) -> bool:
+    return any(pl.is_shard() for pl in getattr(p, "placements", ()))
+
+
+class ParamChunk:
+    def __init__(self, chunk: Chunk, params: list[nn.Parameter], group_index: int, tp_sharded: bool):
+        self.chunk, self.params, self.group_index, self.tp_sharded = chunk, params, group_index, tp_sharded
+        self.resident = True
+
+    def slot_of(self, p: nn.Parameter) -> Slot:
+        return self.chunk.slots[next(i for i, q in enumerate(self.params) if q is p)]
+
+    def flat_grads(self) -> torch.Tensor:
+        """Every parameter's gradient in its slot (zeros where a parameter got none), fp32."""
+        flat = torch.zeros(self.chunk.capacity, dtype=torch.float32, device=self.chunk.buffer.device)
+        for slot, p in zip(self.chunk.slots, self.params, strict=True):
+            if p.grad is not None and hasattr(p, "placements") and p.grad.placements != p.placements:
+                # a tied parameter used by differently sharded modules can get its gradient
+                # in another layout: bring it to the parameter's own
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            if p.grad is not None:
+                flat[slot.offset : slot.offset + slot.numel].copy_(local(p.grad).reshape(-1))
+        return flat
+
+    def write_grads(self, flat: torch.Tensor) -> None:
+        for slot, p in zip(self.chunk.slots, self.params, strict=True):
+            if p.grad is not None:
+                local(p.grad).copy_(flat[slot.offset : slot.offset + slot.numel].view_as(local(p.grad)))
+
+    def write_params(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            for slot, p in zip(self.chunk.slots, self.params, strict=True):
+                local(p.data).copy_(flat[slot.offset : slot.offset + slot.numel].view_as(local(p.data)))
+
+    def bind(self) -> None:
+        """Make the chunk buffer the parameters' storage."""
+        for slot, p in zip(self.chunk.slots, self.params, strict=True):
+            p.data = self.chunk.view(slot)
+
+    def free(self) -> None:
+        if self.resident:
+            self.chunk.buffer.untyped_storage().resize_(0)
+            self.resident = False
+
+    def restore(self) -> torch.Tensor:
+        """Give the buffer its storage back (contents undefined until refilled)."""
+        buffer = self.chunk.buffer
+        if not self.resident:
+            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+            self.resident = True
+        return buffer
+
+
+class ChunkManager:
+    """The trainable parameters of an optimizer's groups, packed into ParamChunks."""
+
+    def __init__(self, param_groups: list[dict], *, chunk_elems: int, align: int):
+        self.chunks: list[ParamChunk] = []
+        self.owner: dict[nn.Parameter, ParamChunk] = {}
+        for gi, group in enumerate(param_groups):
+            params = [p for p in group["params"] if p.requires_grad]
+            for kind in (True, False):
+                chosen = [p for p in params if tp_sharded(p) == kind]
+                if not chosen:
+                    continue
+                named = [(str(i), local(p.detach()).float()) for i, p in enumerate(chosen)]
+                for chunk in pack(
+                    named, chunk_elems=chunk_elems, align=align, device=local(chosen[0]).device
+                ):
+                    pc = ParamChunk(chunk, [chosen[int(slot.name)] for slot in chunk.slots], gi, kind)
+                    self.chunks.append(pc)
+                    for p in pc.params:
+                        self.owner[p] = pc
