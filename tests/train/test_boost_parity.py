@@ -11,54 +11,26 @@ with rtol 1e-5.
 """
 
 import torch
+from tiny_lm import SEQ, VOCAB, tiny_gpt2, tiny_llama
 from torch import nn
 from transformers import (
     BertConfig,
     BertForMaskedLM,
-    GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
 )
 
 import tessera
 from tessera.models.dit import DiT, DiTConfig
 from tessera.runtime import spawn
 from tessera.train.export import full_state_dict
+from tessera.train.losses import causal_lm_loss
 
 STEPS = 3
-GLOBAL_BATCH, SEQ, VOCAB = 8, 12, 128
-
-
-def _llama(kv_heads=2, tied=False):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=tied,
-        attn_implementation="eager",
-    )
-    return LlamaForCausalLM(cfg)
+GLOBAL_BATCH = 8
 
 
 def _gpt2():
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        vocab_size=VOCAB,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=SEQ,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
-    model = GPT2LMHeadModel(cfg)  # lm_head is tied to the token embedding
+    model = tiny_gpt2()  # lm_head is tied to the token embedding
     model.unused = nn.Linear(4, 4)  # a parameter no step uses
     return model
 
@@ -84,8 +56,8 @@ def _dit():
 
 
 BUILDERS = {
-    "llama": _llama,  # grouped-query attention: 4 query heads, 2 key/value heads
-    "llama_tied": lambda: _llama(kv_heads=4, tied=True),
+    "llama": tiny_llama,  # grouped-query attention: 4 query heads, 2 key/value heads
+    "llama_tied": lambda: tiny_llama(kv_heads=4, tied=True),
     "gpt2": _gpt2,
     "bert": _bert,
     "dit": _dit,
@@ -107,19 +79,13 @@ def _batches(family="llama"):
     return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def lm_loss(model, tokens):
-    logits = model(input_ids=tokens).logits
-    shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
-    return nn.functional.cross_entropy(shifted, tokens[:, 1:].reshape(-1))
-
-
 def dit_loss(model, batch):
     x, t, y, target = batch
     return nn.functional.mse_loss(model(x, t, y), target)
 
 
 def _loss(family):
-    return dit_loss if family == "dit" else lm_loss
+    return dit_loss if family == "dit" else causal_lm_loss
 
 
 def _optimizer(model):
@@ -230,7 +196,7 @@ def _export_worker(folder):
     del model.unused
     model, opt = tessera.boost(model, _optimizer(model), tessera.Plan(tp=2, zero=0))
     for batch in _batches()[:1]:
-        opt.train_step(batch, lm_loss)
+        opt.train_step(batch, causal_lm_loss)
     from tessera.train.export import save_hf
 
     save_hf(model, opt, folder, is_writer=torch.distributed.get_rank() == 0)

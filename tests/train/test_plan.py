@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny_lm import tiny_llama
 
 import tessera
 from tessera.parallel.tp_plans import LLAMA, TPPlan, apply_tp, plan_for
@@ -24,16 +24,8 @@ def test_bad_plans_are_named(kwargs, message):
         tessera.Plan(**kwargs)
 
 
-def _llama(heads=4, kv=2, vocab=128):
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-    )
-    return LlamaForCausalLM(cfg)
+def _llama(vocab=128):
+    return tiny_llama(layers=1, vocab=vocab)
 
 
 def test_plan_whose_product_is_not_the_world_size():

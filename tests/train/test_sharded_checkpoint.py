@@ -3,44 +3,22 @@ and back, bit-exact; training continues identically; crashes and foreign checkpo
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from tiny_lm import SEQ, VOCAB, tiny_gpt2, tiny_llama
 
 import tessera
 from tessera.runtime import spawn
 from tessera.train import sharded_checkpoint as sc
 from tessera.train.checkpoint import CheckpointError
 from tessera.train.export import full_state_dict
-
-VOCAB, SEQ = 128, 12
-
-
-def _gpt2(width=32):
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=width,
-            n_layer=2,
-            n_head=4,
-            n_positions=SEQ,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-    )
+from tessera.train.losses import causal_lm_loss
 
 
 def _batch(i):
     return torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(10 + i))
 
 
-def lm_loss(model, tokens):
-    logits = model(input_ids=tokens).logits
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
-
-
 def _boosted(plan):
-    model = _gpt2()
+    model = tiny_gpt2()
     return tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4), plan)
 
 
@@ -60,10 +38,10 @@ def _local_snapshot(model, opt):
 def _save_worker(folder):
     model, opt = _boosted(tessera.Plan(dp=2, tp=2, zero=2))
     for i in range(2):
-        opt.train_step(_batch(i), lm_loss)
+        opt.train_step(_batch(i), causal_lm_loss)
     sc.save_sharded(model, opt, folder)
     snapshot, full = _local_snapshot(model, opt), full_state_dict(model, opt)
-    next_loss = opt.train_step(_batch(2), lm_loss)["loss"]
+    next_loss = opt.train_step(_batch(2), causal_lm_loss)["loss"]
     return snapshot, full, next_loss, full_state_dict(model, opt)
 
 
@@ -85,7 +63,7 @@ def test_save_at_dp2_tp2_load_in_one_process_and_back(tmp_path):
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), full[name], rtol=0, atol=0, msg=name)  # bit-exact
     # training goes on as it did on four ranks (sums in another order: fp32 rounding only)
-    assert opt.train_step(_batch(2), lm_loss)["loss"] == pytest.approx(next_loss, rel=1e-5)
+    assert opt.train_step(_batch(2), causal_lm_loss)["loss"] == pytest.approx(next_loss, rel=1e-5)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), full_after[name], rtol=1e-4, atol=1e-5, msg=name)
 
@@ -101,7 +79,7 @@ def test_save_at_dp2_tp2_load_in_one_process_and_back(tmp_path):
 
 def test_zero3_round_trip_in_one_process(tmp_path):
     model, opt = _boosted(tessera.Plan(zero=3, chunk_mib=0.01))
-    opt.train_step(_batch(0), lm_loss)
+    opt.train_step(_batch(0), causal_lm_loss)
     sc.save_sharded(model, opt, tmp_path / "z3")
     expected = full_state_dict(model, opt)
     model2, opt2 = _boosted(tessera.Plan())
@@ -115,7 +93,7 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     model, opt = _boosted(tessera.Plan())
     sc.save_sharded(model, opt, tmp_path / "ckpt")
     before = full_state_dict(model, opt)
-    opt.train_step(_batch(0), lm_loss)
+    opt.train_step(_batch(0), causal_lm_loss)
 
     def crash(*args, **kwargs):
         raise OSError("disk full")
@@ -133,22 +111,13 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
     model, opt = _boosted(tessera.Plan())
     sc.save_sharded(model, opt, tmp_path / "gpt2")
-    wider = _gpt2(width=64)
+    wider = tiny_gpt2(width=64)
     wider, wider_opt = tessera.boost(wider, torch.optim.AdamW(wider.parameters()), tessera.Plan())
     with pytest.raises(
         CheckpointError, match=r"is from a different model: parameters differ at \['transformer.wte.weight'"
     ):
         sc.load_sharded(wider, wider_opt, tmp_path / "gpt2")
-    llama = LlamaForCausalLM(
-        LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-        )
-    )
+    llama = tiny_llama(layers=1)
     llama, llama_opt = tessera.boost(llama, torch.optim.AdamW(llama.parameters()), tessera.Plan())
     with pytest.raises(CheckpointError, match="holds a GPT2LMHeadModel, not a LlamaForCausalLM"):
         sc.load_sharded(llama, llama_opt, tmp_path / "gpt2")
@@ -159,7 +128,7 @@ def test_checkpoint_of_another_model_is_refused_by_name(tmp_path):
 def _continue_worker(folder, plan_kwargs):
     model, opt = _boosted(tessera.Plan(**plan_kwargs))
     sc.load_sharded(model, opt, folder)
-    return opt.train_step(_batch(2), lm_loss)["loss"], full_state_dict(model, opt)
+    return opt.train_step(_batch(2), causal_lm_loss)["loss"], full_state_dict(model, opt)
 
 
 def test_load_into_other_plans_continues_the_same_training(tmp_path):

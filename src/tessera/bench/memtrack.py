@@ -16,26 +16,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from tessera.memory.track import TensorMemory
+from tessera.memory.track import TensorMemory, reset_peak_rss, status_kib
 
 __all__ = ["TensorMemory", "fresh_process_env", "rss_peak_during"]
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def rss_peak_during(fn: Callable[[], object]) -> tuple[int, object]:
     """(peak resident bytes above the resident bytes before, fn's result)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current VmRSS
-    before = _status_kib("VmRSS")
+    before = reset_peak_rss()
     result = fn()
-    return (_status_kib("VmHWM") - before) * 1024, result
+    return (status_kib("VmHWM") - before) * 1024, result
 
 
 def fresh_process_env(threads: int = 1) -> dict[str, str]:

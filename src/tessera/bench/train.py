@@ -22,6 +22,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from tessera.bench.harness import BenchResult
+from tessera.memory.track import reset_peak_rss, status_kib
+from tessera.train.losses import causal_lm_loss
 
 MiB = 2**20
 RANKS = 2
@@ -79,27 +81,6 @@ def _batches(cfg: TrainBenchConfig) -> list[torch.Tensor]:
     ]
 
 
-def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=tokens).logits
-    return nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
-    )
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> int:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kib("VmRSS")
-
-
 def _rank_run(variant: str, cfg: TrainBenchConfig) -> dict:
     import torch.distributed as dist
 
@@ -108,7 +89,7 @@ def _rank_run(variant: str, cfg: TrainBenchConfig) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     batches = _batches(cfg)
     local = cfg.global_batch // world
-    before = _reset_peak()
+    before = reset_peak_rss()
     model = _model(cfg)
     ledger = None
     if variant.startswith("tessera"):
@@ -127,7 +108,7 @@ def _rank_run(variant: str, cfg: TrainBenchConfig) -> dict:
         ledger = mesh.comm.ledger
 
         def step(tokens):
-            return opt.train_step(tokens, lm_loss)["loss"]
+            return opt.train_step(tokens, causal_lm_loss)["loss"]
 
     elif variant == "deepspeed_zero3":
         import deepspeed
@@ -143,7 +124,7 @@ def _rank_run(variant: str, cfg: TrainBenchConfig) -> dict:
         )
 
         def step(tokens):
-            loss = lm_loss(engine, tokens[rank * local : (rank + 1) * local])
+            loss = causal_lm_loss(engine, tokens[rank * local : (rank + 1) * local])
             engine.backward(loss)
             engine.step()
             return loss.item()
@@ -165,7 +146,7 @@ def _rank_run(variant: str, cfg: TrainBenchConfig) -> dict:
 
         def step(tokens):
             opt.zero_grad()
-            loss = lm_loss(wrapped, tokens[rank * local : (rank + 1) * local])
+            loss = causal_lm_loss(wrapped, tokens[rank * local : (rank + 1) * local])
             loss.backward()
             opt.step()
             return loss.item()
@@ -182,7 +163,7 @@ def _rank_run(variant: str, cfg: TrainBenchConfig) -> dict:
     comm = ledger.snapshot() if ledger is not None else {}
     return {
         "seconds": seconds,
-        "peak_mib": (_status_kib("VmHWM") - before) / 1024,
+        "peak_mib": (status_kib("VmHWM") - before) / 1024,
         "loss": losses[-1],
         "comm_bytes_per_step": {k: v["bytes"] / cfg.steps for k, v in comm.items()},
     }

@@ -49,3 +49,22 @@ class TensorMemory(TorchDispatchMode):
             self.current += storage.nbytes()
         self.peak = max(self.peak, self.current)
         return out
+
+
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (e.g. "VmRSS", "VmHWM"); 0 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak_rss() -> int:
+    """Reset the resident-set high-water mark (VmHWM) to now; returns VmRSS in KiB."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_kib("VmRSS")

@@ -19,6 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tessera.memory.track import status_kib
+from tessera.train.losses import causal_lm_loss
+
 RECIPE_NAME = "gpt2-text"
 SOURCES = ("textwrap.py", "string.py", "fractions.py", "heapq.py", "bisect.py", "difflib.py", "shlex.py")
 
@@ -73,21 +76,6 @@ def build_model(recipe: GPT2TextRecipe) -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=tokens).logits
-    return nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
-    )
-
-
-def _peak_rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matmul_peak: float) -> dict:
     """One rank of a run (called under spawn or torchrun)."""
     from tqdm.auto import tqdm
@@ -114,7 +102,7 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
     window_start, window_tokens = began, 0
     bar = tqdm(range(first, recipe.steps), desc="train", disable=not rank0)
     for step in bar:
-        stats = opt.train_step(global_batch(recipe, step, text), lm_loss)
+        stats = opt.train_step(global_batch(recipe, step, text), causal_lm_loss)
         window_tokens += recipe.batch_size * recipe.seq
         if (step + 1) % recipe.log_every == 0 or step + 1 == recipe.steps:
             now = time.perf_counter()
@@ -125,7 +113,7 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
                 "tokens_per_s": tokens_per_s,
                 "achieved_gflops": tokens_per_s * flops_per_token / 1e9,
                 "mfu": tokens_per_s * flops_per_token / (matmul_peak * plan.world_size),
-                "peak_rss_mib": _peak_rss_mib(),
+                "peak_rss_mib": status_kib("VmHWM") / 1024,
                 "comm_bytes": {k: v["bytes"] for k, v in mesh.comm.ledger.snapshot().items()},
             }
             log.append(entry)
