@@ -74,7 +74,8 @@ def _swap_into_place(staging: Path, directory: Path) -> None:
     shutil.rmtree(retired, ignore_errors=True)
 
 
-def read_config(directory: str | Path) -> dict[str, Any]:
+def read_config(directory: str | Path, expected_format: str = FORMAT) -> dict[str, Any]:
+    """A checkpoint folder's config.json, checked to be of ``expected_format``."""
     directory = Path(directory)
     path = directory / "config.json"
     if not directory.is_dir():
@@ -85,9 +86,9 @@ def read_config(directory: str | Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is corrupt: {exc}") from None
-    if not isinstance(config, dict) or config.get("format") != FORMAT:
+    if not isinstance(config, dict) or config.get("format") != expected_format:
         found = config.get("format") if isinstance(config, dict) else type(config).__name__
-        raise CheckpointError(f"{path} has format {found!r}; expected {FORMAT!r}")
+        raise CheckpointError(f"{path} has format {found!r}; expected {expected_format!r}")
     return config
 
 

@@ -31,7 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from tessera.train.checkpoint import CheckpointError, _swap_into_place
+from tessera.train.checkpoint import CheckpointError, _swap_into_place, read_config
 from tessera.train.export import gpt2_tensor_layout
 
 FORMAT = "tessera-sharded"
@@ -184,24 +184,11 @@ def save_sharded(model: nn.Module, optimizer, path: str | Path, *, extra: dict |
     return path
 
 
-def _read_meta(path: Path) -> dict:
-    config = path / "config.json"
-    if not config.is_file():
-        raise CheckpointError(f"no sharded checkpoint at {path}: config.json is missing")
-    try:
-        meta = json.loads(config.read_text())
-    except json.JSONDecodeError as exc:
-        raise CheckpointError(f"{config} is corrupt: {exc}") from None
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{config} has format {meta.get('format')!r}; expected {FORMAT!r}")
-    return meta
-
-
 def load_sharded(model: nn.Module, optimizer, path: str | Path) -> dict:
     """Load parameters and optimizer state saved under any plan into this boosted model and
     optimizer (every rank calls it); returns the checkpoint's config."""
     path = Path(path)
-    meta = _read_meta(path)
+    meta = read_config(path, FORMAT)
     mine = _model_identity(model)
     if meta["model"]["class"] != mine["class"]:
         raise CheckpointError(f"{path} holds a {meta['model']['class']}, not a {mine['class']}")
