@@ -183,8 +183,9 @@ def test_tensor_parallel_and_dp_x_tp_on_four_ranks():
         ("llama_tied", dict(tp=4, max_grad_norm=CLIP)),
         ("llama", dict(dp=2, tp=2, zero=2, grad_accum=2, max_grad_norm=CLIP)),
         ("llama", dict(dp=2, tp=2, zero=1)),
+        ("llama_tied", dict(dp=2, tp=2, zero=3, chunk_mib=0.01)),
         ("gpt2", dict(tp=4, max_grad_norm=CLIP)),
-        ("gpt2", dict(dp=2, tp=2, zero=2, grad_accum=2)),
+        ("gpt2", dict(dp=2, tp=2, zero=3, grad_accum=2, max_grad_norm=CLIP)),
         ("bert", dict(dp=2, tp=2, max_grad_norm=CLIP)),
         ("dit", dict(dp=2, tp=2, zero=1, max_grad_norm=CLIP)),
     ]

@@ -132,12 +132,13 @@ def _continue_worker(folder, plan_kwargs):
 
 
 def test_load_into_other_plans_continues_the_same_training(tmp_path):
-    """Saved at dp2 x tp2 (ZeRO-2), resumed at dp2 ZeRO-3 and at tp2 ZeRO-1: the next step
-    gives the loss and parameters the original run got (fp32 rounding only)."""
+    """Saved at dp2 x tp2 (ZeRO-2), resumed at dp2 ZeRO-3, tp2 ZeRO-1 and dp2 x tp2 ZeRO-3: the
+    next step gives the loss and parameters the original run got (fp32 rounding only)."""
     folder = tmp_path / "ckpt"
     _, _, next_loss, full_after = spawn(_save_worker, 4, str(folder))[0]
-    for plan_kwargs in (dict(dp=2, zero=3, chunk_mib=0.01), dict(tp=2, zero=1)):
-        loss, params = spawn(_continue_worker, 2, str(folder), plan_kwargs)[0]
+    for plan_kwargs in (dict(dp=2, zero=3, chunk_mib=0.01), dict(tp=2, zero=1), dict(dp=2, tp=2, zero=3)):
+        ranks = plan_kwargs.get("dp", 1) * plan_kwargs.get("tp", 1)
+        loss, params = spawn(_continue_worker, ranks, str(folder), plan_kwargs)[0]
         assert loss == pytest.approx(next_loss, rel=1e-5), plan_kwargs
         for name, ref in full_after.items():
             if name in params:

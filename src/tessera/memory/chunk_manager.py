@@ -61,9 +61,13 @@ class ParamChunk:
                 local(p.data).copy_(flat[slot.offset : slot.offset + slot.numel].view_as(local(p.data)))
 
     def bind(self) -> None:
-        """Make the chunk buffer the parameters' storage."""
+        """Make the chunk buffer the parameters' storage (a DTensor's local shard, for
+        tensor parallel parameters: ``.data`` assignment would copy it instead)."""
         for slot, p in zip(self.chunk.slots, self.params, strict=True):
-            p.data = self.chunk.view(slot)
+            if hasattr(p, "_local_tensor"):
+                p._local_tensor = self.chunk.view(slot)
+            else:
+                p.data = self.chunk.view(slot)
 
     def free(self) -> None:
         if self.resident:

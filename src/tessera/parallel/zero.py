@@ -21,7 +21,8 @@ Stage 3 keeps only that shard between uses: a chunk's parameters are views of on
 buffer whose storage is emptied after use and refilled by an all-gather before a module's
 forward, and again before its backward (autograd's saved views see the refilled storage).
 
-Tensor parallel parameters (DTensors) take part through their local shards; a chunk holds
+Tensor parallel parameters (DTensors) take part through their local shards (at stage 3 the local
+shard itself is bound to the chunk buffer); a chunk holds
 parameters of one optimizer group and one kind (sharded over ``tp`` or replicated on it), so
 the global gradient norm counts each replicated element once.
 """
@@ -55,8 +56,6 @@ class ZeroEngine:
         max_grad_norm: float | None = None,
         tp_axis: str | None = None,
     ):
-        if zero == 3 and tp_axis is not None and mesh.size(tp_axis) > 1:
-            raise ValueError("zero=3 with tp > 1 is not supported yet; use zero <= 2 with tensor parallel")
         self.model, self.user_optimizer, self.zero, self.mesh, self.axis = model, optimizer, zero, mesh, axis
         self.tp_axis = tp_axis if tp_axis is not None and mesh.size(tp_axis) > 1 else None
         self.max_grad_norm = max_grad_norm
