@@ -123,12 +123,16 @@ def _worker(runs):
         model = BUILDERS[family]()
         model, opt = tessera.boost(model, _optimizer(model), tessera.Plan(**plan_kwargs))
         losses = [opt.train_step(batch, _loss(family))["loss"] for batch in _batches(family)]
-        results.append((losses, _full_params(model, opt)))
+        results.append((losses, _full_params(model, opt), opt.mesh.comm.ledger.snapshot()))
     return results
 
 
 def _check(runs, results):
-    for (family, plan_kwargs), (losses, params) in zip(runs, results, strict=True):
+    for (family, plan_kwargs), (losses, params, comm) in zip(runs, results, strict=True):
+        # every axis that is split moved bytes, counted per axis (tp: DTensor's collectives)
+        for axis in ("dp", "tp"):
+            moved = sum(v["bytes"] for k, v in comm.items() if k.endswith("@" + axis))
+            assert (moved > 0) == (plan_kwargs.get(axis, 1) > 1), (family, plan_kwargs, comm)
         precision = plan_kwargs.get("precision", "fp32")
         ref_losses, ref_params = reference(family, plan_kwargs.get("max_grad_norm"), precision)
         # bf16 autocast: matmuls round to 8 bits of mantissa, and a half-batch rounds

@@ -238,3 +238,32 @@ class _AllToAll(torch.autograd.Function):
             grad.contiguous(), ctx.axis, scatter_dim=gather_dim, gather_dim=scatter_dim
         )
         return out, None, None, None, None
+
+
+_FUNCTIONAL_OPS = {
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_to_all_single": "all_to_all",
+    "broadcast": "broadcast",
+}
+
+
+class FunctionalCollectives(torch.utils._python_dispatch.TorchDispatchMode):
+    """Sees the collectives torch's DTensor issues (``_c10d_functional`` ops, which bypass
+    ``Comm``) and lists them as (operation, bytes) in ``Comm``'s convention."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func._schema.name.split("::")[-1] in _FUNCTIONAL_OPS:
+            op = _FUNCTIONAL_OPS[func._schema.name.split("::")[-1]]
+            first = args[0]
+            tensors = first if isinstance(first, (list, tuple)) else [first]
+            self.calls.append((op, sum(nbytes(t) for t in tensors)))
+        return func(*args, **(kwargs or {}))

@@ -25,6 +25,7 @@ from torch import nn
 from tessera.parallel.tp_plans import TPPlan, apply_tp, plan_for
 from tessera.parallel.zero import ZeroEngine, chunk_elems_for
 from tessera.runtime import Mesh
+from tessera.runtime.comm import FunctionalCollectives
 from tessera.runtime.mesh import world_size
 from tessera.train.plan import Plan
 
@@ -36,6 +37,7 @@ class BoostedOptimizer:
     def __init__(self, model: nn.Module, engine: ZeroEngine, plan: Plan, mesh: Mesh, tp_plan: TPPlan | None):
         self.model, self.engine, self.plan, self.mesh, self.tp_plan = model, engine, plan, mesh, tp_plan
         self.last_grad_norm: float | None = None
+        self._tp_calls: list[tuple[str, int]] | None = None  # DTensor's collectives in one step
 
     @property
     def param_groups(self):
@@ -83,19 +85,28 @@ class BoostedOptimizer:
             for i in range(k)
         ]
         self.zero_grad()
+        counting = self.plan.tp > 1 and self._tp_calls is None
+        counter = FunctionalCollectives() if counting else contextlib.nullcontext()
         total = 0.0
         autocast = (
             torch.autocast(device_type=self.mesh.device.type, dtype=torch.bfloat16)
             if self.plan.precision == "bf16"
             else contextlib.nullcontext()
         )
-        for i, mb in enumerate(micro):
-            sync = contextlib.nullcontext() if i == k - 1 else self.engine.no_sync()
-            with sync, self.loss_context():
-                with autocast:
-                    loss = loss_fn(self.model, mb)
-                (loss / k).backward()
-            total += float(_full(loss).detach()) / k
+        with counter:
+            for i, mb in enumerate(micro):
+                sync = contextlib.nullcontext() if i == k - 1 else self.engine.no_sync()
+                with sync, self.loss_context():
+                    with autocast:
+                        loss = loss_fn(self.model, mb)
+                    (loss / k).backward()
+                total += float(_full(loss).detach()) / k
+        if counting:
+            # Tensor parallel collectives are DTensor's own: seen on the first step (their
+            # pattern is the same every step) and recorded under "tp" on every step.
+            self._tp_calls = counter.calls
+        for op, num_bytes in self._tp_calls or ():
+            self.mesh.comm.ledger.record(op, "tp", num_bytes)
         self.step()
         loss_avg = torch.tensor([total], dtype=torch.float64)
         self.mesh.comm.all_reduce(loss_avg, "dp", op="avg")
