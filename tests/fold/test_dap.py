@@ -111,3 +111,16 @@ def test_dap_gradients_match_the_single_device_evoformer():
                 # Gradients sum over sharded paths and ranks in another order: float32 rounding,
                 # measured well under 1e-5 on these unit-scale inputs.
                 torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-5, msg=f"P={p} {name}")
+
+
+def _too_few_residues() -> str:
+    m, z = inputs(3, 1)
+    try:
+        dap_evoformer(model(), m, z, mesh=Mesh(dap=2))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_degree_larger_than_the_length_is_named():
+    assert spawn(_too_few_residues, 2) == ["DAP degree 2 is larger than the 1 residues; use at most 1 ranks"] * 2
