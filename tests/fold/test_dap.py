@@ -114,7 +114,7 @@ def test_dap_gradients_match_the_single_device_evoformer():
 
 
 def _too_few_residues() -> str:
-    m, z = inputs(3, 1)
+    m, z, _, _ = inputs(3, 1)
     try:
         dap_evoformer(model(), m, z, mesh=Mesh(dap=2))
     except ValueError as exc:
