@@ -123,4 +123,6 @@ def _too_few_residues() -> str:
 
 
 def test_degree_larger_than_the_length_is_named():
-    assert spawn(_too_few_residues, 2) == ["DAP degree 2 is larger than the 1 residues; use at most 1 ranks"] * 2
+    assert (
+        spawn(_too_few_residues, 2) == ["DAP degree 2 is larger than the 1 residues; use at most 1 ranks"] * 2
+    )

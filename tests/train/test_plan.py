@@ -77,3 +77,18 @@ def test_bf16_plan_runs_the_forward_under_autocast_with_fp32_master_weights():
     stats = opt.train_step(torch.randint(0, 128, (4, 8)), loss_fn)
     assert seen["logits"] == torch.bfloat16 and stats["loss"] > 0
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
+
+
+def test_an_lr_scheduler_drives_the_inner_optimizer():
+    model = _llama()
+    model, opt = tessera.boost(model, torch.optim.SGD(model.parameters(), lr=0.5), tessera.Plan(zero=1))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt.inner, lambda step: 0.0 if step >= 1 else 1.0)
+    tokens = torch.randint(0, 128, (2, 8))
+    from tessera.train.losses import causal_lm_loss
+
+    opt.train_step(tokens, causal_lm_loss)
+    sched.step()  # lr -> 0: the next step must leave the weights alone
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.train_step(tokens, causal_lm_loss)
+    assert opt.param_groups[0]["lr"] == 0.0
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())

@@ -43,6 +43,12 @@ class BoostedOptimizer:
     def param_groups(self):
         return self.engine.optimizer.param_groups
 
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The torch optimizer that steps (over ZeRO shards at stages 1-3): give it to an LR
+        scheduler, e.g. ``torch.optim.lr_scheduler.LambdaLR(optimizer.inner, ...)``."""
+        return self.engine.optimizer
+
     def step(self) -> None:
         self.last_grad_norm = self.engine.step()
 
