@@ -145,9 +145,10 @@ def save_sharded(model: nn.Module, optimizer, path: str | Path, *, extra: dict |
         staging.mkdir(parents=True)
     _barrier()
     mesh = optimizer.mesh
+    params = dict(model.named_parameters())
     tensors, index = {}, []
     for j, (name, kind, flat, start, stop, local_shape) in enumerate(_pieces(optimizer)):
-        p = dict(model.named_parameters())[name]
+        p = params[name]
         dim, tp_rank, tp_size = _tp_layout(p, mesh)
         key = f"{j}"
         tensors[key] = flat.detach().contiguous().clone()
