@@ -219,3 +219,42 @@ def test_export_after_tensor_parallel_loads_with_from_pretrained(tmp_path):
         torch.testing.assert_close(p, params[name], rtol=0, atol=0, msg=name)
     logits = loaded(input_ids=_batches()[0][:2]).logits
     assert logits.shape == (2, SEQ, VOCAB) and torch.isfinite(logits).all()
+
+
+class _RankDependent(nn.Module):
+    """Uses ``extra`` only on dp rank 1: its gradient exists on one rank only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.extra, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x):
+        h = self.body(x)
+        if torch.distributed.get_rank() == 1:
+            h = h + self.extra(h)
+        return self.head(h)
+
+
+def _rank_dependent_worker(zero):
+    model = _RankDependent()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model, opt = tessera.boost(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), tessera.Plan(dp=2, zero=zero)
+    )
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        opt.train_step(x, lambda m, b: m(b).pow(2).mean())
+    return start, _full_params(model, opt)
+
+
+def test_a_parameter_used_on_one_rank_only_keeps_the_replicas_equal():
+    """Collectives pair up in one fixed order, and the rank that did not use ``extra`` takes
+    the averaged gradient too: every replica holds the same weights, and ``extra`` moved.
+    (ZeRO-3 gathers a module's chunks when the module runs, so, as with FSDP, every rank
+    must run the same modules; it is not part of this test.)"""
+    for zero in (0, 1, 2):
+        (start, a), (_, b) = spawn(_rank_dependent_worker, 2, zero)
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=f"zero={zero} {name}")
+        assert not torch.equal(a["extra.weight"], start["extra.weight"]), zero

@@ -50,10 +50,19 @@ class ParamChunk:
                 flat[slot.offset : slot.offset + slot.numel].copy_(local(p.grad).reshape(-1))
         return flat
 
-    def write_grads(self, flat: torch.Tensor) -> None:
-        for slot, p in zip(self.chunk.slots, self.params, strict=True):
+    def write_grads(self, flat: torch.Tensor, present: list[bool]) -> None:
+        """Gradients from ``flat``; a parameter without one gets one where ``present`` says so."""
+        for slot, p, has in zip(self.chunk.slots, self.params, present, strict=True):
+            piece = flat[slot.offset : slot.offset + slot.numel]
             if p.grad is not None:
-                local(p.grad).copy_(flat[slot.offset : slot.offset + slot.numel].view_as(local(p.grad)))
+                local(p.grad).copy_(piece.view_as(local(p.grad)))
+            elif has:
+                grad = piece.view_as(local(p.data)).to(p.dtype).clone()
+                if hasattr(p, "placements"):
+                    from torch.distributed.tensor import DTensor
+
+                    grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
+                p.grad = grad
 
     def write_params(self, flat: torch.Tensor) -> None:
         with torch.no_grad():

@@ -20,6 +20,9 @@ At stages 1-3 the optimizer runs on one flat fp32 shard per chunk (a Parameter w
 Stage 3 keeps only that shard between uses: a chunk's parameters are views of one full
 buffer whose storage is emptied after use and refilled by an all-gather before a module's
 forward, and again before its backward (autograd's saved views see the refilled storage).
+As with FSDP, every rank must then run the same modules in the same order. At stages 0-2
+ranks may use different parameters in a step: chunks are reduced in one fixed order, and a
+parameter any rank used gets the averaged gradient on every rank.
 
 Tensor parallel parameters (DTensors) take part through their local shards (at stage 3 the local
 shard itself is bound to the chunk buffer); a chunk holds
@@ -69,6 +72,7 @@ class ZeroEngine:
         self.pending = {cg: len(cg.params) for cg in self.groups}
         self.reduced = {cg: False for cg in self.groups}
         self.grad_shard: dict[ParamChunk, torch.Tensor | None] = {}
+        self.seen: set[nn.Parameter] = set()
         self.shards: list[nn.Parameter] = []
         if zero >= 1:
             for cg in self.groups:
@@ -106,9 +110,21 @@ class ZeroEngine:
     def _grad_ready(self, p: nn.Parameter) -> None:
         if not self.sync:
             return
-        cg = self.owner[p]
-        self.pending[cg] -= 1
-        if self.pending[cg] == 0:
+        if p in self.seen:
+            return  # a gradient landing twice in one backward (a shared parameter) counts once
+        self.seen.add(p)
+        self.pending[self.owner[p]] -= 1
+        self._reduce_ready()
+
+    def _reduce_ready(self) -> None:
+        """Reduce chunks in one fixed order on every rank (last chunk first, as backward
+        finishes them): a chunk whose gradients are complete early waits for the ones before
+        it, so ranks whose steps used different parameters still pair their collectives."""
+        for cg in reversed(self.groups):
+            if self.reduced[cg]:
+                continue
+            if self.pending[cg] > 0:
+                return
             self._reduce(cg)
 
     def shard_bounds(self, cg: ParamChunk) -> tuple[int, int]:
@@ -120,8 +136,12 @@ class ZeroEngine:
         flat = cg.flat_grads()
         lo, hi = self.shard_bounds(cg)
         if self.zero <= 1:
+            # which parameters got a gradient on any rank: those get the average everywhere
+            # (a rank that did not use one gets it too); the others stay None (skipped)
+            had = torch.tensor([float(p.grad is not None) for p in cg.params])
+            self.comm.all_reduce(had, self.axis, op="max")
             self.comm.all_reduce(flat, self.axis, op="avg")
-            cg.write_grads(flat)
+            cg.write_grads(flat, [bool(h) for h in had])
             self.grad_shard[cg] = flat[lo:hi].clone()
         else:
             shard = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
@@ -145,8 +165,8 @@ class ZeroEngine:
     def finish_backward(self) -> None:
         """Reduce chunks some of whose parameters got no gradient this step (unused ones)."""
         for cg in self.groups:
-            if not self.reduced[cg]:
-                self._reduce(cg)
+            self.pending[cg] = 0
+        self._reduce_ready()
 
     # ---- optimizer -------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
@@ -195,6 +215,7 @@ class ZeroEngine:
         for cg in self.groups:
             self.pending[cg], self.reduced[cg] = len(cg.params), False
         self.grad_shard.clear()
+        self.seen.clear()
         return norm
 
     def zero_grad(self) -> None:
