@@ -15,7 +15,7 @@ import torch
 from torch import fx, nn
 
 from tessera.autochunk.memory import Region
-from tessera.autochunk.rules import SIZE_LIST_OPS, input_dims
+from tessera.autochunk.rules import SIZE_LIST_OPS
 
 
 class ChunkLoop(nn.Module):
@@ -51,7 +51,7 @@ def region_module(region: Region, order: dict) -> tuple[fx.GraphModule, list[fx.
     env: dict[fx.Node, fx.Node] = {}
 
     for node in sorted(region.dims, key=order.__getitem__):
-        per_arg = dict(input_dims(node, region.dims[node]))
+        per_arg = region.reads[node]
 
         def mapped(arg, per_arg=per_arg):
             if arg in env:

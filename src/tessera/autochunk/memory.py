@@ -41,6 +41,7 @@ class Region:
     length: int
     chunk: int = 1
     copies: set[Node] = field(default_factory=set)  # also computed whole outside the region
+    reads: dict[Node, dict[Node, int | None]] = field(default_factory=dict)  # node -> {input: dim}
 
     @property
     def nodes(self) -> set[Node]:

@@ -127,4 +127,5 @@ def _region(model, end, length, dims, answers, copies) -> Region:
             if arg not in dims and (arg, dim) not in inputs:
                 inputs.append((arg, dim))
     inputs.sort(key=lambda pair: model.order[pair[0]])
-    return Region(end=end, dims=dims, inputs=inputs, length=length, copies=copies)
+    reads = {n: answers[n] for n in dims}
+    return Region(end=end, dims=dims, inputs=inputs, length=length, copies=copies, reads=reads)

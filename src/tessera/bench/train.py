@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from tessera.bench.harness import BenchResult
 from tessera.memory.track import reset_peak_rss, status_kib
+from tessera.train.gpt2_text import flops_per_token, gpt2_lm
 from tessera.train.losses import causal_lm_loss
 
 MiB = 2**20
@@ -56,21 +57,7 @@ VARIANTS = [
 
 
 def _model(cfg: TrainBenchConfig) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=cfg.vocab,
-            n_embd=cfg.n_embd,
-            n_layer=cfg.n_layer,
-            n_head=cfg.n_head,
-            n_positions=cfg.seq,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-    )
+    return gpt2_lm(vocab=cfg.vocab, n_embd=cfg.n_embd, n_layer=cfg.n_layer, n_head=cfg.n_head, seq=cfg.seq)
 
 
 def _batches(cfg: TrainBenchConfig) -> list[torch.Tensor]:
@@ -183,11 +170,6 @@ def matmul_peak_flops(threads: int = 1, n: int = 512, reps: int = 20) -> float:
     return 2 * n**3 / best
 
 
-def flops_per_token(cfg: TrainBenchConfig, params: int) -> float:
-    """Training FLOPs per token: 6 per parameter, plus attention scores and values."""
-    return 6 * params + 12 * cfg.n_layer * cfg.n_embd * cfg.seq
-
-
 def run_train_bench(*, quick: bool, progress: bool = True, variants: list[str] | None = None) -> BenchResult:
     from tessera.runtime import spawn
 
@@ -212,7 +194,7 @@ def run_train_bench(*, quick: bool, progress: bool = True, variants: list[str] |
             continue
         results = spawn(_rank_run, RANKS, variant, cfg, timeout_s=1800)
         seconds = max(r["seconds"] for r in results)
-        achieved = tokens / seconds * flops_per_token(cfg, params)
+        achieved = tokens / seconds * flops_per_token(params, cfg.n_layer, cfg.n_embd, cfg.seq)
         rows.append(
             {
                 "variant": variant,

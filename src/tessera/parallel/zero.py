@@ -59,7 +59,7 @@ class ZeroEngine:
         max_grad_norm: float | None = None,
         tp_axis: str | None = None,
     ):
-        self.model, self.user_optimizer, self.zero, self.mesh, self.axis = model, optimizer, zero, mesh, axis
+        self.model, self.zero, self.mesh, self.axis = model, zero, mesh, axis
         self.tp_axis = tp_axis if tp_axis is not None and mesh.size(tp_axis) > 1 else None
         self.max_grad_norm = max_grad_norm
         self.comm = mesh.comm

@@ -57,16 +57,17 @@ def global_batch(recipe: GPT2TextRecipe, step: int, text: torch.Tensor) -> torch
     return torch.stack([text[s : s + recipe.seq] for s in starts.tolist()]).long()
 
 
-def build_model(recipe: GPT2TextRecipe) -> nn.Module:
+def gpt2_lm(*, vocab: int, n_embd: int, n_layer: int, n_head: int, seq: int, seed: int = 0) -> nn.Module:
+    """A HuggingFace GPT2LMHeadModel from sizes, dropout off, seeded (no download)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(recipe.seed)
+    torch.manual_seed(seed)
     cfg = GPT2Config(
-        vocab_size=256,
-        n_embd=recipe.n_embd,
-        n_layer=recipe.n_layer,
-        n_head=recipe.n_head,
-        n_positions=recipe.seq,
+        vocab_size=vocab,
+        n_embd=n_embd,
+        n_layer=n_layer,
+        n_head=n_head,
+        n_positions=seq,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,
@@ -74,6 +75,22 @@ def build_model(recipe: GPT2TextRecipe) -> nn.Module:
         eos_token_id=0,
     )
     return GPT2LMHeadModel(cfg)
+
+
+def flops_per_token(params: int, n_layer: int, n_embd: int, seq: int) -> float:
+    """Training FLOPs per token: 6 per parameter, plus attention scores and values."""
+    return 6 * params + 12 * n_layer * n_embd * seq
+
+
+def build_model(recipe: GPT2TextRecipe) -> nn.Module:
+    return gpt2_lm(
+        vocab=256,
+        n_embd=recipe.n_embd,
+        n_layer=recipe.n_layer,
+        n_head=recipe.n_head,
+        seq=recipe.seq,
+        seed=recipe.seed,
+    )
 
 
 def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matmul_peak: float) -> dict:
@@ -96,7 +113,7 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
     if resume:
         first = load_sharded(model, opt, Path(out) / "checkpoint")["extra"]["step"]
     rank0 = torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
-    flops_per_token = 6 * params + 12 * recipe.n_layer * recipe.n_embd * recipe.seq
+    per_token = flops_per_token(params, recipe.n_layer, recipe.n_embd, recipe.seq)
     log = []
     began = time.perf_counter()
     window_start, window_tokens = began, 0
@@ -111,8 +128,8 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
                 "step": step + 1,
                 "loss": stats["loss"],
                 "tokens_per_s": tokens_per_s,
-                "achieved_gflops": tokens_per_s * flops_per_token / 1e9,
-                "mfu": tokens_per_s * flops_per_token / (matmul_peak * plan.world_size),
+                "achieved_gflops": tokens_per_s * per_token / 1e9,
+                "mfu": tokens_per_s * per_token / (matmul_peak * plan.world_size),
                 "peak_rss_mib": status_kib("VmHWM") / 1024,
                 "comm_bytes": {k: v["bytes"] for k, v in mesh.comm.ledger.snapshot().items()},
             }
