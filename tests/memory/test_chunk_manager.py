@@ -35,3 +35,17 @@ def test_groups_pack_apart_and_bound_parameters_survive_free_and_restore():
     ref(x).sum().backward()
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+def test_segments_start_new_chunks_and_never_share_one():
+    """Block-aligned chunks: a chunk holds one segment's parameters (here 3 'blocks' of two
+    tensors, plus unsegmented ones before and after), even when the size would allow more."""
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(5)))
+    params = list(model.parameters())
+    segment_of = {p: i // 2 - 1 for i, p in enumerate(params) if 2 <= i < 8}  # layers 1-3
+    manager = ChunkManager([{"params": params}], chunk_elems=1000, align=2, segment_of=segment_of)
+    index = {id(p): i for i, p in enumerate(params)}
+    held = [[index[id(p)] for p in pc.params] for pc in manager.chunks]
+    assert held == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    unsegmented = ChunkManager([{"params": params}], chunk_elems=1000, align=2)
+    assert len(unsegmented.chunks) == 1

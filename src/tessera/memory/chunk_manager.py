@@ -93,22 +93,46 @@ class ParamChunk:
 
 
 class ChunkManager:
-    """The trainable parameters of an optimizer's groups, packed into ParamChunks."""
+    """The trainable parameters of an optimizer's groups, packed into ParamChunks.
 
-    def __init__(self, param_groups: list[dict], *, chunk_elems: int, align: int):
+    ``segment_of`` (optional) gives parameters a segment id (e.g. the transformer block they
+    belong to): a chunk then never holds parameters of two segments, and each run of
+    consecutive parameters of one segment starts a new chunk."""
+
+    def __init__(
+        self,
+        param_groups: list[dict],
+        *,
+        chunk_elems: int,
+        align: int,
+        segment_of: dict[nn.Parameter, int] | None = None,
+    ):
         self.chunks: list[ParamChunk] = []
         self.owner: dict[nn.Parameter, ParamChunk] = {}
         for gi, group in enumerate(param_groups):
             params = [p for p in group["params"] if p.requires_grad]
             for kind in (True, False):
                 chosen = [p for p in params if tp_sharded(p) == kind]
-                if not chosen:
-                    continue
-                named = [(str(i), local(p.detach()).float()) for i, p in enumerate(chosen)]
-                for chunk in pack(
-                    named, chunk_elems=chunk_elems, align=align, device=local(chosen[0]).device
-                ):
-                    pc = ParamChunk(chunk, [chosen[int(slot.name)] for slot in chunk.slots], gi, kind)
-                    self.chunks.append(pc)
-                    for p in pc.params:
-                        self.owner[p] = pc
+                for run in _runs(chosen, segment_of or {}):
+                    self._add(run, gi, kind, chunk_elems=chunk_elems, align=align)
+
+    def _add(self, params: list[nn.Parameter], gi: int, kind: bool, *, chunk_elems: int, align: int) -> None:
+        named = [(str(i), local(p.detach()).float()) for i, p in enumerate(params)]
+        for chunk in pack(named, chunk_elems=chunk_elems, align=align, device=local(params[0]).device):
+            pc = ParamChunk(chunk, [params[int(slot.name)] for slot in chunk.slots], gi, kind)
+            self.chunks.append(pc)
+            for p in pc.params:
+                self.owner[p] = pc
+
+
+def _runs(params: list[nn.Parameter], segment_of: dict[nn.Parameter, int]) -> list[list[nn.Parameter]]:
+    """``params`` cut wherever the segment id changes (parameters without one: segment -1)."""
+    runs: list[list[nn.Parameter]] = []
+    last = object()
+    for p in params:
+        segment = segment_of.get(p, -1)
+        if segment != last:
+            runs.append([])
+            last = segment
+        runs[-1].append(p)
+    return runs
