@@ -3,11 +3,12 @@ layout against the loop diffusers' own PixArtAlphaPipeline runs (forward + sched
 
 import torch
 from diffusers import DPMSolverMultistepScheduler
-from parity import check_against, exact_two_rank_layouts
+from parity import check_layouts, exact_two_rank_layouts, stale_two_rank_layouts
 from tiny_pipelines import tiny_pixart_transformer
 
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_denoise
+from tessera.diffusion.stale_reference import stale_reference_denoise
 from tessera.diffusion.stepper import DiffusersStepper
 from tessera.runtime import spawn
 
@@ -53,10 +54,12 @@ def pipeline_loop(model, data) -> torch.Tensor:
     return x
 
 
-def _denoise(layouts: dict[str, ParallelConfig]) -> dict[str, torch.Tensor]:
+def _denoise(layouts: dict[str, ParallelConfig], reference: bool = False) -> dict[str, torch.Tensor]:
+    """Each layout's latent; with ``reference``, the plain stale-K/V reference's instead."""
     model, data = tiny_pixart(), inputs()
+    run = stale_reference_denoise if reference else parallel_denoise
     return {
-        name: parallel_denoise(
+        name: run(
             model,
             cond={"prompt_embeds": data["text"], "prompt_attention_mask": data["mask"]},
             uncond={"prompt_embeds": data["negative"], "prompt_attention_mask": data["mask"]},
@@ -73,8 +76,11 @@ def test_pixart_layouts_match_the_pipeline_loop():
     expected = pipeline_loop(tiny_pixart(), inputs())
     (serial,) = _denoise({"serial": ParallelConfig()}).values()
     torch.testing.assert_close(serial, expected, rtol=0, atol=0)  # same ops in the same order
-    for rank in spawn(_denoise, 2, exact_two_rank_layouts(STEPS), timeout_s=300):
-        check_against(expected, rank)
+    stale = stale_two_rank_layouts() | {"patches3_warmup0": ParallelConfig(num_patches=3, warmup_steps=0)}
+    references = _denoise(stale, reference=True)
+    check_layouts(_denoise({"patches3_warmup0": stale["patches3_warmup0"]}), expected, references)
+    for rank in spawn(_denoise, 2, exact_two_rank_layouts(STEPS) | stale_two_rank_layouts(), timeout_s=300):
+        check_layouts(rank, expected, references)
 
 
 def test_scheduler_stepped_per_slice_equals_the_whole():

@@ -5,10 +5,11 @@ against the loop FluxPipeline runs on packed latents (with true CFG)."""
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-from parity import check_against, exact_two_rank_layouts, joint_inputs, perturbed
+from parity import check_layouts, exact_two_rank_layouts, joint_inputs, perturbed, stale_two_rank_layouts
 
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_denoise
+from tessera.diffusion.stale_reference import stale_reference_denoise
 from tessera.diffusion.stepper import DiffusersStepper
 from tessera.runtime import spawn
 
@@ -76,13 +77,15 @@ def pipeline_loop(model, data) -> torch.Tensor:
     return FluxPipeline._unpack_latents(latents, H * 8, W * 8, 8)  # (height, width in pixels, VAE factor)
 
 
-def _denoise(layouts: dict[str, ParallelConfig]) -> dict[str, torch.Tensor]:
+def _denoise(layouts: dict[str, ParallelConfig], reference: bool = False) -> dict[str, torch.Tensor]:
+    """Each layout's latent; with ``reference``, the plain stale-K/V reference's instead."""
     model, data = tiny_flux(), inputs()
+    run = stale_reference_denoise if reference else parallel_denoise
     guidance = torch.full([BATCH], DISTILLED_GUIDANCE)
     out = {}
     for name, config in layouts.items():
         scheduler, kwargs = scheduler_and_kwargs()
-        out[name] = parallel_denoise(
+        out[name] = run(
             model,
             cond={
                 "prompt_embeds": data["text"],
@@ -104,9 +107,9 @@ def _denoise(layouts: dict[str, ParallelConfig]) -> dict[str, torch.Tensor]:
 
 def test_flux_layouts_match_the_pipeline_loop():
     expected = pipeline_loop(tiny_flux(), inputs())
-    check_against(
-        expected,
-        _denoise({"serial": ParallelConfig(), "patches": ParallelConfig(num_patches=3, warmup_steps=STEPS)}),
-    )
-    for rank in spawn(_denoise, 2, exact_two_rank_layouts(STEPS), timeout_s=300):
-        check_against(expected, rank)
+    single = {"serial": ParallelConfig(), "patches": ParallelConfig(num_patches=3, warmup_steps=STEPS)}
+    stale = stale_two_rank_layouts() | {"patches3_warmup0": ParallelConfig(num_patches=3, warmup_steps=0)}
+    references = _denoise(stale, reference=True)
+    check_layouts(_denoise(single | {"patches3_warmup0": stale["patches3_warmup0"]}), expected, references)
+    for rank in spawn(_denoise, 2, exact_two_rank_layouts(STEPS) | stale_two_rank_layouts(), timeout_s=300):
+        check_layouts(rank, expected, references)

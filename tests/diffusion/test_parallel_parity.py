@@ -1,23 +1,34 @@
-"""Every parallel inference layout against serial sampling of the same model and noise.
+"""Every parallel inference layout against serial sampling of the same model and noise,
+and every stale-K/V layout against the plain reference of its own semantics.
 
 Exact methods (Ulysses, Ring, TP, CFG parallel, and PipeFusion / DistriFusion with
-warm-up = all steps) must match at float32 tolerance. The stale-K/V methods with one
-warm-up step are approximate: their error is measured and must be non-zero (proof that
-the stale path ran) and moderate.
+warm-up = all steps) must match serial sampling at float32 tolerance. PipeFusion and
+DistriFusion with fewer warm-up steps must match `tessera.diffusion.stale_reference`,
+written plainly from the papers, at float32 tolerance too: which patch reads which K/V is
+proved, not estimated. Patch counts that do not divide the token rows, layer counts that
+do not divide the stages, and hybrids up to three axes on 8 ranks are covered.
 """
 
 import pytest
 import torch
+from parity import check_layouts
 
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_sample
 from tessera.diffusion.sampler import sample
+from tessera.diffusion.stale_reference import stale_reference_sample
 from tessera.models.dit import DiT, DiTConfig
 from tessera.runtime import spawn
 
 STEPS, GUIDANCE, SEED = 4, 2.0, 7
 HEIGHT, WIDTH = 16, 12  # 8 x 6 token rows/cols: 3 patches do not divide 8 rows
 LABELS = torch.tensor([1, 4])
+SAMPLING = dict(height=HEIGHT, width=WIDTH, num_steps=STEPS, guidance_scale=GUIDANCE, seed=SEED)
+# The random DiT amplifies rounding on the stale path: a 1e-6 relative change of the noise
+# moves its stale result by 5.6e-6 to 1.2e-5 (the exact one by 1.6e-6), and the largest
+# measured run-vs-reference gap is 1.5e-5 (hybrids that split the batch); 1e-4 leaves 6x,
+# and the stale effect itself (~0.18 from serial) is 1000x larger.
+STALE_TOLERANCE = 1e-4
 
 
 def tiny_dit(depth: int = 3) -> DiT:
@@ -43,20 +54,24 @@ def reference(depth: int) -> torch.Tensor:
     )
 
 
+def stale_references(layouts: dict[str, ParallelConfig], depth: int) -> dict[str, torch.Tensor]:
+    model = tiny_dit(depth)
+    return {
+        name: stale_reference_sample(model, LABELS, config=config, **SAMPLING)
+        for name, config in layouts.items()
+        if config.method in ("pipefusion", "distrifusion") and config.warmup_steps < STEPS
+    }
+
+
 def _run_layouts(layouts: dict[str, ParallelConfig], depth: int) -> dict[str, torch.Tensor]:
-    model, out = tiny_dit(depth), {}
-    for name, config in layouts.items():
-        out[name] = parallel_sample(
-            model,
-            LABELS,
-            config=config,
-            height=HEIGHT,
-            width=WIDTH,
-            num_steps=STEPS,
-            guidance_scale=GUIDANCE,
-            seed=SEED,
-        )
-    return out
+    model = tiny_dit(depth)
+    return {
+        name: parallel_sample(model, LABELS, config=config, **SAMPLING) for name, config in layouts.items()
+    }
+
+
+def PF(degree: int = 2, **kw) -> ParallelConfig:  # noqa: N802 - reads like the config it builds
+    return ParallelConfig(pipefusion_degree=degree, **kw)
 
 
 TWO_RANKS = {
@@ -65,56 +80,74 @@ TWO_RANKS = {
     "cfg2": ParallelConfig(cfg_parallel=True),
     "tp2": ParallelConfig(tp_degree=2),
     # 3 layers over 2 stages (2 + 1) and 3 patches over 8 token rows (3 + 3 + 2).
-    "pipefusion2_exact": ParallelConfig(pipefusion_degree=2, num_patches=3, warmup_steps=STEPS),
+    "pipefusion2_exact": PF(num_patches=3, warmup_steps=STEPS),
     "distrifusion2_exact": ParallelConfig(distrifusion_degree=2, warmup_steps=STEPS),
-    "pipefusion2_warm1": ParallelConfig(pipefusion_degree=2, num_patches=3, warmup_steps=1),
-    "distrifusion2_warm1": ParallelConfig(distrifusion_degree=2, warmup_steps=1),
+    "pipefusion2_warmup0": PF(num_patches=3, warmup_steps=0),
+    "pipefusion2_warmup1": PF(num_patches=3, warmup_steps=1),
+    "pipefusion2_patches5_warmup2": PF(num_patches=5, warmup_steps=2),  # 2+2+2+1+1 rows
+    "distrifusion2_warmup0": ParallelConfig(distrifusion_degree=2, warmup_steps=0),
+    "distrifusion2_warmup1": ParallelConfig(distrifusion_degree=2, warmup_steps=1),
 }
-FOUR_RANKS = {
+FOUR_RANKS = {  # a 5-layer model
     "ulysses2_ring2": ParallelConfig(ulysses_degree=2, ring_degree=2),
     "cfg2_ulysses2": ParallelConfig(cfg_parallel=True, ulysses_degree=2),
     "cfg2_pipefusion2_exact": ParallelConfig(cfg_parallel=True, pipefusion_degree=2, warmup_steps=STEPS),
-    "pipefusion4_exact": ParallelConfig(
-        pipefusion_degree=4, num_patches=5, warmup_steps=STEPS, stage_layers=(1, 1, 2, 1)
-    ),
+    "pipefusion4_exact": PF(4, num_patches=5, warmup_steps=STEPS, stage_layers=(1, 1, 2, 1)),
     "cfg2_tp2": ParallelConfig(cfg_parallel=True, tp_degree=2),
     # PipeFusion stages each with a sequence-parallel pair sharing every patch (2 patches
     # of 4 token rows: 2 rows per rank of the pair).
-    "pipefusion2_ulysses2_exact": ParallelConfig(pipefusion_degree=2, ulysses_degree=2, warmup_steps=STEPS),
-    "pipefusion2_ring2_exact": ParallelConfig(
-        pipefusion_degree=2, ring_degree=2, num_patches=4, warmup_steps=STEPS
+    "pipefusion2_ulysses2_exact": PF(ulysses_degree=2, warmup_steps=STEPS),
+    "pipefusion2_ring2_exact": PF(ring_degree=2, num_patches=4, warmup_steps=STEPS),
+    "pipefusion4_uneven_warmup0": PF(4, num_patches=5, warmup_steps=0, stage_layers=(1, 1, 2, 1)),
+    "pipefusion4_warmup1": PF(4, num_patches=4, warmup_steps=1),  # 5 layers: 2 + 1 + 1 + 1
+    "cfg2_pipefusion2_warmup0": ParallelConfig(
+        cfg_parallel=True, pipefusion_degree=2, num_patches=3, warmup_steps=0
     ),
-    "pipefusion2_ulysses2_warm1": ParallelConfig(pipefusion_degree=2, ulysses_degree=2, warmup_steps=1),
+    "cfg2_pipefusion2_warmup1": ParallelConfig(
+        cfg_parallel=True, pipefusion_degree=2, num_patches=3, warmup_steps=1
+    ),
+    "pipefusion2_ulysses2_warmup0": PF(ulysses_degree=2, warmup_steps=0),
+    "pipefusion2_ring2_warmup1": PF(ring_degree=2, num_patches=4, warmup_steps=1),
+    "cfg2_distrifusion2_warmup1": ParallelConfig(cfg_parallel=True, distrifusion_degree=2, warmup_steps=1),
+    "distrifusion4_warmup0": ParallelConfig(distrifusion_degree=4, warmup_steps=0),
+}
+EIGHT_RANKS = {  # three axes above 1: "any product" of the hybrid degrees
+    "pipefusion2_ulysses2_ring2_exact": PF(ulysses_degree=2, ring_degree=2, warmup_steps=STEPS),
+    "pipefusion2_ulysses2_ring2_warmup1": PF(ulysses_degree=2, ring_degree=2, warmup_steps=1),
+    "cfg2_pipefusion2_ulysses2_warmup0": ParallelConfig(
+        cfg_parallel=True, pipefusion_degree=2, ulysses_degree=2, warmup_steps=0
+    ),
+    "cfg2_pipefusion2_ring2_warmup1": ParallelConfig(
+        cfg_parallel=True, pipefusion_degree=2, ring_degree=2, num_patches=4, warmup_steps=1
+    ),
 }
 
 
-def _check(results: list[dict[str, torch.Tensor]], expected: torch.Tensor) -> None:
+def _check(results: list[dict[str, torch.Tensor]], layouts: dict[str, ParallelConfig], depth: int) -> None:
+    exact, references = reference(depth), stale_references(layouts, depth)
     for rank_result in results:
-        for name, latent in rank_result.items():
-            if name.endswith("warm1"):
-                error = ((latent - expected).norm() / expected.norm()).item()
-                # Stale K/V from the previous step: a real but bounded difference on this
-                # random (untrained, so step-to-step dissimilar) model.
-                assert 1e-6 < error < 0.5, (name, error)
-            else:
-                # Same math with reduction orders split across ranks: float32 rounding
-                # (~1e-7 relative) amplified by 4 Euler steps and a guidance scale of 2.
-                torch.testing.assert_close(latent, expected, rtol=1e-4, atol=1e-5, msg=name)
+        check_layouts(rank_result, exact, references, tolerance=STALE_TOLERANCE)
 
 
-def test_two_rank_layouts_match_serial():
-    _check(spawn(_run_layouts, 2, TWO_RANKS, 3, timeout_s=300), reference(3))
+def test_two_rank_layouts_match_serial_or_their_reference():
+    _check(spawn(_run_layouts, 2, TWO_RANKS, 3, timeout_s=300), TWO_RANKS, 3)
 
 
-def test_four_rank_hybrids_match_serial():
-    _check(spawn(_run_layouts, 4, FOUR_RANKS, 5, timeout_s=300), reference(5))
+def test_four_rank_hybrids_match_serial_or_their_reference():
+    _check(spawn(_run_layouts, 4, FOUR_RANKS, 5, timeout_s=300), FOUR_RANKS, 5)
 
 
-def test_single_process_patches_with_full_warmup_are_exact():
-    config = ParallelConfig(num_patches=3, pipefusion_degree=1, warmup_steps=STEPS)
-    (latent,) = _run_layouts({"p": config}, 3).values()
-    # Same math as serial, attention per unit of patches: float32 rounding only.
-    torch.testing.assert_close(latent, reference(3), rtol=1e-4, atol=1e-5)
+def test_eight_rank_three_axis_hybrids_match_serial_or_their_reference():
+    _check(spawn(_run_layouts, 8, EIGHT_RANKS, 3, timeout_s=300), EIGHT_RANKS, 3)
+
+
+def test_single_process_patches_match_serial_or_their_reference():
+    layouts = {
+        "patches3_exact": ParallelConfig(num_patches=3, warmup_steps=STEPS),
+        "patches3_warmup0": ParallelConfig(num_patches=3, warmup_steps=0),
+        "patches3_warmup1": ParallelConfig(num_patches=3, warmup_steps=1),
+    }
+    _check([_run_layouts(layouts, 3)], layouts, 3)
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,11 @@ for every band and patch."""
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-from parity import check_against, exact_two_rank_layouts, joint_inputs, perturbed
+from parity import check_layouts, exact_two_rank_layouts, joint_inputs, perturbed, stale_two_rank_layouts
 
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_denoise
+from tessera.diffusion.stale_reference import stale_reference_denoise
 from tessera.diffusion.stepper import DiffusersStepper
 from tessera.runtime import spawn
 
@@ -60,10 +61,12 @@ def pipeline_loop(model, data) -> torch.Tensor:
     return x
 
 
-def _denoise(layouts: dict[str, ParallelConfig]) -> dict[str, torch.Tensor]:
+def _denoise(layouts: dict[str, ParallelConfig], reference: bool = False) -> dict[str, torch.Tensor]:
+    """Each layout's latent; with ``reference``, the plain stale-K/V reference's instead."""
     model, data = tiny_sd3(), inputs()
+    run = stale_reference_denoise if reference else parallel_denoise
     return {
-        name: parallel_denoise(
+        name: run(
             model,
             cond={"prompt_embeds": data["text"], "pooled_prompt_embeds": data["pooled"]},
             uncond={"prompt_embeds": data["negative"], "pooled_prompt_embeds": data["negative_pooled"]},
@@ -78,24 +81,32 @@ def _denoise(layouts: dict[str, ParallelConfig]) -> dict[str, torch.Tensor]:
 
 def test_sd3_layouts_match_the_pipeline_loop():
     expected = pipeline_loop(tiny_sd3(), inputs())
-    check_against(
-        expected,
-        _denoise({"serial": ParallelConfig(), "patches": ParallelConfig(num_patches=3, warmup_steps=STEPS)}),
-    )
-    layouts = exact_two_rank_layouts(STEPS) | {
-        "pipefusion2_warm1": ParallelConfig(pipefusion_degree=2, num_patches=3, warmup_steps=1)
-    }
-    for rank in spawn(_denoise, 2, layouts, timeout_s=300):
-        check_against(expected, rank, stale=("pipefusion2_warm1",))
+    single = {"serial": ParallelConfig(), "patches": ParallelConfig(num_patches=3, warmup_steps=STEPS)}
+    stale = stale_two_rank_layouts() | {"patches3_warmup1": ParallelConfig(num_patches=3, warmup_steps=1)}
+    references = _denoise(stale, reference=True)
+    check_layouts(_denoise(single | {"patches3_warmup1": stale["patches3_warmup1"]}), expected, references)
+    for rank in spawn(_denoise, 2, exact_two_rank_layouts(STEPS) | stale_two_rank_layouts(), timeout_s=300):
+        check_layouts(rank, expected, references)
 
 
 def test_sd3_pipefusion_with_sequence_parallel_stages():
-    """PipeFusion x Ulysses and x Ring on 4 ranks: joint attention with the text stream
-    through the stale-K/V buffer and the USP kernel inside each stage."""
+    """PipeFusion x Ulysses, x Ring and x CFG on 4 ranks: joint attention with the text
+    stream through the stale-K/V buffer and the USP kernel inside each stage, exact with
+    warm-up = all steps and equal to the stale reference with warm-up 0 and 1."""
     expected = pipeline_loop(tiny_sd3(), inputs())
-    layouts = {
+    exact = {
         "pipefusion2_ulysses2": ParallelConfig(pipefusion_degree=2, ulysses_degree=2, warmup_steps=STEPS),
         "pipefusion2_ring2": ParallelConfig(pipefusion_degree=2, ring_degree=2, warmup_steps=STEPS),
     }
-    for rank in spawn(_denoise, 4, layouts, timeout_s=300):
-        check_against(expected, rank)
+    stale = {
+        "pipefusion2_ulysses2_warmup1": ParallelConfig(pipefusion_degree=2, ulysses_degree=2, warmup_steps=1),
+        "pipefusion2_ring2_warmup0": ParallelConfig(
+            pipefusion_degree=2, ring_degree=2, num_patches=4, warmup_steps=0
+        ),
+        "cfg2_pipefusion2_warmup1": ParallelConfig(
+            cfg_parallel=True, pipefusion_degree=2, num_patches=3, warmup_steps=1
+        ),
+    }
+    references = _denoise(stale, reference=True)
+    for rank in spawn(_denoise, 4, exact | stale, timeout_s=300):
+        check_layouts(rank, expected, references)
