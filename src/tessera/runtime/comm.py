@@ -13,10 +13,24 @@ analytic formulas follow too:
 
 Along an axis of size 1 nothing moves, so nothing is called and nothing is counted.
 The pseudo-axis ``"world"`` spans every rank of the mesh (the default process group).
+Every tensor handed to a call that moves data must live on the mesh's device (NCCL
+rejects CPU tensors; checking here makes a CPU-only test catch it).
+
+With a link model (``Comm.emulate(link)``, see ``runtime.link``) every transfer also
+waits until the time it would have taken on that link; the bytes counted stay exact and
+the emulated waits are kept apart (``Ledger.emulated``). A synchronous call waits after it
+returns. An asynchronous one (isend, irecv, all_gather_async, all_reduce(async_op=True))
+completes, when waited for, no earlier than its emulated end, counted from when every
+participant had posted it: compute done in between overlaps the transfer, as it would on
+the real link. A send carries its emulated end to the receiver in an 8-byte header (not
+counted); an asynchronous collective learns the last rank's post time from a small MAX
+all-reduce beside it (not counted). Clocks are CLOCK_MONOTONIC, shared by the processes
+of one machine: emulation is for single-machine runs.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from tessera.runtime.link import Link
     from tessera.runtime.mesh import Mesh
 
 
@@ -47,10 +62,15 @@ class Ledger:
 
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    emulated: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
 
     def record(self, op: str, axis: str, num_bytes: int) -> None:
         self.bytes[(op, axis)] += num_bytes
         self.calls[(op, axis)] += 1
+
+    def emulated_seconds(self) -> float:
+        """Seconds this rank spent waiting for emulated link time (0 without a link model)."""
+        return sum(self.emulated.values())
 
     def total(self, *, op: str | None = None, axis: str | None = None) -> int:
         return sum(
@@ -62,16 +82,50 @@ class Ledger:
             c for (o, a), c in self.calls.items() if (op is None or o == op) and (axis is None or a == axis)
         )
 
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """{"op@axis": {"bytes": ..., "calls": ...}}, JSON-ready."""
-        return {
-            f"{o}@{a}": {"bytes": self.bytes[(o, a)], "calls": self.calls[(o, a)]}
-            for (o, a) in sorted(self.bytes)
-        }
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """{"op@axis": {"bytes": ..., "calls": ...}}, JSON-ready; with a link model also
+        "emulated_s", the seconds waited for it."""
+        out: dict[str, dict[str, float]] = {}
+        for o, a in sorted(self.bytes):
+            out[f"{o}@{a}"] = {"bytes": self.bytes[(o, a)], "calls": self.calls[(o, a)]}
+            if (o, a) in self.emulated:
+                out[f"{o}@{a}"]["emulated_s"] = self.emulated[(o, a)]
+        return out
 
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.emulated.clear()
+
+
+def now() -> float:
+    return time.clock_gettime(time.CLOCK_MONOTONIC)
+
+
+class LinkClock:
+    """When this rank's emulated transfers end: one link, transfers in the order they start."""
+
+    def __init__(self, link: Link):
+        self.link, self.free_at = link, 0.0
+
+    def end(self, start: float, op: str, num_bytes: int, ranks: int) -> float:
+        begin = max(start, self.free_at)
+        self.free_at = begin + self.link.seconds(op, num_bytes, ranks)
+        return self.free_at
+
+
+class EmulatedWork:
+    """A torch ``Work`` whose ``wait`` also runs ``finish`` (the emulated wait), once."""
+
+    def __init__(self, work, finish: Callable[[], None], keep: torch.Tensor | None = None):
+        self.work, self.finish, self.keep, self.done = work, finish, keep, False
+
+    def wait(self) -> bool:
+        if not self.done:
+            self.work.wait()
+            self.finish()
+            self.done, self.keep = True, None
+        return True
 
 
 class Comm:
@@ -80,6 +134,46 @@ class Comm:
     def __init__(self, mesh: Mesh):
         self.mesh = mesh
         self.ledger = Ledger()
+        self.clock: LinkClock | None = None
+
+    def emulate(self, link: Link | None) -> None:
+        """Make every later transfer take at least the time it would on ``link`` (None: off)."""
+        self.clock = None if link is None else LinkClock(link)
+
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        device = self.mesh.device
+        for t in tensors:
+            if t.device != device:
+                raise ValueError(
+                    f"{op}: a tensor on {t.device} was handed to a collective whose mesh runs on {device}; "
+                    f"create it with device=mesh.device (or .to(mesh.device))"
+                )
+
+    def _wait_until(self, end: float, op: str, axis: str) -> None:
+        delay = end - now()
+        if delay > 0:
+            time.sleep(delay)
+            self.ledger.emulated[(op, axis)] += delay
+
+    def _emulate_sync(self, op: str, axis: str, num_bytes: int) -> None:
+        """After a synchronous call: it could not start before the last rank arrived, which
+        is about when it returned here."""
+        if self.clock is not None:
+            self._wait_until(self.clock.end(now(), op, num_bytes, self._size(axis)), op, axis)
+
+    def _emulate_async(self, work, op: str, axis: str, num_bytes: int, device) -> object:
+        """An asynchronous collective: ends at the last rank's post time + link time."""
+        if self.clock is None:
+            return work
+        posted = torch.tensor([now()], dtype=torch.float64, device=device)
+        stamp = dist.all_reduce(posted, dist.ReduceOp.MAX, group=self._group(axis), async_op=True)
+        clock = self.clock
+
+        def finish() -> None:
+            stamp.wait()
+            self._wait_until(clock.end(posted.item(), op, num_bytes, self._size(axis)), op, axis)
+
+        return EmulatedWork(work, finish)
 
     def _size(self, axis: str) -> int:
         return self.mesh.size() if axis == WORLD else self.mesh.size(axis)
@@ -97,13 +191,17 @@ class Comm:
             raise ValueError(f"all_reduce op must be 'sum', 'avg' or 'max', got {op!r}")
         if not self._moves(axis):
             return None
+        self._check("all_reduce", t)
         self.ledger.record("all_reduce", axis, nbytes(t))
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        work = dist.all_reduce(t, reduce_op, group=self.mesh.group(axis), async_op=async_op)
+        work = dist.all_reduce(t, reduce_op, group=self._group(axis), async_op=async_op)
+        if async_op:
+            assert op != "avg", "avg is only offered synchronously"
+            return self._emulate_async(work, "all_reduce", axis, nbytes(t), t.device)
+        self._emulate_sync("all_reduce", axis, nbytes(t))
         if op == "avg":
-            assert not async_op, "avg is only offered synchronously"
-            t.div_(self.mesh.size(axis))
-        return work
+            t.div_(self._size(axis))
+        return None
 
     def all_gather(self, t: torch.Tensor, axis: str, *, dim: int = 0) -> torch.Tensor:
         """Concatenation along ``dim`` of every rank's ``t`` (equal shapes), in axis order.
@@ -117,10 +215,12 @@ class Comm:
         n = self.mesh.size(axis)
         if n == 1:
             return lambda: t
+        self._check("all_gather", t)
         self.ledger.record("all_gather", axis, nbytes(t))
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         work = _all_gather_flat(out.view(-1), src.view(-1), group=self.mesh.group(axis), async_op=True)
+        work = self._emulate_async(work, "all_gather", axis, nbytes(t), t.device)
 
         def finish() -> torch.Tensor:
             work.wait()
@@ -137,10 +237,12 @@ class Comm:
             raise ValueError(
                 f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by {axis}={n}"
             )
+        self._check("reduce_scatter", t)
         self.ledger.record("reduce_scatter", axis, nbytes(t))
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((src.shape[0] // n, *src.shape[1:]), dtype=t.dtype, device=t.device)
         _reduce_scatter_flat(out.view(-1), src.view(-1), group=self.mesh.group(axis))
+        self._emulate_sync("reduce_scatter", axis, nbytes(t))
         return out.movedim(0, dim)
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, axis: str) -> None:
@@ -148,18 +250,22 @@ class Comm:
         if self.mesh.size(axis) == 1:
             out.view(-1).copy_(shard.view(-1))
             return
+        self._check("all_gather", out, shard)
         self.ledger.record("all_gather", axis, nbytes(shard))
         _all_gather_flat(
             out.view(-1), shard.contiguous().view(-1), group=self.mesh.group(axis), async_op=False
         )
+        self._emulate_sync("all_gather", axis, nbytes(shard))
 
     def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, axis: str) -> None:
         """Flat, in place: ``out`` becomes my 1/n of the sum over ranks of ``full``."""
         if self.mesh.size(axis) == 1:
             out.view(-1).copy_(full.view(-1))
             return
+        self._check("reduce_scatter", out, full)
         self.ledger.record("reduce_scatter", axis, nbytes(full))
         _reduce_scatter_flat(out.view(-1), full.contiguous().view(-1), group=self.mesh.group(axis))
+        self._emulate_sync("reduce_scatter", axis, nbytes(full))
 
     def all_to_all(self, t: torch.Tensor, axis: str, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split ``t`` into equal chunks along ``scatter_dim``, send chunk i to rank i, and
@@ -177,10 +283,12 @@ class Comm:
             raise ValueError(
                 f"all_to_all: dim {scatter_dim} of size {t.shape[scatter_dim]} is not divisible by {axis}={n}"
             )
+        self._check("all_to_all", t)
         self.ledger.record("all_to_all", axis, nbytes(t))
         src = t.movedim(scatter_dim, 0).contiguous()
         out = torch.empty_like(src)
         dist.all_to_all_single(out, src, group=self.mesh.group(axis))
+        self._emulate_sync("all_to_all", axis, nbytes(t))
         # out[i] holds rank i's chunk; put rank order along gather_dim.
         chunks = out.chunk(n, dim=0)
         return torch.cat([c.movedim(0, scatter_dim) for c in chunks], dim=gather_dim)
@@ -189,22 +297,44 @@ class Comm:
         """In place from the rank at coordinate ``src`` along ``axis``."""
         if not self._moves(axis):
             return t
+        self._check("broadcast", t)
         self.ledger.record("broadcast", axis, nbytes(t))
         root = src if axis == WORLD else self.mesh.global_rank_of(axis, src)
         dist.broadcast(t, root, group=self._group(axis))
+        self._emulate_sync("broadcast", axis, nbytes(t))
         return t
 
-    def isend(self, t: torch.Tensor, axis: str, *, dst: int) -> dist.Work:
+    def isend(self, t: torch.Tensor, axis: str, *, dst: int):
+        """Returns a work object to ``wait`` on; keep ``t`` alive and unchanged until then."""
         assert t.is_contiguous(), "send buffers must be contiguous (and kept alive until wait)"
+        self._check("isend", t)
         self.ledger.record("send", axis, nbytes(t))
-        peer = self.mesh.global_rank_of(axis, dst)
-        return dist.isend(t, peer, group=self.mesh.group(axis))
+        peer, group = self.mesh.global_rank_of(axis, dst), self.mesh.group(axis)
+        if self.clock is None:
+            return dist.isend(t, peer, group=group)
+        end = self.clock.end(now(), "send", nbytes(t), 2)
+        packed = torch.empty(8 + nbytes(t), dtype=torch.uint8, device=t.device)
+        packed[:8].copy_(torch.tensor([end], dtype=torch.float64).view(torch.uint8))  # header: the end
+        packed[8:].copy_(t.view(-1).view(torch.uint8))
+        work = dist.isend(packed, peer, group=group)
+        return EmulatedWork(work, lambda: self._wait_until(end, "send", axis), keep=packed)
 
-    def irecv(self, t: torch.Tensor, axis: str, *, src: int) -> dist.Work:
+    def irecv(self, t: torch.Tensor, axis: str, *, src: int):
+        """Returns a work object; ``t`` holds the data once ``wait`` returned."""
         assert t.is_contiguous(), "receive buffers must be contiguous"
+        self._check("irecv", t)
         self.ledger.record("recv", axis, nbytes(t))
-        peer = self.mesh.global_rank_of(axis, src)
-        return dist.irecv(t, peer, group=self.mesh.group(axis))
+        peer, group = self.mesh.global_rank_of(axis, src), self.mesh.group(axis)
+        if self.clock is None:
+            return dist.irecv(t, peer, group=group)
+        packed = torch.empty(8 + nbytes(t), dtype=torch.uint8, device=t.device)
+        work = dist.irecv(packed, peer, group=group)
+
+        def finish() -> None:
+            t.view(-1).view(torch.uint8).copy_(packed[8:])
+            self._wait_until(packed[:8].view(torch.float64).item(), "recv", axis)
+
+        return EmulatedWork(work, finish)
 
     def barrier(self, axis: str | None = None) -> None:
         if axis is None:
