@@ -178,14 +178,19 @@ def _layout(args: argparse.Namespace):
 
 def _generate_rank(model_dir: str, labels, config, steps: int, guidance: float, seed: int, progress: bool):
     from tessera.diffusion.parallel import parallel_sample
+    from tessera.diffusion.pipefusion import release_other_stages
     from tessera.train.checkpoint import load_dit
 
     model = load_dit(model_dir)
     size = model.config.image_size
+    mesh = config.build_mesh()
+    if config.method == "pipefusion" and config.pipefusion_degree > 1:
+        release_other_stages(model, config, mesh)  # each stage holds only its own blocks
     images = parallel_sample(
         model,
         labels,
         config=config,
+        mesh=mesh,
         height=size,
         width=size,
         num_steps=steps,

@@ -183,5 +183,7 @@ def test_layout_errors_name_the_numbers():
             config=ParallelConfig(pipefusion_degree=2, num_patches=3, ulysses_degree=2),
             **common,
         )
+    with pytest.raises(ValueError, match="warmup_steps 2 exceeds the 1 sampling steps; use at most 1"):
+        parallel_sample(model, LABELS, config=ParallelConfig(num_patches=2, warmup_steps=2), **common)
     with pytest.raises(ValueError, match="no parallel method supports Linear"):
         parallel_sample(torch.nn.Linear(2, 2), LABELS, config=ParallelConfig(), **common)

@@ -27,11 +27,15 @@ def family(request, tmp_path_factory):
     return request.param, build(tmp_path_factory.mktemp(request.param)), call_kwargs
 
 
-def _ours(directory, config: ParallelConfig):
+def resident_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p.device.type != "meta")
+
+
+def _ours(directory, config: ParallelConfig, resident: dict | None = None):
     from tessera.runtime.mesh import global_rank
 
     pipe = load_pipeline(directory, with_text_encoder=global_rank() == 0)
-    return generate(
+    image = generate(
         pipe,
         prompt=PROMPT,
         height=H,
@@ -42,6 +46,9 @@ def _ours(directory, config: ParallelConfig):
         config=config,
         output_type="pt",
     )
+    if resident is not None:
+        resident[config.describe()] = resident_bytes(pipe.transformer)
+    return image
 
 
 def _layouts(directory, names: list[str]) -> dict:
@@ -50,7 +57,9 @@ def _layouts(directory, names: list[str]) -> dict:
         "ulysses2": ParallelConfig(ulysses_degree=2),
         "cfg2": ParallelConfig(cfg_parallel=True),
     }
-    return {name: _ours(directory, layouts[name]) for name in names}
+    resident: dict[str, int] = {}
+    images = {name: _ours(directory, layouts[name], resident) for name in names}
+    return {"images": images, "resident": resident}
 
 
 def test_same_image_as_the_pipeline_serially_and_on_two_ranks(family):
@@ -71,11 +80,24 @@ def test_same_image_as_the_pipeline_serially_and_on_two_ranks(family):
     torch.testing.assert_close(_ours(directory, ParallelConfig()), reference, rtol=0, atol=1e-6)
     layouts = ["pipefusion2", "ulysses2"] + (["cfg2"] if name != "flux" else [])  # Flux-dev: no CFG branch
     ranks = spawn(_layouts, 2, directory, layouts, timeout_s=300)
-    assert all(v is None for v in ranks[1].values())  # the image is returned on rank 0
-    for layout, image in ranks[0].items():
+    assert all(v is None for v in ranks[1]["images"].values())  # the image is returned on rank 0
+    # PipeFusion: each rank keeps only its stage's blocks (and the shared embeddings and
+    # head), so the two ranks' blocks add up to the model's once; other layouts keep all.
+    full, blocks = resident_bytes(pipe.transformer), _block_bytes(pipe.transformer)
+    pipefusion = ParallelConfig(pipefusion_degree=2, num_patches=2, warmup_steps=STEPS).describe()
+    held = [rank["resident"][pipefusion] for rank in ranks]
+    assert max(held) < full and sum(held) == 2 * (full - blocks) + blocks
+    assert ranks[0]["resident"]["ulysses=2"] == full
+    for layout, image in ranks[0]["images"].items():
         # Exact layouts: float32 rounding in split attention, through the VAE, well under
         # one 8-bit grey level (1/255 = 4e-3).
         torch.testing.assert_close(image, reference, rtol=0, atol=1e-4, msg=f"{name} {layout}")
+
+
+def _block_bytes(transformer: torch.nn.Module) -> int:
+    from tessera.diffusion.adapters import adapter_for
+
+    return sum(resident_bytes(block) for block in adapter_for(transformer).blocks)
 
 
 def test_cli_generates_from_a_saved_pipeline(family, tmp_path, capsys):

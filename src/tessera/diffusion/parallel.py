@@ -55,6 +55,11 @@ def parallel_denoise(
     adapter = adapter_for(model)
     height, width = noise.shape[2:]
     check_layout(adapter, config, height, width)
+    if config.method in ("pipefusion", "distrifusion") and config.warmup_steps > stepper.num_steps:
+        raise ValueError(
+            f"warmup_steps {config.warmup_steps} exceeds the {stepper.num_steps} sampling steps; "
+            f"use at most {stepper.num_steps} (warm-up = all steps is exact)"
+        )
     mesh = mesh or config.build_mesh()
     guidance = Guidance(cond, uncond, guidance_scale, mesh)
     common = dict(guidance=guidance, stepper=stepper, noise=noise, mesh=mesh, progress=progress)

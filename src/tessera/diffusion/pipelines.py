@@ -15,6 +15,7 @@ import torch
 
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_denoise
+from tessera.diffusion.pipefusion import release_other_stages
 from tessera.diffusion.pipeline_families import family_of
 from tessera.diffusion.stepper import DiffusersStepper
 from tessera.runtime.comm import WORLD
@@ -46,19 +47,19 @@ def load_pipeline(directory: str | Path, *, with_text_encoder: bool = True):
 
 def _broadcast_tensors(mesh: Mesh, tensors: dict[str, torch.Tensor] | None, keys: tuple[str, ...]) -> dict:
     """Rank 0's tensors on every rank (shape and dtype travel first in a small header)."""
-    out = {}
+    out, device = {}, mesh.device  # NCCL moves device tensors only, headers included
     for key in keys:
         header = torch.zeros(8, dtype=torch.int64)
         if mesh.global_rank == 0:
             t = tensors[key]
             header[0], header[1] = t.dim(), _DTYPES.index(t.dtype)
             header[2 : 2 + t.dim()] = torch.tensor(t.shape)
-        mesh.comm.broadcast(header, WORLD)
+        header = mesh.comm.broadcast(header.to(device), WORLD).cpu()
         shape = tuple(header[2 : 2 + int(header[0])].tolist())
         buffer = (
-            tensors[key].contiguous()
+            tensors[key].contiguous().to(device)
             if mesh.global_rank == 0
-            else torch.empty(shape, dtype=_DTYPES[int(header[1])])
+            else torch.empty(shape, dtype=_DTYPES[int(header[1])], device=device)
         )
         out[key] = mesh.comm.broadcast(buffer, WORLD)
     return out
@@ -79,8 +80,13 @@ def generate(
     mesh: Mesh | None = None,
     output_type: str = "pil",
     progress: bool = False,
+    release_unused: bool = True,
 ) -> Any:
-    """The image for ``prompt`` on rank 0 (None on the other ranks)."""
+    """The image for ``prompt`` on rank 0 (None on the other ranks).
+
+    Under PipeFusion each rank first frees the transformer blocks its stage never runs
+    (``release_unused``; the memory saving PipeFusion exists for): the pipeline's
+    transformer is then fit for this layout only."""
     mesh = mesh or config.build_mesh()
     vae_factor = pipe.vae_scale_factor
     if height % vae_factor or width % vae_factor:
@@ -88,6 +94,8 @@ def generate(
             f"image size {height}x{width} is not divisible by the VAE's downscale factor {vae_factor}"
         )
     family = family_of(type(pipe).__name__)
+    if release_unused and config.method == "pipefusion" and mesh.size("pipefusion") > 1:
+        release_other_stages(pipe.transformer, config, mesh)
     cfg = guidance_scale > 1.0 and family.classifier_free
     encoded = family.encode(pipe, prompt, negative_prompt, cfg) if mesh.global_rank == 0 else None
     device = pipe.transformer.device
