@@ -5,7 +5,9 @@ import torch
 from tiny_lm import tiny_llama
 
 import tessera
-from tessera.parallel.tp_plans import LLAMA, TPPlan, apply_tp, plan_for
+from tessera.parallel.tp_plans import TPPlan, apply_tp, plan_for
+
+LLAMA = plan_for(tiny_llama(layers=1))  # transformers' own plan (config.base_model_tp_plan)
 
 
 @pytest.mark.parametrize(
