@@ -101,7 +101,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 def _train_with_plan(args: argparse.Namespace) -> None:
     import tessera
-    from tessera.bench.train import matmul_peak_flops
+    from tessera.bench.harness import matmul_peak_flops
     from tessera.runtime import spawn
     from tessera.train import gpt2_text
 

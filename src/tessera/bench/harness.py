@@ -8,6 +8,7 @@ import json
 import os
 import platform
 import resource
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,20 @@ def current_rss_bytes() -> int:
 def peak_rss_bytes() -> int:
     """High-water mark of this process's resident memory (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def matmul_peak_flops(threads: int = 1, n: int = 512, reps: int = 20) -> float:
+    """This machine's fp32 matmul FLOP/s on ``threads`` threads (best of ``reps``)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    torch.set_num_threads(old)
+    return 2 * n**3 / best
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from tessera.bench.harness import BenchResult
+from tessera.bench.harness import BenchResult, matmul_peak_flops
 from tessera.memory.track import reset_peak_rss, status_kib
 from tessera.train.gpt2_text import flops_per_token, gpt2_lm
 from tessera.train.losses import causal_lm_loss
@@ -154,20 +154,6 @@ def _rank_run(variant: str, cfg: TrainBenchConfig) -> dict:
         "loss": losses[-1],
         "comm_bytes_per_step": {k: v["bytes"] / cfg.steps for k, v in comm.items()},
     }
-
-
-def matmul_peak_flops(threads: int = 1, n: int = 512, reps: int = 20) -> float:
-    """This machine's fp32 matmul FLOP/s on ``threads`` threads (best of ``reps``)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    torch.set_num_threads(old)
-    return 2 * n**3 / best
 
 
 def run_train_bench(*, quick: bool, progress: bool = True, variants: list[str] | None = None) -> BenchResult:
