@@ -187,6 +187,11 @@ def _resolve(model: nn.Module, plan: TPPlan, degree: int) -> dict[str, Style]:
     for pattern, name in plan.layers.items():
         lookup(name, f"plan {plan.family!r}, pattern {pattern!r}")
         hits = [path for path in modules if _matches(pattern, path)]
+        if not hits and any(_matches(pattern, n) for n, _ in model.named_parameters()):
+            raise ValueError(
+                f"tensor parallel plan {plan.family!r}: pattern {pattern!r} names parameters, not modules; "
+                "Tessera applies styles to modules"
+            )
         if not hits:
             raise ValueError(
                 f"tensor parallel plan {plan.family!r}: pattern {pattern!r} matches no module of {type(model).__name__}"

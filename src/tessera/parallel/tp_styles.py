@@ -110,6 +110,8 @@ REFUSED: dict[str, str] = {
     "local_params": "bare parameters such as attention sinks, run as local tensors",
     "all_reduce": "a module whose output is partial by construction",
     "replicate": "per-tensor quantization scales",
+    "ep_dispatch_experts": "expert parallelism (an ep_plan style)",
+    "grouped_gemm": "expert parallelism (an ep_plan style)",
 }
 
 
