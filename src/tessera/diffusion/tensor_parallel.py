@@ -27,14 +27,15 @@ def is_tp_sharded(model) -> bool:
 
 @contextmanager
 def tensor_parallel(adapter: TesseraDiTAdapter, mesh: Mesh) -> Iterator[None]:
-    """The model sharded over ``mesh``'s tp axis for the duration, then gathered whole again.
-    A model already sharded (``apply_tp(model, plan_for(model), mesh.device_mesh["tp"], n)``,
-    e.g. once before many runs) is used as it is and stays sharded."""
+    """The model sharded over ``mesh``'s tp axis for the duration, then gathered whole again
+    (an all-gather of every split weight, not counted: it is not part of sampling). A model
+    already sharded (``apply_tp(model, plan_for(model), mesh.device_mesh["tp"], n)``, once
+    before many runs) is used as it is and stays sharded."""
     model, degree = adapter.model, mesh.size(AXIS)
     plan = plan_for(model)
     shard_here = not is_tp_sharded(model)
-    if shard_here:
-        apply_tp(model, plan, mesh.device_mesh[AXIS], degree)
+    if shard_here:  # every rank holds the same model: each takes its slice, nothing moves
+        apply_tp(model, plan, mesh.device_mesh[AXIS], degree, src_data_rank=None)
     counter = FunctionalCollectives()
     with counter:
         yield

@@ -243,8 +243,13 @@ def _check_config_heads(model: nn.Module, plan: TPPlan, degree: int) -> None:
             raise ValueError(f"tp={degree} does not divide {key}={value} of {type(model).__name__}")
 
 
-def apply_tp(model: nn.Module, plan: TPPlan, device_mesh, degree: int) -> nn.Module:
-    """Shard ``model`` in place over ``device_mesh`` (1-D, size ``degree``) by ``plan``."""
+def apply_tp(
+    model: nn.Module, plan: TPPlan, device_mesh, degree: int, *, src_data_rank: int | None = 0
+) -> nn.Module:
+    """Shard ``model`` in place over ``device_mesh`` (1-D, size ``degree``) by ``plan``.
+    ``src_data_rank`` as torch's ``parallelize_module``: the tp rank whose weights every rank
+    takes (scattered from it), or None when every rank already holds the same whole model and
+    takes its own slice without communicating."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     _check_config_heads(model, plan, degree)
@@ -253,7 +258,8 @@ def apply_tp(model: nn.Module, plan: TPPlan, device_mesh, degree: int) -> nn.Mod
     resolved = _resolve(model, plan, degree)
     head_modules = _head_modules(model, plan, degree)
     tied = _tied_pairs(model)
-    parallelize_module(model, device_mesh, {path: style.build() for path, style in resolved.items()})
+    styles = {path: style.build() for path, style in resolved.items()}
+    parallelize_module(model, device_mesh, styles, src_data_rank=src_data_rank)
     for module, attribute in head_modules:
         setattr(module, attribute, getattr(module, attribute) // degree)
     _restore_ties(tied)
