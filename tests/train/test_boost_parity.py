@@ -1,13 +1,19 @@
 """tessera.boost against single-process training: every plan (dp, ZeRO 1/2/3, tp, dp x tp,
-with gradient accumulation and global-norm clipping on) takes the same steps from the same
-weights on the same global batches, on CPU/gloo.
+with gradient accumulation, global-norm clipping, activation checkpointing and block-aligned
+chunks) takes the same steps from the same weights on the same global batches, on CPU/gloo.
+
+Adam is nearly blind to a gradient's scale (it divides by sqrt(v)), so a gradient summed over
+ranks instead of averaged would pass an Adam-only test: plain SGD runs beside it, where a
+parameter moves by exactly lr x gradient, and ZeRO-1/2/3 run with several chunks per rank
+(small chunk_mib), so every chunk's reduction and every shard's ownership is exercised.
 
 Tolerances: parallel runs sum the same gradients in a different order (a dp all-reduce or
 reduce-scatter, tp partial sums, micro-batches accumulated instead of one batch) — fp32
 rounding, ~1e-7 relative per step. Adam divides by sqrt(v): an element whose gradient is
 near zero can turn a rounding difference into a visible one (hence eps 1e-4 below), so
 parameters are compared with rtol 1e-4 / atol 1e-5 after 3 steps at lr 1e-2, and losses
-with rtol 1e-5.
+with rtol 1e-5. SGD (lr 0.5) moves a parameter by lr x gradient (~1e-3 here): the same fp32
+rounding stays below 1e-6, a factor-2 error in a gradient moves it by ~1e-3.
 """
 
 import torch
@@ -88,7 +94,9 @@ def _loss(family):
     return dit_loss if family == "dit" else causal_lm_loss
 
 
-def _optimizer(model):
+def _optimizer(model, kind="adamw"):
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.5)
     # eps 1e-4, not 1e-8: some elements' true gradient is exactly zero (attention ignores the
     # key bias), and Adam would turn their rounding noise (~1e-10) into lr-sized steps.
     return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4, weight_decay=0.0)
@@ -101,9 +109,9 @@ def _full_params(model, optimizer) -> dict[str, torch.Tensor]:
     return {n: state[n] for n in names}
 
 
-def reference(family: str, max_norm: float | None, precision: str = "fp32"):
+def reference(family: str, max_norm: float | None, precision: str = "fp32", kind: str = "adamw"):
     model = BUILDERS[family]()
-    opt = _optimizer(model)
+    opt = _optimizer(model, kind)
     losses = []
     for batch in _batches(family):
         opt.zero_grad()
@@ -117,24 +125,31 @@ def reference(family: str, max_norm: float | None, precision: str = "fp32"):
     return losses, _full_params(model, None)
 
 
+def _run(spec):
+    family, plan_kwargs, *kind = spec
+    return family, plan_kwargs, (kind or ["adamw"])[0]
+
+
 def _worker(runs):
     results = []
-    for family, plan_kwargs in runs:
+    for family, plan_kwargs, kind in map(_run, runs):
         model = BUILDERS[family]()
-        model, opt = tessera.boost(model, _optimizer(model), tessera.Plan(**plan_kwargs))
+        model, opt = tessera.boost(model, _optimizer(model, kind), tessera.Plan(**plan_kwargs))
+        if plan_kwargs.get("chunk_mib", 32) < 0.1:
+            assert len(opt.engine.groups) >= 4, len(opt.engine.groups)  # several chunks per rank
         losses = [opt.train_step(batch, _loss(family))["loss"] for batch in _batches(family)]
         results.append((losses, _full_params(model, opt), opt.mesh.comm.ledger.snapshot()))
     return results
 
 
 def _check(runs, results):
-    for (family, plan_kwargs), (losses, params, comm) in zip(runs, results, strict=True):
+    for (family, plan_kwargs, kind), (losses, params, comm) in zip(map(_run, runs), results, strict=True):
         # every axis that is split moved bytes, counted per axis (tp: DTensor's collectives)
         for axis in ("dp", "tp"):
             moved = sum(v["bytes"] for k, v in comm.items() if k.endswith("@" + axis))
             assert (moved > 0) == (plan_kwargs.get(axis, 1) > 1), (family, plan_kwargs, comm)
         precision = plan_kwargs.get("precision", "fp32")
-        ref_losses, ref_params = reference(family, plan_kwargs.get("max_grad_norm"), precision)
+        ref_losses, ref_params = reference(family, plan_kwargs.get("max_grad_norm"), precision, kind)
         # bf16 autocast: matmuls round to 8 bits of mantissa, and a half-batch rounds
         # differently from the whole one, so losses agree to ~1e-3; Adam turns the rounding
         # of a near-zero gradient into a visibly different step for a few elements
@@ -142,6 +157,8 @@ def _check(runs, results):
         loss_tol, param_tol = (
             ((1e-5, 1e-6), (1e-4, 1e-5)) if precision == "fp32" else ((5e-3, 5e-3), (2e-2, 6e-3))
         )
+        if kind == "sgd":
+            param_tol = (1e-5, 1e-6)
         torch.testing.assert_close(
             torch.tensor(losses),
             torch.tensor(ref_losses),
@@ -150,7 +167,7 @@ def _check(runs, results):
             msg=f"{family} {plan_kwargs} losses {losses} vs {ref_losses}",
         )
         assert ref_params.keys() == params.keys()
-        label = f"{family} {plan_kwargs}"
+        label = f"{family} {plan_kwargs} {kind}"
         for name, ref in ref_params.items():
             torch.testing.assert_close(
                 params[name],
@@ -173,11 +190,21 @@ CLIP = 0.5  # below the measured first-step gradient norms (0.95-1.17), so clipp
 def test_data_parallel_and_zero_stages_on_two_ranks():
     runs = [
         ("gpt2", dict(dp=2)),
-        ("gpt2", dict(dp=2, zero=1, grad_accum=2, max_grad_norm=CLIP)),
-        ("gpt2", dict(dp=2, zero=2, grad_accum=2, max_grad_norm=CLIP)),
+        ("gpt2", dict(dp=2, zero=1, grad_accum=2, max_grad_norm=CLIP, chunk_mib=0.01)),
+        ("gpt2", dict(dp=2, zero=2, grad_accum=2, max_grad_norm=CLIP, chunk_mib=0.01)),
         ("gpt2", dict(dp=2, zero=3, grad_accum=2, max_grad_norm=CLIP, chunk_mib=0.01)),
         ("llama", dict(dp=2, zero=3)),
         ("llama", dict(dp=2, zero=2, precision="bf16")),
+        # SGD: a parameter moves by lr x the (averaged) gradient
+        ("gpt2", dict(dp=2), "sgd"),
+        ("gpt2", dict(dp=2, zero=1, chunk_mib=0.01, grad_accum=2, max_grad_norm=CLIP), "sgd"),
+        ("gpt2", dict(dp=2, zero=2, chunk_mib=0.01), "sgd"),
+        ("llama", dict(dp=2, zero=3, chunk_mib=0.01, grad_accum=2), "sgd"),
+        # activation checkpointing: recomputed blocks give the same gradients (at ZeRO-3 the
+        # recomputation re-gathers freed chunks); block-aligned chunks
+        ("gpt2", dict(dp=2, zero=3, chunk_mib=0.01, grad_accum=2, activation_checkpointing=True), "sgd"),
+        ("llama", dict(dp=2, zero=3, block_chunks=True, activation_checkpointing=True)),
+        ("dit", dict(dp=2, zero=2, block_chunks=True, activation_checkpointing=True, max_grad_norm=CLIP)),
     ]
     _check(runs, spawn(_worker, 2, runs)[0])
 
@@ -192,6 +219,7 @@ def test_tensor_parallel_and_dp_x_tp_on_four_ranks():
         ("gpt2", dict(dp=2, tp=2, zero=3, grad_accum=2, max_grad_norm=CLIP)),
         ("bert", dict(dp=2, tp=2, max_grad_norm=CLIP)),
         ("dit", dict(dp=2, tp=2, zero=1, max_grad_norm=CLIP)),
+        ("llama", dict(dp=2, tp=2, zero=2, chunk_mib=0.005, grad_accum=2), "sgd"),
     ]
     _check(runs, spawn(_worker, 4, runs)[0])
 

@@ -17,6 +17,9 @@ stage     gradients after backward       optimizer state             parameters 
 
 At stages 1-3 the optimizer runs on one flat fp32 shard per chunk (a Parameter whose
 ``.grad`` is that shard of the averaged gradient), so its states are 1/dp of the model's.
+It is the user's own optimizer object, its groups' parameters swapped for the shards of
+their chunks: class, constructor settings and hooks stay; its update must be elementwise
+(``tessera.boost`` checks).
 Stage 3 keeps only that shard between uses: a chunk's parameters are views of one full
 buffer whose storage is emptied after use and refilled by an all-gather before a module's
 forward, and again before its backward (autograd's saved views see the refilled storage).
@@ -58,15 +61,19 @@ class ZeroEngine:
         chunk_elems: int = 8 << 20,
         max_grad_norm: float | None = None,
         tp_axis: str | None = None,
+        segment_of: dict[nn.Parameter, int] | None = None,
     ):
         self.model, self.zero, self.mesh, self.axis = model, zero, mesh, axis
         self.tp_axis = tp_axis if tp_axis is not None and mesh.size(tp_axis) > 1 else None
         self.max_grad_norm = max_grad_norm
         self.comm = mesh.comm
         self.sync = True
+        self.recomputing = False  # inside activation checkpointing's recomputation
         dp = mesh.size(axis)
         self.dp, self.rank = dp, mesh.rank(axis)
-        self.manager = ChunkManager(optimizer.param_groups, chunk_elems=chunk_elems, align=dp)
+        self.manager = ChunkManager(
+            optimizer.param_groups, chunk_elems=chunk_elems, align=dp, segment_of=segment_of
+        )
         self.groups: list[ParamChunk] = self.manager.chunks
         self.owner = self.manager.owner
         self.pending = {cg: len(cg.params) for cg in self.groups}
@@ -78,14 +85,13 @@ class ZeroEngine:
             for cg in self.groups:
                 shard = nn.Parameter(cg.chunk.shard(self.rank, dp).clone())
                 self.shards.append(shard)
-            inner_groups = []
             for gi, group in enumerate(optimizer.param_groups):
-                mine = [s for s, cg in zip(self.shards, self.groups, strict=True) if cg.group_index == gi]
-                if mine:
-                    inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": mine})
-            self.optimizer = type(optimizer)(inner_groups)  # every group carries all its settings
-        else:
-            self.optimizer = optimizer
+                group["params"] = [
+                    s for s, cg in zip(self.shards, self.groups, strict=True) if cg.group_index == gi
+                ]
+                group.pop("param_names", None)  # they named the parameters, not the shards
+            optimizer.state.clear()  # any state it held is loaded again by tessera.boost
+        self.optimizer = optimizer
         if zero == 3:
             for cg in self.groups:
                 cg.bind()
@@ -138,7 +144,7 @@ class ZeroEngine:
         if self.zero <= 1:
             # which parameters got a gradient on any rank: those get the average everywhere
             # (a rank that did not use one gets it too); the others stay None (skipped)
-            had = torch.tensor([float(p.grad is not None) for p in cg.params])
+            had = torch.tensor([float(p.grad is not None) for p in cg.params], device=self.mesh.device)
             self.comm.all_reduce(had, self.axis, op="max")
             self.comm.all_reduce(flat, self.axis, op="avg")
             cg.write_grads(flat, [bool(h) for h in had])
@@ -171,12 +177,12 @@ class ZeroEngine:
     # ---- optimizer -------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
         """The global gradient norm over every parameter once (after reduction)."""
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for cg in self.groups:
             if self.zero == 0:
                 part = sum(
                     (_local(p.grad).double().pow(2).sum() for p in cg.params if p.grad is not None),
-                    torch.zeros((), dtype=torch.float64),
+                    torch.zeros((), dtype=torch.float64, device=self.mesh.device),
                 )
             else:
                 part = self.grad_shard[cg].double().pow(2).sum()
@@ -189,20 +195,48 @@ class ZeroEngine:
             self.comm.all_reduce(total, self.tp_axis)
         return total.sqrt()
 
-    def step(self) -> float | None:
+    def reduced_grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizer will step with (after reduction): p.grad at stage 0,
+        this rank's shards at 1-3 (local tensors: in-place changes reach the DTensors)."""
+        if self.zero == 0:
+            return [_local(p.grad) for p in self.owner if p.grad is not None]
+        return [self.grad_shard[cg] for cg in self.groups]
+
+    def step(self, loss_scaler=None) -> tuple[float | None, bool]:
+        """Reduce what is left, then (if ``loss_scaler``, a ``tessera.train.loss_scale.
+        LossScaler``) unscale and agree on overflow, clip, and step unless skipped.
+        Returns (gradient norm if clipping, whether the step was skipped)."""
         self.finish_backward()
+        found_inf = None
+        if loss_scaler is not None:
+            found_inf = loss_scaler.unscale_(self.reduced_grads())
+            self.comm.all_reduce(found_inf, self.axis, op="max")  # shards differ over dp
+            if self.tp_axis is not None:
+                self.comm.all_reduce(found_inf, self.tp_axis, op="max")
+        skipped = found_inf is not None and bool(found_inf.item() > 0)
         norm = None
-        if self.max_grad_norm is not None:
-            norm = float(self.grad_norm())
-            scale = self.max_grad_norm / (norm + 1e-6)
-            if scale < 1:
-                for cg in self.groups:
-                    if self.zero == 0:
-                        for p in cg.params:
-                            if p.grad is not None:
-                                p.grad.mul_(scale)
-                    else:
-                        self.grad_shard[cg].mul_(scale)
+        if not skipped:
+            norm = self._clip()
+            self._optimizer_step()
+        for cg in self.groups:
+            self.pending[cg], self.reduced[cg] = len(cg.params), False
+        self.grad_shard.clear()
+        self.seen.clear()
+        if loss_scaler is not None:
+            loss_scaler.update(found_inf)
+        return norm, skipped
+
+    def _clip(self) -> float | None:
+        if self.max_grad_norm is None:
+            return None
+        norm = float(self.grad_norm())
+        scale = self.max_grad_norm / (norm + 1e-6)
+        if scale < 1:
+            for g in self.reduced_grads():
+                g.mul_(scale)
+        return norm
+
+    def _optimizer_step(self) -> None:
         if self.zero >= 1:
             for cg, shard in zip(self.groups, self.shards, strict=True):
                 shard.grad = self.grad_shard[cg]
@@ -212,11 +246,6 @@ class ZeroEngine:
                 full = torch.empty(cg.chunk.capacity, dtype=shard.dtype, device=shard.device)
                 self.comm.all_gather_into(full, shard.detach(), self.axis)
                 cg.write_params(full)
-        for cg in self.groups:
-            self.pending[cg], self.reduced[cg] = len(cg.params), False
-        self.grad_shard.clear()
-        self.seen.clear()
-        return norm
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -241,7 +270,7 @@ class ZeroEngine:
                         value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
                     state = self.optimizer.state[p]
                     state[kind] = value
-                    state.update({k: torch.tensor(v) for k, v in scalars.items()})
+                    state.update({k: _scalar(v) for k, v in scalars.items()})
                 return
             shard = self.shards[self.groups.index(cg)]
             lo, hi = self.shard_bounds(cg)
@@ -256,9 +285,18 @@ class ZeroEngine:
                 if kind not in state:
                     state[kind] = torch.zeros_like(shard.data)
                 state[kind][a - lo : b - lo] = piece
-                state.update({k: torch.tensor(v) for k, v in scalars.items()})
+                state.update({k: _scalar(v) for k, v in scalars.items()})
 
     # ---- stage 3 ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def recomputation(self):
+        """The context activation checkpointing recomputes a block in (see post_forward)."""
+        self.recomputing = True
+        try:
+            yield
+        finally:
+            self.recomputing = False
+
     def _install_stage3_hooks(self) -> None:
         """Gather a chunk before the first module that uses it runs forward, free it after
         the last one (in the order recorded on the first forward; until then after each
@@ -283,6 +321,10 @@ class ZeroEngine:
             gather(by_module[module])
 
         def post_forward(module, args, output):
+            if self.recomputing:
+                # activation checkpointing recomputes a block inside backward: its chunks
+                # stay until their gradients are reduced (the recomputed graph uses them)
+                return
             groups = by_module[module]
             if torch.is_grad_enabled():
                 tensors = [
@@ -313,6 +355,10 @@ class ZeroEngine:
         """Stage 3: make every parameter whole (for evaluation or saving)."""
         for cg, shard in zip(self.groups, self.shards, strict=True):
             self.gather(cg, shard.detach())
+
+
+def _scalar(value) -> torch.Tensor:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(value)
 
 
 def chunk_elems_for(mib: float) -> int:

@@ -6,11 +6,15 @@
     for batch in batches:                       # the same global batch on every rank
         stats = optimizer.train_step(batch, loss_fn)
 
-``boost`` applies the tensor parallel plan (over the ``tp`` axis), makes every data-parallel
-replica start from the same weights, and puts the parameters into the chunked ZeRO core
-(``tessera.parallel.zero``) over the ``dp`` axis. The returned optimizer steps the sharded
-states; ``train_step`` runs one optimizer step of ``grad_accum`` micro-batches on this
-rank's share of the batch, under bf16 autocast if the plan says so.
+``boost`` moves the model to the mesh's device, applies the tensor parallel plan (over the
+``tp`` axis), makes every data-parallel replica start from the same weights, wraps each
+transformer block in activation checkpointing if the plan says so, and puts the parameters
+into the chunked ZeRO core (``tessera.parallel.zero``) over the ``dp`` axis. The user's
+optimizer object is kept (its class, settings, hooks and any state it had loaded); at ZeRO
+1-3 it steps flat shards, so its update must be elementwise. The returned optimizer steps
+the sharded states; ``train_step`` runs one optimizer step of ``grad_accum`` micro-batches
+on this rank's share of the batch, under bf16 or fp16 autocast if the plan says so (fp16
+with dynamic loss scaling, ``tessera.train.loss_scale``).
 """
 
 from __future__ import annotations
@@ -27,16 +31,59 @@ from tessera.parallel.zero import ZeroEngine, chunk_elems_for
 from tessera.runtime import Mesh
 from tessera.runtime.comm import FunctionalCollectives
 from tessera.runtime.mesh import world_size
+from tessera.train.blocks import blocks_or_error, checkpoint_blocks
+from tessera.train.full_optim_state import load_optimizer_state_dict, optimizer_state_dict
+from tessera.train.loss_scale import LossScaler
 from tessera.train.plan import Plan
+
+# ZeRO 1-3 step each chunk's flat shard as one tensor: right for updates that treat every
+# element on its own (with per-group scalars such as Adam's step), wrong for ones that look
+# at a parameter's shape or norm (Adafactor's factored moments, Muon, LBFGS, LAMB/LARS).
+ELEMENTWISE = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "Adagrad",
+        "RMSprop",
+        "Rprop",
+        "Adadelta",
+        "ASGD",
+    )
+)
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class BoostedOptimizer:
-    """The optimizer ``boost`` returns: ``step``/``zero_grad`` over the sharded core, and
-    ``train_step`` for one whole step."""
+    """The optimizer ``boost`` returns: ``step``/``zero_grad`` over the sharded core,
+    ``train_step`` for one whole step, and ``state_dict``/``load_state_dict`` in the
+    user's optimizer's own (unsharded) format."""
 
-    def __init__(self, model: nn.Module, engine: ZeroEngine, plan: Plan, mesh: Mesh, tp_plan: TPPlan | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        engine: ZeroEngine,
+        plan: Plan,
+        mesh: Mesh,
+        tp_plan: TPPlan | None,
+        group_names: list[list[str]],
+    ):
         self.model, self.engine, self.plan, self.mesh, self.tp_plan = model, engine, plan, mesh, tp_plan
+        self.group_names = group_names  # parameter names of each of the user's groups
         self.last_grad_norm: float | None = None
+        self.loss_scaler = (
+            LossScaler(
+                init_scale=plan.loss_scale_init,
+                growth_interval=plan.loss_scale_growth_interval,
+                device=mesh.device,
+            )
+            if plan.precision == "fp16"
+            else None
+        )
         self._tp_calls: list[tuple[str, int]] | None = None  # DTensor's collectives in one step
 
     @property
@@ -45,12 +92,28 @@ class BoostedOptimizer:
 
     @property
     def inner(self) -> torch.optim.Optimizer:
-        """The torch optimizer that steps (over ZeRO shards at stages 1-3): give it to an LR
-        scheduler, e.g. ``torch.optim.lr_scheduler.LambdaLR(optimizer.inner, ...)``."""
+        """The user's torch optimizer, which steps (over ZeRO shards at stages 1-3): an LR
+        scheduler built on it before or after ``boost`` drives it."""
         return self.engine.optimizer
 
-    def step(self) -> None:
-        self.last_grad_norm = self.engine.step()
+    @property
+    def skipped_steps(self) -> int:
+        """fp16: optimizer steps skipped because gradients overflowed (0 otherwise)."""
+        return self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
+
+    def state_dict(self) -> dict:
+        """The whole optimizer state as the user's torch optimizer would give it on one
+        process (a collective: every rank calls it); see ``tessera.train.full_optim_state``."""
+        return optimizer_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state from ``state_dict()`` under any plan, or from a plain torch optimizer."""
+        load_optimizer_state_dict(self, state_dict)
+
+    def step(self) -> bool:
+        """One optimizer step over the reduced gradients; True if it was skipped (fp16 overflow)."""
+        self.last_grad_norm, skipped = self.engine.step(self.loss_scaler)
+        return skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
@@ -79,8 +142,16 @@ class BoostedOptimizer:
             return loss_parallel()
         return contextlib.nullcontext()
 
+    def _autocast(self):
+        dtype = AUTOCAST.get(self.plan.precision)
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.mesh.device.type, dtype=dtype)
+
     def train_step(self, batch, loss_fn: Callable[[nn.Module, object], torch.Tensor]) -> dict:
-        """``loss_fn(model, micro_batch)`` returns the mean loss of that micro-batch."""
+        """``loss_fn(model, micro_batch)`` returns the mean loss of that micro-batch. Returns
+        {"loss", "grad_norm", "seconds"}, and at fp16 also "skipped" (this step), "skipped_steps"
+        (so far) and "loss_scale" (the scale this step's loss was multiplied by)."""
         began = time.perf_counter()
         local = self.local_batch(batch)
         k = self.plan.grad_accum
@@ -93,19 +164,16 @@ class BoostedOptimizer:
         self.zero_grad()
         counting = self.plan.tp > 1 and self._tp_calls is None
         counter = FunctionalCollectives() if counting else contextlib.nullcontext()
+        scale = float(self.loss_scaler.scale) if self.loss_scaler is not None else None
         total = 0.0
-        autocast = (
-            torch.autocast(device_type=self.mesh.device.type, dtype=torch.bfloat16)
-            if self.plan.precision == "bf16"
-            else contextlib.nullcontext()
-        )
         with counter:
             for i, mb in enumerate(micro):
                 sync = contextlib.nullcontext() if i == k - 1 else self.engine.no_sync()
                 with sync, self.loss_context():
-                    with autocast:
+                    with self._autocast():
                         loss = loss_fn(self.model, mb)
-                    (loss / k).backward()
+                    scaled = self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
+                    (scaled / k).backward()
                 total += float(_full(loss).detach()) / k
         if counting:
             # Tensor parallel collectives are DTensor's own: seen on the first step (their
@@ -113,18 +181,42 @@ class BoostedOptimizer:
             self._tp_calls = counter.calls
         for op, num_bytes in self._tp_calls or ():
             self.mesh.comm.ledger.record(op, "tp", num_bytes)
-        self.step()
-        loss_avg = torch.tensor([total], dtype=torch.float64)
+        skipped = self.step()
+        loss_avg = torch.tensor([total], dtype=torch.float64, device=self.mesh.device)
         self.mesh.comm.all_reduce(loss_avg, "dp", op="avg")
-        return {
+        stats = {
             "loss": float(loss_avg),
             "grad_norm": self.last_grad_norm,
             "seconds": time.perf_counter() - began,
         }
+        if self.loss_scaler is not None:
+            stats.update(skipped=skipped, skipped_steps=self.skipped_steps, loss_scale=scale)
+        return stats
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, plan: Plan) -> list[list[str]]:
+    """The parameter names of each of the optimizer's groups (it must hold model parameters,
+    and be elementwise at ZeRO >= 1)."""
+    if plan.zero >= 1 and type(optimizer) not in ELEMENTWISE:
+        known = ", ".join(c.__name__ for c in ELEMENTWISE)
+        raise ValueError(
+            f"Plan(zero={plan.zero}) steps flat shards of parameters, which needs an elementwise optimizer "
+            f"({known}); {type(optimizer).__name__} is not one: use Plan(zero=0)"
+        )
+    names = {id(p): n for n, p in model.named_parameters()}
+    group_names = []
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(
+                f"the optimizer holds {len(missing)} tensor(s) that are not parameters of the model"
+            )
+        group_names.append([names[id(p)] for p in group["params"]])
+    return group_names
 
 
 def boost(
@@ -140,22 +232,19 @@ def boost(
         raise TypeError(f"boost needs a tessera.Plan, got {type(plan).__name__}")
     plan.check_world(world_size())
     mesh = mesh or Mesh(dp=plan.dp, tp=plan.tp)
-    if mesh.size("dp") != plan.dp or mesh.size("tp") != plan.tp:
+    has_tp = "tp" in mesh.axes  # a data-parallel-only mesh may have no tp axis
+    if mesh.size("dp") != plan.dp or (mesh.size("tp") if has_tp else 1) != plan.tp:
         raise ValueError(f"mesh {mesh} does not match the plan's dp={plan.dp}, tp={plan.tp}")
-    names = {id(p): n for n, p in model.named_parameters()}
-    groups = []
-    for group in optimizer.param_groups:
-        missing = [p for p in group["params"] if id(p) not in names]
-        if missing:
-            raise ValueError(
-                f"the optimizer holds {len(missing)} tensor(s) that are not parameters of the model"
-            )
-        groups.append(
-            {
-                **{k: v for k, v in group.items() if k != "params"},
-                "names": [names[id(p)] for p in group["params"]],
-            }
-        )
+    group_names = _check_optimizer(model, optimizer, plan)
+    blocks = (
+        blocks_or_error(model, "block_chunks" if plan.block_chunks else "activation_checkpointing")
+        if plan.block_chunks or plan.activation_checkpointing
+        else []
+    )
+    # Any state the optimizer holds (loaded by the user) is taken whole now and loaded
+    # again below into whatever shards and pieces the plan makes.
+    loaded = optimizer.state_dict() if optimizer.state else None
+    model.to(mesh.device)  # in place: the optimizer's parameters stay the model's
     if plan.tp > 1:
         tp_plan = tp_plan or plan_for(model)
         apply_tp(model, tp_plan, mesh.device_mesh["tp"], plan.tp)
@@ -163,24 +252,29 @@ def boost(
         tp_plan = None
     _same_start(model, mesh)
     params = dict(model.named_parameters())
-    # Same class, same per-group settings, around the (possibly re-created) parameters.
-    rebuilt = type(optimizer)(
-        [
-            {**{k: v for k, v in g.items() if k != "names"}, "params": [params[n] for n in g["names"]]}
-            for g in groups
-        ]
+    for group, names in zip(optimizer.param_groups, group_names, strict=True):
+        group["params"] = [params[n] for n in names]  # tensor parallel re-created some
+    optimizer.state.clear()
+    segment_of = (
+        {p: i for i, block in enumerate(blocks) for p in block.parameters()} if plan.block_chunks else None
     )
     engine = ZeroEngine(
         model,
-        rebuilt,
+        optimizer,
         zero=plan.zero,
         mesh=mesh,
         axis="dp",
         chunk_elems=chunk_elems_for(plan.chunk_mib),
         max_grad_norm=plan.max_grad_norm,
-        tp_axis="tp",
+        tp_axis="tp" if has_tp else None,
+        segment_of=segment_of,
     )
-    return model, BoostedOptimizer(model, engine, plan, mesh, tp_plan)
+    if plan.activation_checkpointing:
+        checkpoint_blocks(model, blocks, context_fn=lambda: (contextlib.nullcontext(), engine.recomputation()))
+    boosted = BoostedOptimizer(model, engine, plan, mesh, tp_plan, group_names)
+    if loaded is not None:
+        boosted.load_state_dict(loaded)
+    return model, boosted
 
 
 def _same_start(model: nn.Module, mesh: Mesh) -> None:

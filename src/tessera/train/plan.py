@@ -4,17 +4,25 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """Data parallel degree ``dp`` and tensor parallel degree ``tp`` (``dp * tp`` = world
     size); ``zero`` 0-3 (what data-parallel ranks shard: 1 optimizer states, 2 also
-    gradients, 3 also parameters); ``precision`` "fp32" or "bf16" (bf16 autocast, fp32 master
-    weights and optimizer states); ``grad_accum`` micro-batches per optimizer step;
-    ``max_grad_norm`` clips the global gradient norm (None: no clipping); ``chunk_mib`` the
-    size of the flat chunks parameters, gradients and optimizer states live in."""
+    gradients, 3 also parameters); ``precision`` "fp32", "bf16" (bf16 autocast, fp32 master
+    weights and optimizer states) or "fp16" (fp16 autocast with dynamic loss scaling as
+    ``torch.amp.GradScaler`` does it: the loss is multiplied by a scale starting at
+    ``loss_scale_init``; a step whose gradients overflow is skipped and halves the scale;
+    ``loss_scale_growth_interval`` clean steps in a row double it); ``grad_accum``
+    micro-batches per optimizer step; ``max_grad_norm`` clips the global gradient norm
+    (None: no clipping); ``chunk_mib`` the size of the flat chunks parameters, gradients and
+    optimizer states live in; ``block_chunks`` starts a new chunk at every transformer
+    block, so a block's parameters are chunks of their own (the granularity FSDP2's
+    ``fully_shard`` per block has); ``activation_checkpointing`` recomputes each
+    transformer block's activations in backward (``torch.utils.checkpoint``, non-reentrant)
+    instead of keeping them."""
 
     dp: int = 1
     tp: int = 1
@@ -23,9 +31,13 @@ class Plan:
     grad_accum: int = 1
     max_grad_norm: float | None = None
     chunk_mib: float = 32.0
+    block_chunks: bool = False
+    activation_checkpointing: bool = False
+    loss_scale_init: float = 2.0**16
+    loss_scale_growth_interval: int = 2000
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "grad_accum"):
+        for name in ("dp", "tp", "grad_accum", "loss_scale_growth_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Plan.{name} must be a positive integer, got {value!r}")
@@ -37,6 +49,11 @@ class Plan:
             raise ValueError(f"Plan.max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
         if not self.chunk_mib > 0:
             raise ValueError(f"Plan.chunk_mib must be > 0, got {self.chunk_mib!r}")
+        if not self.loss_scale_init > 0:
+            raise ValueError(f"Plan.loss_scale_init must be > 0, got {self.loss_scale_init!r}")
+        for name in ("block_chunks", "activation_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Plan.{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def world_size(self) -> int:
