@@ -1,5 +1,2 @@
-"""Training strategies applied to a model from outside, over a Mesh."""
-
-from tessera.parallel.data_parallel import data_parallel
-
-__all__ = ["data_parallel"]
+"""Training strategies applied to a model from outside, over a Mesh (data parallel and ZeRO
+are one core, ``tessera.parallel.zero``, driven by ``tessera.boost``)."""

@@ -1,5 +1,6 @@
 """Recipe `digits-dit`: a small class-conditional DiT on scikit-learn's 8x8 digits,
-trained with flow matching, data parallel over the mesh's ``dp`` axis.
+trained with flow matching, data parallel over the mesh's ``dp`` axis (``tessera.boost``
+at ZeRO stage 0: gradients averaged chunk by chunk as backward produces them).
 
 Every random draw of step ``s`` (which images, their noise, times and label drop-out) comes
 from a generator seeded by (seed, s) and is drawn for the *global* batch, of which each dp
@@ -22,10 +23,11 @@ from tqdm.auto import tqdm
 
 from tessera.data.digits import load_digits_images
 from tessera.models.dit import DiT, DiTConfig
-from tessera.parallel import data_parallel
 from tessera.runtime.mesh import Mesh
 from tessera.train import checkpoint as ckpt
+from tessera.train.boost import BoostedOptimizer, boost
 from tessera.train.optim_state import optimizer_from_tensors, optimizer_to_tensors
+from tessera.train.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +87,6 @@ def global_batch(recipe: DigitsDiTRecipe, step: int, images: torch.Tensor, label
     return (1 - tt) * x0 + tt * noise, t, y, noise - x0
 
 
-def local_slice(batch: tuple[torch.Tensor, ...], mesh: Mesh, axis: str = "dp") -> tuple[torch.Tensor, ...]:
-    n, r = mesh.size(axis), mesh.rank(axis)
-    return tuple(part.chunk(n)[r] for part in batch)
-
-
 def learning_rate(recipe: DigitsDiTRecipe, step: int) -> float:
     return recipe.lr * min(1.0, (step + 1) / max(1, recipe.warmup_steps))
 
@@ -102,15 +99,16 @@ def build(recipe: DigitsDiTRecipe) -> tuple[DiT, DiT, torch.optim.Optimizer]:
     return model, ema, optimizer
 
 
-def train_step(ddp_model, optimizer, batch, lr: float) -> torch.Tensor:
+def flow_matching_loss(model: DiT, batch) -> torch.Tensor:
     x_t, t, y, target = batch
+    return F.mse_loss(model(x_t, t, y), target)
+
+
+def train_step(optimizer: BoostedOptimizer, batch, lr: float) -> float:
+    """One step on the global ``batch`` (each dp rank takes its share); the loss averaged over dp."""
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss = F.mse_loss(ddp_model(x_t, t, y), target)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return loss.detach()
+    return optimizer.train_step(batch, flow_matching_loss)["loss"]
 
 
 def save(out_dir: Path, recipe: DigitsDiTRecipe, model: DiT, ema: DiT, optimizer, step: int) -> None:
@@ -168,8 +166,8 @@ def train(
     start = 0
     if resume:
         check_resume_recipe(out_dir, recipe)
-        start = restore(out_dir, model, ema, optimizer)
-    ddp_model = data_parallel(model, mesh)
+        start = restore(out_dir, model, ema, optimizer)  # boost keeps the loaded optimizer state
+    model, boosted = boost(model, optimizer, Plan(dp=dp), mesh)
     is_logger = mesh.global_rank == 0
     bar = tqdm(
         total=recipe.steps, initial=start, desc="train digits-dit", disable=not (progress and is_logger)
@@ -177,13 +175,11 @@ def train(
     loss_log = out_dir.with_name(out_dir.name + ".train_log.jsonl")
     began, loss_value = time.perf_counter(), float("nan")
     for step in range(start, recipe.steps):
-        batch = local_slice(global_batch(recipe, step, images, labels), mesh)
-        loss = train_step(ddp_model, optimizer, batch, learning_rate(recipe, step))
+        loss = train_step(boosted, global_batch(recipe, step, images, labels), learning_rate(recipe, step))
         torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1.0 - recipe.ema_decay)
         done = step + 1
         if done % recipe.log_every == 0 or done == recipe.steps:
-            mesh.comm.all_reduce(loss, "dp", op="avg")
-            loss_value = loss.item()
+            loss_value = loss
             bar.set_postfix(loss=f"{loss_value:.4f}")
             if is_logger:
                 with loss_log.open("a") as f:
@@ -193,7 +189,7 @@ def train(
                     )
         if done % recipe.checkpoint_every == 0 or done == recipe.steps:
             if is_logger:
-                save(out_dir, recipe, model, ema, optimizer, done)
+                save(out_dir, recipe, model, ema, boosted.inner, done)
             mesh.comm.barrier()
         bar.update(1)
     bar.close()
