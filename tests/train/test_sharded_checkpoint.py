@@ -145,3 +145,95 @@ def test_load_into_other_plans_continues_the_same_training(tmp_path):
                 torch.testing.assert_close(
                     params[name], ref, rtol=1e-4, atol=1e-5, msg=f"{plan_kwargs} {name}"
                 )
+
+
+def _with_dropout(model):
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.1
+    return model
+
+
+def _build_with_scheduler():
+    model = _with_dropout(tiny_gpt2())
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: min(1.0, (step + 1) / 4))
+    model, opt = tessera.boost(model, inner, tessera.Plan(dp=2, zero=2, chunk_mib=0.005))
+    return model, opt, scheduler
+
+
+def _step(model, opt, scheduler, i):
+    loss = opt.train_step(_batch(i), causal_lm_loss)["loss"]
+    scheduler.step()
+    return loss
+
+
+def _resume_worker(folder):
+    rank = torch.distributed.get_rank()
+    model, opt, scheduler = _build_with_scheduler()
+    torch.manual_seed(100 + rank)  # each rank draws its own dropout masks
+    for i in range(2):
+        _step(model, opt, scheduler, i)
+    sc.save_sharded(model, opt, folder, scheduler=scheduler)
+    lr = opt.param_groups[0]["lr"]
+    loss = _step(model, opt, scheduler, 2)
+    want = full_state_dict(model, opt)
+    out = {}
+    for restore_rng in (True, False):
+        model, opt, scheduler = _build_with_scheduler()  # seeds the RNG anew
+        meta = sc.load_sharded(model, opt, folder, scheduler=scheduler)
+        if not restore_rng:
+            torch.manual_seed(100 + rank)  # the RNG as a fresh run would have it
+        same_lr = opt.param_groups[0]["lr"] == lr and scheduler.last_epoch == 2
+        got_loss = _step(model, opt, scheduler, 2)
+        got = full_state_dict(model, opt)
+        out[restore_rng] = (
+            meta["rng_restored"],
+            same_lr,
+            got_loss == loss,
+            all(torch.equal(got[n], want[n]) for n in want),
+        )
+    return out
+
+
+def test_resume_restores_scheduler_lr_and_rng_and_takes_the_same_next_step(tmp_path):
+    """Dropout on, an LR warm-up, dp2 ZeRO-2: the step after loading equals, to the bit, the
+    step the original run took; without the saved RNG states the dropout masks (and so the
+    step) differ — the check can fail."""
+    for out in spawn(_resume_worker, 2, str(tmp_path / "ckpt")):
+        assert out[True] == (True, True, True, True)
+        restored, same_lr, same_loss, same_params = out[False]
+        assert same_lr and not same_loss and not same_params
+
+
+def test_missing_pieces_and_files_are_named(tmp_path):
+    import json
+
+    model, opt = _boosted(tessera.Plan(zero=3, chunk_mib=0.005))
+    opt.train_step(_batch(0), causal_lm_loss)
+    folder = sc.save_sharded(model, opt, tmp_path / "ckpt")
+    index_file = folder / "index-00000.json"
+    index = json.loads(index_file.read_text())
+    whole = json.loads(index_file.read_text())
+    target = "transformer.h.1.mlp.c_fc.weight"
+    for e in index["pieces"]:
+        if e["name"] == "transformer.wpe.weight" and e["kind"] == "param":
+            e["stop"] -= 7
+    index_file.write_text(json.dumps(index))
+    fresh, fresh_opt = _boosted(tessera.Plan())
+    with pytest.raises(
+        CheckpointError,
+        match=r"does not cover every tensor: missing .*transformer.wpe.weight param \(7 elements\)",
+    ):
+        sc.load_sharded(fresh, fresh_opt, folder)
+    index["pieces"] = [e for e in whole["pieces"] if e["name"] != target]
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"missing {target} \(no pieces\)"):
+        sc.load_sharded(fresh, fresh_opt, folder)
+    index_file.write_text(json.dumps(whole))
+    (folder / "shard-00000.safetensors").unlink()
+    with pytest.raises(
+        CheckpointError,
+        match=r"is incomplete: shard-00000.safetensors is missing \(it was saved by 1 ranks\)",
+    ):
+        sc.load_sharded(fresh, fresh_opt, folder)

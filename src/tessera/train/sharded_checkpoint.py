@@ -11,9 +11,13 @@ never recomputed: a round trip is bit-exact.
 
 Folder layout:
 
-    config.json            format, model class and config, plan, optimizer, step counters
-    index-00000.json ...   per rank: the pieces in its shard file
-    shard-00000.safetensors ...
+    config.json            format, model class and config, plan, optimizer, step counters,
+                           group hyper-parameters, LR scheduler and loss-scaler state
+    index-00000.json ...   per rank: the pieces in its shard file, its Python RNG state
+    shard-00000.safetensors ...   per rank: the pieces, its torch RNG states
+
+Loading checks that the pieces cover every element of every tensor before it reads any,
+and names what is missing.
 
 The folder is assembled under a temporary name and renamed into place after every rank has
 written (a crash mid-save leaves the previous checkpoint). Nothing is pickled.
@@ -27,12 +31,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from tessera.train.checkpoint import CheckpointError, _swap_into_place, read_config
 from tessera.train.export import gpt2_tensor_layout
+from tessera.train.train_state import restore_train_meta, rng_state, set_rng_state, train_meta
 
 FORMAT = "tessera-sharded"
 
@@ -46,7 +51,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _tp_layout(p: torch.Tensor, mesh) -> tuple[int | None, int, int]:
+def tp_layout(p: torch.Tensor, mesh) -> tuple[int | None, int, int]:
     """(shard dim or None, tp rank, tp size) of a parameter."""
     placements = getattr(p, "placements", ())
     dims = [pl.dim for pl in placements if pl.is_shard()]
@@ -83,7 +88,7 @@ def _pieces(optimizer):
     out = []
     for i, cg in enumerate(engine.groups):
         for slot, p in zip(cg.chunk.slots, cg.params, strict=True):
-            dim, tp_rank, _ = _tp_layout(p, mesh)
+            dim, tp_rank, _ = tp_layout(p, mesh)
             if dim is None and tp_rank != 0:
                 continue  # replicated over tp: tp rank 0 writes it
             local_shape = list(slot.shape)
@@ -135,8 +140,12 @@ def _scalars(optimizer) -> dict:
     return {}
 
 
-def save_sharded(model: nn.Module, optimizer, path: str | Path, *, extra: dict | None = None) -> Path:
-    """Every rank calls this; see the module doc. ``extra`` (JSON) is kept in config.json."""
+def save_sharded(
+    model: nn.Module, optimizer, path: str | Path, *, scheduler=None, extra: dict | None = None
+) -> Path:
+    """Every rank calls this; see the module doc. ``scheduler`` (an LR scheduler) is saved
+    with the groups' hyper-parameters, the fp16 loss scale and every rank's RNG states
+    (``tessera.train.train_state``); ``extra`` (JSON) is kept in config.json."""
     rank, world = _rank_world()
     path = Path(path)
     staging = path.with_name(f".{path.name}.partial")
@@ -146,13 +155,13 @@ def save_sharded(model: nn.Module, optimizer, path: str | Path, *, extra: dict |
     _barrier()
     mesh = optimizer.mesh
     params = dict(model.named_parameters())
-    tensors, index = {}, []
+    tensors, index = rng_state()
+    tensors, pieces = dict(tensors), []
     for j, (name, kind, flat, start, stop, local_shape) in enumerate(_pieces(optimizer)):
-        p = params[name]
-        dim, tp_rank, tp_size = _tp_layout(p, mesh)
+        dim, tp_rank, tp_size = tp_layout(params[name], mesh)
         key = f"{j}"
-        tensors[key] = flat.detach().contiguous().clone()
-        index.append(
+        tensors[key] = flat.detach().contiguous().cpu().clone()
+        pieces.append(
             dict(
                 key=key,
                 name=name,
@@ -166,7 +175,8 @@ def save_sharded(model: nn.Module, optimizer, path: str | Path, *, extra: dict |
             )
         )
     save_file(tensors, staging / f"shard-{rank:05d}.safetensors")
-    (staging / f"index-{rank:05d}.json").write_text(json.dumps(index))
+    (staging / f"index-{rank:05d}.json").write_text(json.dumps({"pieces": pieces, "rng": index}))
+    train = train_meta(optimizer, scheduler)  # every rank: a JSON error is raised everywhere
     _barrier()
     if rank == 0:
         meta = {
@@ -177,6 +187,7 @@ def save_sharded(model: nn.Module, optimizer, path: str | Path, *, extra: dict |
             "gpt2_tp_degree": getattr(model, "_tessera_gpt2_tp_degree", None),
             "optimizer": type(optimizer.engine.optimizer).__name__,
             "scalars": _scalars(optimizer),
+            "train": train,
             "extra": extra or {},
         }
         (staging / "config.json").write_text(json.dumps(meta, indent=2))
@@ -185,11 +196,7 @@ def save_sharded(model: nn.Module, optimizer, path: str | Path, *, extra: dict |
     return path
 
 
-def load_sharded(model: nn.Module, optimizer, path: str | Path) -> dict:
-    """Load parameters and optimizer state saved under any plan into this boosted model and
-    optimizer (every rank calls it); returns the checkpoint's config."""
-    path = Path(path)
-    meta = read_config(path, FORMAT)
+def _check_identity(path: Path, meta: dict, model: nn.Module, optimizer) -> None:
     mine = _model_identity(model)
     if meta["model"]["class"] != mine["class"]:
         raise CheckpointError(f"{path} holds a {meta['model']['class']}, not a {mine['class']}")
@@ -201,14 +208,91 @@ def load_sharded(model: nn.Module, optimizer, path: str | Path) -> dict:
         raise CheckpointError(
             f"{path} holds {meta['optimizer']} state, but the optimizer is {type(optimizer.engine.optimizer).__name__}"
         )
+
+
+def _read_indexes(path: Path, world: int) -> list[dict]:
+    out = []
+    for r in range(world):
+        file = path / f"index-{r:05d}.json"
+        if not file.is_file():
+            raise CheckpointError(
+                f"{path} is incomplete: {file.name} is missing (it was saved by {world} ranks)"
+            )
+        try:
+            entry = json.loads(file.read_text())
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{file} is corrupt: {exc}") from None
+        out.append(entry if isinstance(entry, dict) else {"pieces": entry, "rng": None})
+    return out
+
+
+def _open_shards(path: Path, world: int) -> dict:
+    handles = {}
+    for r in range(world):
+        file = path / f"shard-{r:05d}.safetensors"
+        if not file.is_file():
+            raise CheckpointError(
+                f"{path} is incomplete: {file.name} is missing (it was saved by {world} ranks)"
+            )
+        try:
+            handles[r] = safe_open(str(file), framework="pt")
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"{file} is corrupt: {exc}") from None
+    return handles
+
+
+def _uncovered(entries: list) -> int:
+    """Elements of one tensor that no piece holds (over every tp rank's local tensor)."""
+    tp_size = entries[0][1]["tp_size"]
+    by_tp: dict[int, list] = {}
+    for _, e in entries:
+        by_tp.setdefault(e["tp_rank"], []).append(e)
+    missing = 0
+    for t in range(tp_size):
+        pieces = sorted(by_tp.get(t, []), key=lambda e: e["start"])
+        numel = int(torch.Size(pieces[0]["local_shape"]).numel()) if pieces else None
+        if numel is None:  # a whole tp piece is absent: count it by its neighbours' size
+            numel = int(torch.Size(entries[0][1]["local_shape"]).numel())
+        reached = 0
+        for e in pieces:
+            missing += max(0, e["start"] - reached)
+            reached = max(reached, e["stop"])
+        missing += max(0, numel - reached)
+    return missing
+
+
+def _check_coverage(path: Path, pieces: dict, model: nn.Module, optimizer) -> None:
+    """Every element of every trained parameter (and of every optimizer state saved for it)
+    is held by some piece; otherwise the error names what is missing."""
+    problems = []
+    for name, p in model.named_parameters():
+        if p in optimizer.engine.owner and (name, "param") not in pieces:
+            problems.append(f"{name} (no pieces)")
+    for (name, kind), entries in sorted(pieces.items()):
+        missing = _uncovered(entries)
+        if missing:
+            problems.append(f"{name} {kind} ({missing} elements)")
+    if problems:
+        raise CheckpointError(
+            f"{path} does not cover every tensor: missing {', '.join(problems[:5])}"
+            + (f" and {len(problems) - 5} more" if len(problems) > 5 else "")
+        )
+
+
+def load_sharded(model: nn.Module, optimizer, path: str | Path, *, scheduler=None) -> dict:
+    """Load parameters and optimizer state saved under any plan into this boosted model and
+    optimizer (every rank calls it), and the training state ``save_sharded`` kept (RNG
+    states only at the world size they were saved at); returns the checkpoint's config."""
+    path = Path(path)
+    meta = read_config(path, FORMAT)
+    _check_identity(path, meta, model, optimizer)
+    indexes = _read_indexes(path, meta["world"])
     pieces: dict[tuple[str, str], list] = {}
-    for r in range(meta["world"]):
-        entries = json.loads((path / f"index-{r:05d}.json").read_text())
-        for e in entries:
+    for r, index in enumerate(indexes):
+        for e in index["pieces"]:
             pieces.setdefault((e["name"], e["kind"]), []).append((r, e))
-    handles = {
-        r: safe_open(str(path / f"shard-{r:05d}.safetensors"), framework="pt") for r in range(meta["world"])
-    }
+    _check_coverage(path, pieces, model, optimizer)
+    handles = _open_shards(path, meta["world"])
     saved_degree, new_degree = meta["gpt2_tp_degree"], getattr(model, "_tessera_gpt2_tp_degree", None)
     engine, mesh = optimizer.engine, optimizer.mesh
     kinds = sorted({kind for _, kind in pieces})
@@ -221,21 +305,31 @@ def load_sharded(model: nn.Module, optimizer, path: str | Path) -> dict:
                 full = gpt2_tensor_layout(name, full, saved_degree, to_hf=True)
             if new_degree is not None:
                 full = gpt2_tensor_layout(name, full, new_degree, to_hf=False)
-            dim, tp_rank, tp_size = _tp_layout(p, mesh)
+            dim, tp_rank, tp_size = tp_layout(p, mesh)
             local = full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
-            engine.load_local(p, kind, local.contiguous(), meta["scalars"])
+            engine.load_local(p, kind, local.to(_device(p)).contiguous(), meta["scalars"])
+    restore_train_meta(meta.get("train", {}), optimizer, scheduler)
+    rank, world = _rank_world()
+    meta["rng_restored"] = world == meta["world"] and indexes[rank].get("rng") is not None
+    if meta["rng_restored"]:
+        rng = {k: handles[rank].get_tensor(k) for k in handles[rank].keys() if k.startswith("rng.")}
+        set_rng_state(rng, indexes[rank]["rng"])
     return meta
 
 
+def _device(p: torch.Tensor) -> torch.device:
+    return (p.to_local() if hasattr(p, "to_local") else p).device
+
+
 def _assemble(entries: list, handles: dict) -> torch.Tensor:
-    by_tp: dict[int, torch.Tensor] = {}
-    shard_dim = entries[0][1]["shard_dim"]
+    flats: dict[int, torch.Tensor] = {}
+    shapes: dict[int, list] = {}
     for r, e in entries:
-        shape = e["local_shape"]
-        flat = by_tp.setdefault(e["tp_rank"], torch.empty(int(torch.Size(shape).numel())))
+        shapes[e["tp_rank"]] = e["local_shape"]
+        flat = flats.setdefault(e["tp_rank"], torch.empty(int(torch.Size(e["local_shape"]).numel())))
         flat[e["start"] : e["stop"]] = handles[r].get_tensor(e["key"])
-    shape = entries[0][1]["local_shape"]
-    locals_ = [by_tp[t].view(shape) for t in sorted(by_tp)]
+    locals_ = [flats[t].view(shapes[t]) for t in sorted(flats)]
+    shard_dim = entries[0][1]["shard_dim"]
     if shard_dim is None:
         return locals_[0]
     return torch.cat(locals_, dim=shard_dim)
