@@ -123,3 +123,17 @@ def test_train_gpt2_text_under_a_plan_then_resume_under_another(tmp_path, capsys
         capsys, [*common, "--nproc", "2", "--dp", "2", "--tp", "2", "--resume"]
     )
     assert "apply to gpt2-text" in _error_of(capsys, ["train", "--recipe", "digits-dit", "--zero", "2"])
+
+
+def test_train_gpt2_text_fp16_with_activation_checkpointing_and_block_chunks(tmp_path, capsys):
+    out = tmp_path / "gpt2-fp16"
+    common = ["train", "--recipe", "gpt2-text", "--out", str(out), "--batch-size", "4"]
+    flags = ["--precision", "fp16", "--activation-checkpointing", "--block-chunks", "--zero", "3"]
+    assert cli.main([*common, *flags, "--steps", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "trained 2 steps of gpt2-text with dp=1 tp=1 zero=3" in printed and "fp16 steps skipped" in printed
+    assert cli.main([*common, "--precision", "fp16", "--steps", "3", "--resume"]) == 0  # another plan
+    assert "trained 1 steps" in capsys.readouterr().out
+    assert "apply to gpt2-text" in _error_of(
+        capsys, ["train", "--recipe", "digits-dit", "--activation-checkpointing"]
+    )

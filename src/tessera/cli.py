@@ -57,17 +57,22 @@ def cmd_train(args: argparse.Namespace) -> None:
         return _train_with_plan(args)
     if args.recipe != RECIPE_NAME:
         raise UserError(f"unknown recipe {args.recipe!r}; available: {RECIPE_NAME}, {gpt2_text.RECIPE_NAME}")
-    if (args.dp, args.tp, args.zero, args.grad_accum, args.max_grad_norm, args.precision) != (
-        None,
-        1,
-        0,
-        1,
-        None,
-        "fp32",
-    ):
+    plan_flags = (
+        args.dp,
+        args.tp,
+        args.zero,
+        args.grad_accum,
+        args.max_grad_norm,
+        args.precision,
+        args.activation_checkpointing,
+        args.block_chunks,
+        args.chunk_mib,
+    )
+    if plan_flags != (None, 1, 0, 1, None, "fp32", False, False, None):
         raise UserError(
             f"recipe {RECIPE_NAME} trains data parallel over --nproc only; --dp/--tp/--zero/--grad-accum/"
-            f"--max-grad-norm/--precision apply to {gpt2_text.RECIPE_NAME}"
+            f"--max-grad-norm/--precision/--activation-checkpointing/--block-chunks/--chunk-mib apply to "
+            f"{gpt2_text.RECIPE_NAME}"
         )
     overrides = {
         k: v
@@ -118,6 +123,9 @@ def _train_with_plan(args: argparse.Namespace) -> None:
             precision=args.precision,
             grad_accum=args.grad_accum,
             max_grad_norm=args.max_grad_norm,
+            activation_checkpointing=args.activation_checkpointing,
+            block_chunks=args.block_chunks,
+            **({"chunk_mib": args.chunk_mib} if args.chunk_mib is not None else {}),
         )
         plan.check_world(args.nproc)
         overrides = {
@@ -145,9 +153,10 @@ def _train_with_plan(args: argparse.Namespace) -> None:
     else:
         summary = spawn(gpt2_text.train_rank, args.nproc, *call, timeout_s=args.timeout)[0]
     last = summary["log"][-1] if summary["log"] else {}
+    skipped = f"; {last['skipped_steps']} fp16 steps skipped" if "skipped_steps" in last else ""
     print(
         f"trained {summary['steps_run']} steps of {gpt2_text.RECIPE_NAME} with dp={plan.dp} tp={plan.tp} "
-        f"zero={plan.zero} in {time.perf_counter() - began:.1f}s; final loss {summary['final_loss']}; "
+        f"zero={plan.zero} in {time.perf_counter() - began:.1f}s; final loss {summary['final_loss']}{skipped}; "
         f"{last.get('tokens_per_s', 0):.0f} tokens/s, MFU {last.get('mfu', 0):.1%}, peak RSS {last.get('peak_rss_mib', 0):.0f} MiB (rank 0); "
         f"checkpoint: {out / 'checkpoint'}, HuggingFace export: {out / 'hf'}"
     )
@@ -362,8 +371,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step")
     p.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm")
     p.add_argument(
-        "--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast, fp32 master"
+        "--precision",
+        default="fp32",
+        choices=["fp32", "bf16", "fp16"],
+        help="bf16: autocast, fp32 master; fp16: the same with dynamic loss scaling",
     )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each transformer block's activations in backward instead of keeping them",
+    )
+    p.add_argument("--block-chunks", action="store_true", help="a new ZeRO chunk at every transformer block")
+    p.add_argument("--chunk-mib", type=float, help="ZeRO chunk size in MiB (default 32)")
     p.set_defaults(handler=cmd_train)
 
     p = sub.add_parser(

@@ -5,7 +5,9 @@ standard-library modules — so it runs offline anywhere.
 Every rank builds the same global batches from the step number (windows at positions drawn
 from a seeded generator); ``boost`` hands each data-parallel rank its share. Metrics per
 logged step: loss, tokens/s, achieved FLOP/s and an MFU estimate, peak resident memory of
-the rank, and the bytes each mesh axis moved.
+the rank, the bytes each mesh axis moved, and (fp16) the loss scale and skipped steps. The
+learning rate warms up linearly over ``warmup_steps`` (an LR scheduler on the optimizer);
+``--resume`` restores it with the weights, optimizer state and RNG states.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class GPT2TextRecipe:
     batch_size: int = 16
     steps: int = 200
     lr: float = 3e-3
+    warmup_steps: int = 20
     seed: int = 0
     log_every: int = 20
 
@@ -82,6 +85,11 @@ def flops_per_token(params: int, n_layer: int, n_embd: int, seq: int) -> float:
     return 6 * params + 12 * n_layer * n_embd * seq
 
 
+def warmup(steps: int):
+    """The LR factor of a linear warm-up over ``steps`` optimizer steps, then constant."""
+    return lambda step: min(1.0, (step + 1) / steps)
+
+
 def build_model(recipe: GPT2TextRecipe) -> nn.Module:
     return gpt2_lm(
         vocab=256,
@@ -106,12 +114,12 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
     text = corpus()
     model = build_model(recipe)
     params = sum(p.numel() for p in model.parameters())
-    model, opt = tessera.boost(
-        model, torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0), plan, mesh
-    )
+    inner = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, warmup(recipe.warmup_steps))
+    model, opt = tessera.boost(model, inner, plan, mesh)
     first = 0
     if resume:
-        first = load_sharded(model, opt, Path(out) / "checkpoint")["extra"]["step"]
+        first = load_sharded(model, opt, Path(out) / "checkpoint", scheduler=scheduler)["extra"]["step"]
     rank0 = torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
     per_token = flops_per_token(params, recipe.n_layer, recipe.n_embd, recipe.seq)
     log = []
@@ -120,6 +128,7 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
     bar = tqdm(range(first, recipe.steps), desc="train", disable=not rank0)
     for step in bar:
         stats = opt.train_step(global_batch(recipe, step, text), causal_lm_loss)
+        scheduler.step()
         window_tokens += recipe.batch_size * recipe.seq
         if (step + 1) % recipe.log_every == 0 or step + 1 == recipe.steps:
             now = time.perf_counter()
@@ -132,7 +141,10 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
                 "mfu": tokens_per_s * per_token / (matmul_peak * plan.world_size),
                 "peak_rss_mib": status_kib("VmHWM") / 1024,
                 "comm_bytes": {k: v["bytes"] for k, v in mesh.comm.ledger.snapshot().items()},
+                "lr": opt.param_groups[0]["lr"],
             }
+            if "loss_scale" in stats:
+                entry.update(loss_scale=stats["loss_scale"], skipped_steps=stats["skipped_steps"])
             log.append(entry)
             bar.set_postfix(
                 loss=f"{entry['loss']:.3f}", tok_s=f"{tokens_per_s:.0f}", mfu=f"{entry['mfu']:.1%}"
@@ -141,7 +153,11 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
     seconds = time.perf_counter() - began
     if out is not None:
         save_sharded(
-            model, opt, Path(out) / "checkpoint", extra={"step": recipe.steps, "recipe": asdict(recipe)}
+            model,
+            opt,
+            Path(out) / "checkpoint",
+            scheduler=scheduler,
+            extra={"step": recipe.steps, "recipe": asdict(recipe)},
         )
         save_hf(model, opt, Path(out) / "hf", is_writer=rank0)
         if rank0:
