@@ -309,12 +309,17 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from tessera.bench.harness import write_results
 
     if args.name == "dit":
+        import dataclasses
+
         from tessera.bench.dit import FULL, QUICK, plot_dit, run_dit_bench
 
         digits = Path(args.digits_model)
-        result = run_dit_bench(
-            QUICK if args.quick else FULL, digits if (digits / "config.json").exists() else None
-        )
+        plan = QUICK if args.quick else FULL
+        if args.link is not None:
+            plan = dataclasses.replace(plan, links=tuple(n for n in args.link if n != "none"))
+        if args.link_device is not None:
+            plan = dataclasses.replace(plan, link_device=args.link_device)
+        result = run_dit_bench(plan, digits if (digits / "config.json").exists() else None)
         plot = plot_dit
     elif args.name == "dap":
         from tessera.bench.dap import plot_dap, run_dap_bench
@@ -423,6 +428,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="benchmarks/results", help="folder for NAME.json / .md / .png")
     p.add_argument(
         "--digits-model", default="runs/digits-dit", help="trained digits DiT for the fidelity table"
+    )
+    p.add_argument(
+        "--link",
+        action="append",
+        help="dit: rerun the methods with transfers timed as on this link (repeatable; e.g. pcie4, nvlink4, "
+        "ethernet-25g; 'none' for no link runs); default: pcie4 and ethernet-25g (quick: pcie4)",
+    )
+    p.add_argument(
+        "--link-device", help="dit: the GPU whose compute-to-link balance the links keep (default l40)"
     )
     p.set_defaults(handler=cmd_bench)
 

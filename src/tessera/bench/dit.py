@@ -1,9 +1,16 @@
 """`tessera bench dit`: serial vs every parallel inference method, in one run.
 
-Here a "device" is one CPU core: serial runs in 1 process with 1 thread, each method in
-2 ranks with 1 thread each (gloo), so a speedup means what it means between one GPU and
-two. Every layout samples the same model from the same noise; the timed run follows an
-untimed 1-step run (start-up costs out of the figure).
+Here a "device" is one CPU core: the serial baseline is one process with one thread, each
+method 2 ranks with one thread each (gloo), so a speedup means what it means between one
+GPU and two. Every layout samples the same model from the same noise; the timed runs
+follow an untimed 1-step run (start-up costs out of the figure).
+
+With ``links``, the methods run again at the largest size with every transfer taking the
+time it would take on each named link (``runtime.link``), scaled to the balance between
+compute and link a real device would see: a CPU core computes far slower than a GPU, so
+the link's bandwidth is multiplied (and its latency divided) by this core's measured
+fp32 matmul rate over the named GPU's (``link_device``, default the L40 of the PipeFusion
+paper's testbed). The emulated waits are reported apart from the rest of the time.
 """
 
 from __future__ import annotations
@@ -16,12 +23,14 @@ import torch
 from tqdm.auto import tqdm
 
 from tessera.bench.dit_bytes import Dims, formula_bytes, measured_bytes
-from tessera.bench.harness import BenchResult, current_rss_bytes, peak_rss_bytes
+from tessera.bench.harness import BenchResult, current_rss_bytes, matmul_peak_flops, peak_rss_bytes
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_sample
 from tessera.diffusion.pipefusion import release_other_stages
 from tessera.models.dit import DiT, DiTConfig
+from tessera.plan.devices import device_named
 from tessera.runtime import spawn
+from tessera.runtime.link import Link, link_named
 
 # PixArt-alpha's layout at a third of its depth and width: 4 latent channels, 2x2 patches.
 BENCH_MODEL = DiTConfig(
@@ -38,6 +47,11 @@ LAYOUTS: dict[str, ParallelConfig] = {
     "tensor_parallel": ParallelConfig(tp_degree=2),
     "cfg_parallel": ParallelConfig(cfg_parallel=True),
 }
+LABELS = {"serial": "serial: 1 process x 1 thread"} | {
+    name: f"{config.describe()}: {config.world_size} ranks x 1 thread"
+    for name, config in LAYOUTS.items()
+    if name != "serial"
+}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,11 +59,22 @@ class DitBenchPlan:
     sizes: tuple[int, ...]  # latent height = width
     steps: int
     batch: int = 1
-    repeats: int = 1  # timed runs per layout; the fastest counts (the least disturbed)
+    repeats: int = 1  # timed runs per layout, interleaved with nothing else in their processes
+    links: tuple[str, ...] = ()  # emulated links for the runs at the largest size
+    link_steps: int = 4  # sampling steps of each emulated-link run (time per step is what counts)
+    link_device: str = "l40"  # whose compute-to-link balance the emulated links keep
+    fidelity_per_digit: int = 4
+
+    def __post_init__(self) -> None:
+        for name in self.links:
+            link_named(name)  # an unknown link fails before anything runs
+        device_named(self.link_device)
 
 
-FULL = DitBenchPlan(sizes=(32, 48, 64), steps=20, repeats=2)
-QUICK = DitBenchPlan(sizes=(16, 32), steps=6)
+FULL = DitBenchPlan(
+    sizes=(32, 48, 64), steps=20, repeats=3, links=("pcie4", "ethernet-25g"), fidelity_per_digit=10
+)
+QUICK = DitBenchPlan(sizes=(16, 32), steps=6, links=("pcie4",), link_steps=2)
 
 
 def bench_model() -> DiT:
@@ -63,52 +88,71 @@ def bench_model() -> DiT:
     return model
 
 
-def _rank_run(config: ParallelConfig, size: int, steps: int, batch: int, repeats: int = 1) -> dict:
-    model = bench_model()
-    mesh = config.build_mesh()
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+def held_parameter_bytes(model: torch.nn.Module) -> int:
+    """Parameter bytes this rank holds: released (meta) tensors hold none, a tensor-parallel
+    DTensor holds its local shard; shared storages count once."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.device.type == "meta" or local.untyped_storage().data_ptr() in seen:
+            continue
+        seen.add(local.untyped_storage().data_ptr())
+        total += local.untyped_storage().nbytes()
+    return total
+
+
+def _set_up(model: DiT, config: ParallelConfig, mesh) -> None:
+    """What a user's run does before sampling: PipeFusion frees other stages' blocks,
+    tensor parallel shards the split weights (they stay sharded for every run)."""
     if config.method == "pipefusion":
-        param_bytes = release_other_stages(model, config, mesh)
+        release_other_stages(model, config, mesh)
     elif config.method == "tp":
-        param_bytes = _tp_param_bytes(model, config.tp_degree)
-    labels = torch.arange(batch) % BENCH_MODEL.num_classes
+        from tessera.parallel.tp_plans import apply_tp, plan_for
+
+        apply_tp(model, plan_for(model), mesh.device_mesh["tp"], config.tp_degree, src_data_rank=None)
+
+
+def _timed(model, labels, mesh, kw: dict, steps: int) -> tuple[float, torch.Tensor]:
+    mesh.comm.ledger.reset()
+    mesh.comm.barrier()
+    began = time.perf_counter()
+    latent = parallel_sample(model, labels, num_steps=steps, **kw)
+    return time.perf_counter() - began, latent
+
+
+def _rank_run(config: ParallelConfig, size: int, plan: DitBenchPlan, links: dict[str, Link]) -> dict:
+    rss_before_model = current_rss_bytes()
+    model, mesh = bench_model(), config.build_mesh()
+    _set_up(model, config, mesh)
+    held, setup_rss = held_parameter_bytes(model), current_rss_bytes() - rss_before_model
+    labels = torch.arange(plan.batch) % BENCH_MODEL.num_classes
     kw = dict(config=config, mesh=mesh, height=size, width=size, guidance_scale=GUIDANCE, seed=0)
     parallel_sample(model, labels, num_steps=1, **kw)
     rss_before = current_rss_bytes()
     times = []
-    for _ in range(repeats):
-        mesh.comm.ledger.reset()
-        mesh.comm.barrier()
-        began = time.perf_counter()
-        latent = parallel_sample(model, labels, num_steps=steps, **kw)
-        times.append(time.perf_counter() - began)
-    return {
-        "seconds": min(times),
+    for _ in range(plan.repeats):
+        seconds, latent = _timed(model, labels, mesh, kw, plan.steps)
+        times.append(seconds)
+    out = {
         "all_seconds": times,
         "ledger": mesh.comm.ledger.snapshot(),
-        "param_bytes": param_bytes,
+        "param_bytes": held,
+        "setup_rss": setup_rss,
         "peak_rss": peak_rss_bytes(),
         "sampling_extra": max(0, peak_rss_bytes() - rss_before),
         "latent": latent if mesh.global_rank == 0 else None,
+        "links": {},
     }
+    for name, link in links.items():
+        mesh.comm.emulate(link)
+        seconds, _ = _timed(model, labels, mesh, kw, plan.link_steps)
+        out["links"][name] = {"seconds": seconds, "emulated_s": mesh.comm.ledger.emulated_seconds()}
+        mesh.comm.emulate(None)
+    return out
 
 
-def _tp_param_bytes(model: DiT, degree: int) -> int:
-    """What a rank needs under TP: attention/MLP weights split, the rest replicated."""
-    total = 0
-    for name, p in model.named_parameters():
-        split = (".attn." in name or ".mlp." in name) and not name.endswith(("to_out.bias", "fc2.bias"))
-        total += p.numel() * p.element_size() // (degree if split else 1)
-    return total
-
-
-def _measure(name: str, size: int, plan: DitBenchPlan) -> tuple[dict, torch.Tensor]:
-    """One layout at one size: its row (without the ratios to serial) and final latent."""
-    config = LAYOUTS[name]
-    ranks = spawn(
-        _rank_run, config.world_size, config, size, plan.steps, plan.batch, plan.repeats, timeout_s=1800
-    )
-    dims = Dims(
+def _dims(size: int, plan: DitBenchPlan) -> Dims:
+    return Dims(
         steps=plan.steps,
         layers=BENCH_MODEL.depth,
         tokens=(size // BENCH_MODEL.patch_size) ** 2,
@@ -117,175 +161,188 @@ def _measure(name: str, size: int, plan: DitBenchPlan) -> tuple[dict, torch.Tens
         latent_elems=BENCH_MODEL.in_channels * size * size,
         guidance=True,
     )
+
+
+def _measure(
+    name: str, size: int, plan: DitBenchPlan, links: dict[str, Link]
+) -> tuple[dict, list, torch.Tensor]:
+    """One layout at one size: its row (without the ratios to serial), its link rows and
+    final latent."""
+    config = LAYOUTS[name]
+    ranks = spawn(_rank_run, config.world_size, config, size, plan, links, timeout_s=3600)
+    dims = _dims(size, plan)
     measured, formula = measured_bytes([r["ledger"] for r in ranks]), formula_bytes(config, dims)
+    # The slowest rank ends each run; the fastest run is the least disturbed.
+    per_run = [max(r["all_seconds"][i] for r in ranks) for i in range(plan.repeats)]
     row = {
         "method": name,
+        "layout": LABELS[name],
         "size": f"{size}x{size}",
         "tokens": dims.tokens,
         "ranks": config.world_size,
-        "seconds": round(max(r["seconds"] for r in ranks), 3),  # the slowest rank ends the run
-        "all_seconds": [round(max(r["all_seconds"][i] for r in ranks), 3) for i in range(plan.repeats)],
+        "seconds": round(min(per_run), 3),
+        "all_seconds": [round(s, 3) for s in per_run],
+        "spread": round((max(per_run) - min(per_run)) / min(per_run), 3),
         "bytes_per_step": measured // plan.steps,
         "formula_bytes_per_step": formula // plan.steps,
         "bytes_rel_error": abs(measured - formula) / formula if formula else float(measured != 0),
         "param_mib_per_rank": round(max(r["param_bytes"] for r in ranks) / 2**20, 2),
+        "setup_rss_mib_per_rank": round(max(r["setup_rss"] for r in ranks) / 2**20, 1),
         "peak_rss_mib_per_rank": round(max(r["peak_rss"] for r in ranks) / 2**20, 1),
         "sampling_extra_mib_per_rank": round(max(r["sampling_extra"] for r in ranks) / 2**20, 1),
     }
-    return row, ranks[0]["latent"]
+    link_rows = [
+        {
+            "method": name,
+            "link": link,
+            "size": f"{size}x{size}",
+            "steps": plan.link_steps,
+            "seconds": round(max(r["links"][link]["seconds"] for r in ranks), 3),
+            "emulated_wait_s": round(max(r["links"][link]["emulated_s"] for r in ranks), 3),
+        }
+        for link in links
+    ]
+    return row, link_rows, ranks[0]["latent"]
 
 
 COLUMNS = [
     "method",
     "size",
-    "ranks",
+    "tokens",
     "seconds",
+    "spread",
     "speedup",
     "bytes_per_step",
     "formula_bytes_per_step",
     "bytes_rel_error",
     "param_mib_per_rank",
+    "setup_rss_mib_per_rank",
     "sampling_extra_mib_per_rank",
     "rel_diff_vs_serial",
 ]
+LINK_COLUMNS = ["method", "link", "size", "steps", "seconds", "emulated_wait_s", "compute_s", "speedup"]
+FIDELITY_COLUMNS = [
+    "method",
+    "psnr_db",
+    "mean_sample_psnr_db",
+    "class_accuracy",
+    "final_rel_error_vs_serial",
+    "rel_diff_vs_reference",
+]
+
+
+def scaled_links(plan: DitBenchPlan) -> tuple[dict[str, Link], dict]:
+    """The plan's links scaled to this core's compute against ``plan.link_device``'s."""
+    if not plan.links:
+        return {}, {}
+    device = device_named(plan.link_device)
+    core = matmul_peak_flops(threads=1)
+    factor = core / device.fp32_flops
+    links = {name: link_named(name).scaled(factor) for name in plan.links}
+    info = {
+        "core_fp32_flops": core,
+        "device": device.name,
+        "device_fp32_flops": device.fp32_flops,
+        "device_source": device.source,
+        "scale": factor,
+        "links": {name: link.describe() for name, link in links.items()},
+    }
+    return links, info
 
 
 def run_dit_bench(plan: DitBenchPlan, digits_model: Path | None, progress: bool = True) -> BenchResult:
-    rows, serial = [], {}
+    links, link_info = scaled_links(plan)
+    rows, link_rows, serial = [], [], {}
     jobs = [(size, name) for size in plan.sizes for name in LAYOUTS]  # serial first at each size
     for size, name in tqdm(jobs, desc="bench dit", disable=not progress):
-        row, latent = _measure(name, size, plan)
+        row, link_part, latent = _measure(name, size, plan, links if size == plan.sizes[-1] else {})
         if name == "serial":
             serial[size] = (row["seconds"], latent)
         base_seconds, base_latent = serial[size]
         row["speedup"] = round(base_seconds / row["seconds"], 3)
         row["rel_diff_vs_serial"] = float((latent - base_latent).norm() / base_latent.norm())
         rows.append(row)
-    largest = f"{plan.sizes[-1]}x{plan.sizes[-1]}"
-    headline = {
-        "pipefusion_speedup": next(
-            r["speedup"] for r in rows if r["method"] == "pipefusion" and r["size"] == largest
-        ),
-        "largest_size": largest,
-        "max_bytes_rel_error": max(r["bytes_rel_error"] for r in rows),
-    }
+        link_rows += link_part
+    _link_ratios(link_rows)
+    headline = _headline(rows, link_rows, plan)
     extra = {
-        "plan": {
-            "sizes": plan.sizes,
-            "steps": plan.steps,
-            "batch": plan.batch,
-            "repeats": plan.repeats,
-            "guidance": GUIDANCE,
-        },
+        "plan": {k: getattr(plan, k) for k in plan.__dataclass_fields__},
         "model": BENCH_MODEL.to_dict(),
-        "layouts": {k: v.describe() for k, v in LAYOUTS.items()},
+        "layouts": LABELS,
+        "link_scaling": link_info,
+        "link_rows": link_rows,
     }
-    notes = [
-        "serial: 1 process x 1 thread; every method: 2 gloo ranks x 1 thread (one core = one device)",
-        f"seconds: the fastest of {plan.repeats} timed run(s) after an untimed 1-step run (all_seconds in the JSON)",
-        "bytes: summed over ranks, receives not added; formulas in src/tessera/bench/dit_bytes.py",
-        "rel_diff_vs_serial: ||x - x_serial|| / ||x_serial|| of the final latent (random weights: stale "
-        "K/V methods are far from their trained-model fidelity here; see the fidelity table)",
-        "peak_rss includes the ~0.3 GB Python + torch runtime; sampling_extra is the rise during sampling",
-    ]
+    tables = (
+        [(f"Emulated links at {plan.sizes[-1]}x{plan.sizes[-1]}", LINK_COLUMNS, link_rows)] if links else []
+    )
+    notes = _notes(plan, link_info)
     if digits_model is not None:
-        extra["fidelity"] = run_fidelity(digits_model, steps=20, per_digit=10 if plan is FULL else 4)
-        headline |= {f"psnr_{row['method']}": row["psnr_db"] for row in extra["fidelity"]}
+        from tessera.bench.dit_fidelity import run_fidelity
+
+        extra["fidelity"] = run_fidelity(digits_model, per_digit=plan.fidelity_per_digit)
+        headline |= {f"psnr_{row['method']}": row["psnr_db"] for row in extra["fidelity"][1:]}
+        tables.append(
+            ("Fidelity on the trained digits DiT (2 ranks, 20 steps)", FIDELITY_COLUMNS, extra["fidelity"])
+        )
     else:
         notes.append("fidelity skipped: no trained digits checkpoint (run `make demo` first)")
-    return BenchResult(name="dit", headline=headline, rows=rows, columns=COLUMNS, notes=notes, extra=extra)
+    return BenchResult(
+        name="dit", headline=headline, rows=rows, columns=COLUMNS, notes=notes, extra=extra, tables=tables
+    )
 
 
-def _fidelity_rank(
-    model_dir: str, labels: torch.Tensor, configs: dict[str, ParallelConfig], steps: int
-) -> dict:
-    from tessera.train.checkpoint import load_tensors, read_config
+def _link_ratios(link_rows: list[dict]) -> None:
+    serial = {r["link"]: r["seconds"] for r in link_rows if r["method"] == "serial"}
+    for r in link_rows:
+        r["compute_s"] = round(r["seconds"] - r["emulated_wait_s"], 3)
+        r["speedup"] = round(serial[r["link"]] / r["seconds"], 3)
 
-    model = DiT(DiTConfig.from_dict(read_config(model_dir)["model"]))
-    model.load_state_dict(load_tensors(Path(model_dir) / "model.safetensors"))
-    model.eval()
-    size = model.config.image_size
-    return {
-        name: parallel_sample(
-            model, labels, config=config, height=size, width=size, num_steps=steps, guidance_scale=2.0, seed=0
-        )
-        for name, config in configs.items()
+
+def _headline(rows: list[dict], link_rows: list[dict], plan: DitBenchPlan) -> dict:
+    largest = f"{plan.sizes[-1]}x{plan.sizes[-1]}"
+    at_largest = {r["method"]: r for r in rows if r["size"] == largest}
+    headline = {
+        "largest_size": largest,
+        "largest_tokens": at_largest["serial"]["tokens"],
+        "pipefusion_speedup": at_largest["pipefusion"]["speedup"],
+        "max_bytes_rel_error": max(r["bytes_rel_error"] for r in rows),
+        "pipefusion_bytes_vs_ulysses": round(
+            at_largest["pipefusion"]["bytes_per_step"] / at_largest["ulysses"]["bytes_per_step"], 4
+        ),
     }
+    for link in plan.links:
+        mine = {r["method"]: r["speedup"] for r in link_rows if r["link"] == link and r["method"] != "serial"}
+        best_other = max((m for m in mine if m != "pipefusion"), key=mine.get)
+        headline[f"{link}_pipefusion_speedup"] = mine["pipefusion"]
+        headline[f"{link}_best_other"] = f"{best_other} {mine[best_other]}"
+    return headline
 
 
-FIDELITY_LAYOUTS = {
-    "serial": ParallelConfig(),
-    "pipefusion_warmup1": ParallelConfig(pipefusion_degree=2, num_patches=4, warmup_steps=1),
-    "pipefusion_warmup0": ParallelConfig(pipefusion_degree=2, num_patches=4, warmup_steps=0),
-    "distrifusion_warmup1": ParallelConfig(distrifusion_degree=2, warmup_steps=1),
-}
-
-
-def psnr(x: torch.Tensor, reference: torch.Tensor) -> float:
-    """Peak signal-to-noise ratio in dB for images in [-1, 1] (peak-to-peak 2)."""
-    mse = ((x.clamp(-1, 1) - reference.clamp(-1, 1)) ** 2).mean().item()
-    return float("inf") if mse == 0 else 10 * torch.log10(torch.tensor(4.0 / mse)).item()
-
-
-def run_fidelity(model_dir: Path, *, steps: int, per_digit: int) -> list[dict]:
-    """PSNR against serial sampling from the same noise, and class accuracy, on the
-    trained digits DiT (2 ranks for the parallel layouts)."""
-    from tessera.data.digits import digit_classifier
-
-    labels = torch.arange(10).repeat_interleave(per_digit)
-    serial = spawn(_fidelity_rank, 1, str(model_dir), labels, {"serial": FIDELITY_LAYOUTS["serial"]}, steps)[
-        0
-    ]["serial"]
-    parallel = {k: v for k, v in FIDELITY_LAYOUTS.items() if k != "serial"}
-    outputs = spawn(_fidelity_rank, 2, str(model_dir), labels, parallel, steps)[0] | {"serial": serial}
-    clf = digit_classifier()
-    return [
-        {
-            "method": name,
-            "psnr_db": round(psnr(images, serial), 2),
-            "class_accuracy": clf.accuracy(images, labels),
-            "samples": len(labels),
-            "steps": steps,
-        }
-        for name, images in outputs.items()
+def _notes(plan: DitBenchPlan, link_info: dict) -> list[str]:
+    notes = [
+        "serial: 1 process x 1 thread; every method: 2 gloo ranks x 1 thread (one core = one device)",
+        f"seconds: the fastest of {plan.repeats} timed run(s) after an untimed 1-step run (all_seconds in the JSON); "
+        "spread: (slowest - fastest) / fastest",
+        "tokens: image tokens of the latent ((size / 2)^2 with 2x2 patches)",
+        "bytes: summed over ranks, receives not added; formulas in src/tessera/bench/dit_bytes.py",
+        "param_mib_per_rank: parameter bytes the rank holds after set-up, counted from its tensors (PipeFusion "
+        "frees other stages' blocks, TP holds its shards); setup_rss: resident memory added by building the "
+        "model and setting it up",
+        "rel_diff_vs_serial: ||x - x_serial|| / ||x_serial|| of the final latent (random weights: stale "
+        "K/V methods are far from their trained-model fidelity here; see the fidelity table)",
     ]
+    if link_info:
+        notes.append(
+            f"emulated links: {', '.join(link_info['links'].values())}; scale = this core's fp32 matmul rate "
+            f"({link_info['core_fp32_flops'] / 1e9:.0f} GFLOP/s) / {link_info['device']}'s "
+            f"({link_info['device_fp32_flops'] / 1e12:.1f} TFLOP/s, {link_info['device_source']}); "
+            f"{plan.link_steps} steps per run; emulated_wait_s: the slowest rank's time spent waiting for "
+            "the link beyond the loopback transfer; compute_s = seconds - emulated_wait_s"
+        )
+    return notes
 
 
 def plot_dit(result: BenchResult, path: Path) -> None:
-    import matplotlib
+    from tessera.bench.dit_plot import plot_dit as draw
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_speed, ax_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    sizes = sorted({r["tokens"] for r in result.rows})
-    for method in LAYOUTS:
-        if method == "serial":
-            continue
-        points = sorted((r["tokens"], r["speedup"]) for r in result.rows if r["method"] == method)
-        ax_speed.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=method)
-    ax_speed.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-    ax_speed.axhline(2.0, color="grey", linestyle=":", linewidth=1)
-    ax_speed.set(
-        xlabel="image tokens", ylabel="speedup over serial (2 ranks)", title="Wall-time speedup", xticks=sizes
-    )
-    ax_speed.legend(fontsize=8)
-    largest = [r for r in result.rows if r["tokens"] == sizes[-1] and r["method"] != "serial"]
-    names = [r["method"] for r in largest]
-    xs = range(len(largest))
-    ax_bytes.bar(
-        [x - 0.2 for x in xs], [r["bytes_per_step"] / 2**20 for r in largest], width=0.4, label="measured"
-    )
-    ax_bytes.bar(
-        [x + 0.2 for x in xs],
-        [r["formula_bytes_per_step"] / 2**20 for r in largest],
-        width=0.4,
-        label="formula",
-    )
-    ax_bytes.set_xticks(list(xs), names, rotation=30, ha="right", fontsize=8)
-    ax_bytes.set(ylabel="MiB per step, all ranks", title=f"Communication at {largest[0]['size']} latent")
-    ax_bytes.set_yscale("log")
-    ax_bytes.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110, format="png")
-    plt.close(fig)
+    draw(result, path, [name for name in LAYOUTS if name != "serial"])

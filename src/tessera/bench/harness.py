@@ -64,6 +64,8 @@ class BenchResult:
     columns: list[str]  # which row keys the markdown table shows, in order
     notes: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
+    # more markdown tables after the main one: (title, columns, rows); their rows belong in extra
+    tables: list[tuple[str, list[str], list[dict[str, Any]]]] = field(default_factory=list)
 
 
 def write_results(
@@ -101,6 +103,11 @@ def _cell(value: Any) -> str:
     return str(value)
 
 
+def _table(columns: list[str], rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |" for row in rows]
+
+
 def markdown(result: BenchResult, machine_info: dict[str, Any]) -> str:
     lines = [f"# {result.name}", ""]
     lines.append(
@@ -108,10 +115,9 @@ def markdown(result: BenchResult, machine_info: dict[str, Any]) -> str:
         + ", ".join(f"{k} {v}" for k, v in machine_info.items() if k in ("cores", "torch", "device"))
     )
     lines += ["", "Headline: " + ", ".join(f"`{k}` = {_cell(v)}" for k, v in result.headline.items()), ""]
-    lines.append("| " + " | ".join(result.columns) + " |")
-    lines.append("|" + "---|" * len(result.columns))
-    for row in result.rows:
-        lines.append("| " + " | ".join(_cell(row.get(c, "")) for c in result.columns) + " |")
+    lines += _table(result.columns, result.rows)
+    for title, columns, rows in result.tables:
+        lines += ["", f"## {title}", "", *_table(columns, rows)]
     if result.notes:
         lines += ["", *[f"- {n}" for n in result.notes]]
     return "\n".join(lines) + "\n"

@@ -36,7 +36,7 @@ def tensor_parallel(adapter: TesseraDiTAdapter, mesh: Mesh) -> Iterator[None]:
     shard_here = not is_tp_sharded(model)
     if shard_here:  # every rank holds the same model: each takes its slice, nothing moves
         apply_tp(model, plan, mesh.device_mesh[AXIS], degree, src_data_rank=None)
-    counter = FunctionalCollectives()
+    counter = FunctionalCollectives(mesh.comm, AXIS)  # counted, and timed by a link model if any
     with counter:
         yield
     for op, num_bytes in counter.calls:

@@ -384,16 +384,24 @@ _FUNCTIONAL_OPS = {
 
 class FunctionalCollectives(torch.utils._python_dispatch.TorchDispatchMode):
     """Sees the collectives torch's DTensor issues (``_c10d_functional`` ops, which bypass
-    ``Comm``) and lists them as (operation, bytes) in ``Comm``'s convention."""
+    ``Comm``) and lists them as (operation, bytes) in ``Comm``'s convention. Given the
+    ``comm`` and mesh ``axis`` they run on, it also gives each the emulated link time when
+    ``comm`` has a link model, waited at issue (their waits happen below dispatch, out of
+    sight; DTensor's tensor parallel uses each result at once, so this is when it would wait)."""
 
-    def __init__(self):
+    def __init__(self, comm: Comm | None = None, axis: str | None = None):
         super().__init__()
+        self.comm, self.axis = comm, axis
         self.calls: list[tuple[str, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional" and func._schema.name.split("::")[-1] in _FUNCTIONAL_OPS:
-            op = _FUNCTIONAL_OPS[func._schema.name.split("::")[-1]]
+        name = func._schema.name.split("::")[-1] if func.namespace == "_c10d_functional" else None
+        out = func(*args, **(kwargs or {}))
+        if name in _FUNCTIONAL_OPS:
             first = args[0]
             tensors = first if isinstance(first, (list, tuple)) else [first]
-            self.calls.append((op, sum(nbytes(t) for t in tensors)))
-        return func(*args, **(kwargs or {}))
+            self.calls.append((_FUNCTIONAL_OPS[name], sum(nbytes(t) for t in tensors)))
+            if self.comm is not None:
+                op, num_bytes = self.calls[-1]
+                self.comm._emulate_sync(op, self.axis, num_bytes)
+        return out

@@ -1,0 +1,1 @@
+"""Cost models: device and link profiles, and (later) the plan chooser."""

@@ -1,0 +1,89 @@
+"""Device profiles: peak dense throughput and memory of common accelerators, from the
+vendors' datasheets (dense figures; the datasheets' larger "with sparsity" numbers are
+halved). Used to scale emulated links to the balance a GPU would see, and by cost models.
+
+    name       fp32 TFLOP/s   bf16 TFLOP/s (tensor, dense)   memory GB/s   memory GiB   source
+    l40        90.5           181                            864           48           NVIDIA L40 datasheet
+    l20        59.8           119.5                          864           48           NVIDIA L20 datasheet
+    a100       19.5           312                            2039          80           NVIDIA A100 datasheet (SXM 80GB)
+    h100       67             989                            3350          80           NVIDIA H100 datasheet (SXM)
+    h200       67             989                            4800          141          NVIDIA H200 datasheet (SXM)
+    rtx4090    82.6           165.2                          1008          24           NVIDIA Ada GPU architecture whitepaper
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TERA, GB, GIB = 1e12, 1e9, 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceProfile:
+    name: str
+    fp32_flops: float
+    bf16_flops: float
+    memory_bandwidth: float  # bytes/s
+    memory_bytes: int
+    source: str
+
+
+DEVICES: dict[str, DeviceProfile] = {
+    d.name: d
+    for d in (
+        DeviceProfile(
+            name="l40",
+            fp32_flops=90.5 * TERA,
+            bf16_flops=181 * TERA,
+            memory_bandwidth=864 * GB,
+            memory_bytes=48 * GIB,
+            source="NVIDIA L40 datasheet",
+        ),
+        DeviceProfile(
+            name="l20",
+            fp32_flops=59.8 * TERA,
+            bf16_flops=119.5 * TERA,
+            memory_bandwidth=864 * GB,
+            memory_bytes=48 * GIB,
+            source="NVIDIA L20 datasheet",
+        ),
+        DeviceProfile(
+            name="a100",
+            fp32_flops=19.5 * TERA,
+            bf16_flops=312 * TERA,
+            memory_bandwidth=2039 * GB,
+            memory_bytes=80 * GIB,
+            source="NVIDIA A100 datasheet (SXM 80GB)",
+        ),
+        DeviceProfile(
+            name="h100",
+            fp32_flops=67 * TERA,
+            bf16_flops=989 * TERA,
+            memory_bandwidth=3350 * GB,
+            memory_bytes=80 * GIB,
+            source="NVIDIA H100 datasheet (SXM)",
+        ),
+        DeviceProfile(
+            name="h200",
+            fp32_flops=67 * TERA,
+            bf16_flops=989 * TERA,
+            memory_bandwidth=4800 * GB,
+            memory_bytes=141 * GIB,
+            source="NVIDIA H200 datasheet (SXM)",
+        ),
+        DeviceProfile(
+            name="rtx4090",
+            fp32_flops=82.6 * TERA,
+            bf16_flops=165.2 * TERA,
+            memory_bandwidth=1008 * GB,
+            memory_bytes=24 * GIB,
+            source="NVIDIA Ada GPU architecture whitepaper",
+        ),
+    )
+}
+
+
+def device_named(name: str) -> DeviceProfile:
+    if name not in DEVICES:
+        raise ValueError(f"unknown device profile {name!r}; choose one of {', '.join(DEVICES)}")
+    return DEVICES[name]
