@@ -11,19 +11,36 @@ and ``print(chunked.graph_module.chunk_loop_0.region.code)`` what it runs.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import fx, nn
 
-from tessera.autochunk.memory import Region
 from tessera.autochunk.rules import SIZE_LIST_OPS
+
+if TYPE_CHECKING:
+    from tessera.autochunk.memory import Region
 
 
 class ChunkLoop(nn.Module):
-    """Run ``region(start, n, *inputs)`` over slices of ``chunk`` along ``dim`` of ``length``."""
+    """Run ``region(start, n, *inputs)`` over slices of ``chunk`` along ``dim`` of ``length``.
 
-    def __init__(self, region: fx.GraphModule, dim: int, length: int, chunk: int):
+    With ``into`` (an input's position) and autograd off, the slices are written into that
+    input's storage (``memory.py`` says when the planner allows it: the input is read only in
+    the same slices, before they are overwritten, and by nothing after the loop)."""
+
+    def __init__(self, region: fx.GraphModule, dim: int, length: int, chunk: int, into: int | None = None):
         super().__init__()
-        self.region, self.dim, self.length, self.chunk = region, dim, length, chunk
+        self.region, self.dim, self.length, self.chunk, self.into = region, dim, length, chunk, into
+
+    def _buffer(self, piece: torch.Tensor, inputs) -> torch.Tensor:
+        shape = list(piece.shape)
+        shape[self.dim] = self.length
+        if self.into is not None and not torch.is_grad_enabled():
+            target = inputs[self.into]
+            if list(target.shape) == shape and target.dtype == piece.dtype and target.is_contiguous():
+                return target
+        return piece.new_empty(shape)
 
     def forward(self, *inputs):
         out = None
@@ -31,14 +48,14 @@ class ChunkLoop(nn.Module):
             n = min(self.chunk, self.length - start)
             piece = self.region(start, n, *inputs)
             if out is None:
-                shape = list(piece.shape)
-                shape[self.dim] = self.length
-                out = piece.new_empty(shape)
+                out = self._buffer(piece, inputs)
             out.narrow(self.dim, start, n).copy_(piece)
+            del piece  # else it lives on while the next slice is computed
         return out
 
     def extra_repr(self) -> str:
-        return f"dim={self.dim}, length={self.length}, chunk={self.chunk}"
+        into = "" if self.into is None else f", into=input {self.into}"
+        return f"dim={self.dim}, length={self.length}, chunk={self.chunk}{into}"
 
 
 def region_module(region: Region, order: dict) -> tuple[fx.GraphModule, list[fx.Node]]:
@@ -82,7 +99,8 @@ def apply_regions(gm: fx.GraphModule, regions: list[Region], order: dict) -> fx.
     replaced: dict[fx.Node, fx.Node] = {}
     for i, (region, (sub, sources)) in enumerate(zip(regions, built, strict=True)):
         name = f"chunk_loop_{i}"
-        gm.add_submodule(name, ChunkLoop(sub, region.dims[region.end], region.length, region.chunk))
+        into = sources.index(region.into) if region.into is not None else None
+        gm.add_submodule(name, ChunkLoop(sub, region.dims[region.end], region.length, region.chunk, into))
         with gm.graph.inserting_before(region.end):
             loop = gm.graph.call_module(name, tuple(replaced.get(n, n) for n in sources))
         replaced[region.end] = loop

@@ -10,9 +10,20 @@ counted: the estimate is the memory the forward adds on top of what the caller h
 An op's own scratch (the operand copies ``matmul`` makes, say) is counted at its step only.
 
 A chunked region replaces its nodes by one loop step at the position of its last node: the
-loop allocates the full output, and on top of everything live at that point holds the
-region's own intermediates at ``chunk / length`` of their full size (every one of them has
-the chunk dimension, of the same length, by construction in ``region.py``).
+loop allocates the full output, and on top of everything live at that point holds one
+slice of the region's intermediates. While regions are searched for, a slice is costed at
+``chunk / length`` of the intermediates' full size (every one of them has the chunk
+dimension, of the same length, by construction in ``region.py``); the slices finally chosen
+are costed by running the loop body on fake tensors (``scratch.slice_peak``), which also
+sees the copies ops make of sliced non-contiguous inputs.
+
+A loop writes into an input's storage instead of a new output when that input is read only
+in slices along the loop's dim, has the output's shape, dtype and contiguous layout, owns
+its storage, and is read by nothing after the loop: slice ``i`` of the input is read before
+slice ``i`` of the output overwrites it, and no later slice reads it again. That saves one
+output-sized tensor (the residual stream's, in a residual block). It is done only when
+autograd is off (saved slices would be overwritten), which is what the estimate describes:
+the forward's activation memory without autograd's saved tensors.
 """
 
 from __future__ import annotations
@@ -22,13 +33,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_leaves
 
-from tessera.memory.track import TensorMemory
-
-
-def _tensors(val) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(val) if isinstance(t, torch.Tensor)]
+from tessera.autochunk.scratch import op_scratch, slice_body, slice_peak
+from tessera.autochunk.scratch import tensors as _tensors
 
 
 @dataclass
@@ -42,6 +49,7 @@ class Region:
     chunk: int = 1
     copies: set[Node] = field(default_factory=set)  # also computed whole outside the region
     reads: dict[Node, dict[Node, int | None]] = field(default_factory=dict)  # node -> {input: dim}
+    into: Node | None = None  # the input whose storage the loop writes its output into (no autograd)
 
     @property
     def nodes(self) -> set[Node]:
@@ -60,6 +68,7 @@ class Timeline:
 
     bytes_at: list[int] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
+    into: dict[Node, Node] = field(default_factory=dict)  # region end -> input it writes into
 
     @property
     def peak(self) -> int:
@@ -70,36 +79,14 @@ class Timeline:
         return self.steps[self.bytes_at.index(self.peak)]
 
 
-def _scratch(node: Node) -> int:
-    """Bytes an op allocates inside itself beyond its outputs, at its worst moment.
-
-    A pre-dispatch op such as ``matmul`` or ``einsum`` runs as several ATen ops (copies of
-    non-contiguous operands, a ``bmm``, a reshape): run it once on the trace's fake tensors
-    under the tensor tracker and take its peak minus what it returns. No real memory or
-    compute is used."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return 0
-    vals = [v for v in _tensors(node.meta.get("val"))]
-    fake_mode = getattr(vals[0], "fake_mode", None) if vals else None
-    if fake_mode is None:
-        return 0
-
-    def meta(arg):
-        return arg.meta["val"] if isinstance(arg, Node) else arg
-
-    args = torch.fx.node.map_aggregate(node.args, meta)
-    kwargs = torch.fx.node.map_aggregate(node.kwargs, meta)
-    try:
-        with fake_mode, TensorMemory() as mem:
-            out = node.target(*args, **kwargs)
-    except Exception:  # an op fake tensors cannot run again: count no scratch
-        return 0
-    returned = {
-        StorageWeakRef(t.untyped_storage()).cdata: t.untyped_storage().nbytes() for t in _tensors(out)
-    }
-    inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in _tensors((args, kwargs))}
-    kept = sum(b for k, b in returned.items() if k not in inputs)
-    return max(0, mem.peak - kept)
+def _same_rows(view, dim: int | None, base, d: int) -> bool:
+    """Whether slice ``[s, s+n)`` of ``view`` along ``dim`` is exactly slice ``[s, s+n)`` of
+    ``base`` (contiguous, same storage) along ``d``: ``view`` is ``base`` with its dims permuted."""
+    if dim is None or not isinstance(view, torch.Tensor) or view.storage_offset() != 0:
+        return False
+    layout = sorted(zip(view.stride(), view.shape, strict=True))
+    same = layout == sorted(zip(base.stride(), base.shape, strict=True))
+    return same and view.stride(dim) == base.stride(d) and view.shape[dim] == base.shape[d]
 
 
 class MemoryModel:
@@ -126,7 +113,9 @@ class MemoryModel:
         for n in self.nodes:
             for key in self.keys[n]:
                 self.born.setdefault(key, n)
-        self.scratch = {n: _scratch(n) for n in self.nodes}
+        self.scratch = {n: op_scratch(n) for n in self.nodes}
+        self._slice_peaks: dict = {}
+        self._bodies: dict = {}
 
     def new_keys(self, node: Node) -> list:
         return [k for k in dict.fromkeys(self.keys[node]) if self.born[k] is node and k not in self.baseline]
@@ -151,7 +140,9 @@ class MemoryModel:
             return list(step.node.all_input_nodes)
         return [n for n, _ in step.region.inputs]
 
-    def timeline(self, regions: list[Region]) -> Timeline:
+    def timeline(self, regions: list[Region], *, measured: bool = False) -> Timeline:
+        """Bytes at every step; a loop's slice is costed by scaling (``measured=False``, for
+        the search) or by running its body on fake tensors (``measured=True``)."""
         steps = self.schedule(regions)
         last: dict = {}
         for i, step in enumerate(steps):
@@ -161,6 +152,7 @@ class MemoryModel:
         for n in self.output.all_input_nodes:
             for key in self.keys[n]:
                 last[key] = len(steps)
+        alias: dict = {}  # a loop output's storage -> the input storage it is written into
         live: dict = {}
         line = Timeline(steps=steps)
         for i, step in enumerate(steps):
@@ -168,15 +160,64 @@ class MemoryModel:
                 new = {k: self.size[k] for k in self.new_keys(step.node)}
                 extra = self.scratch[step.node]
             else:
-                out = _tensors(step.node.meta["val"])[0]
-                new = {self.keys[step.node][0]: out.numel() * out.element_size()}
-                extra = self.inner_peak(step.region)
+                key = self.keys[step.node][0]
+                into = self._writable_input(step.region, i, last, alias)
+                if into is None:
+                    out = _tensors(step.node.meta["val"])[0]
+                    new = {key: out.numel() * out.element_size()}
+                else:
+                    alias[key] = self._resolve(self.keys[into][0], alias)
+                    last[alias[key]] = last.get(key, i)
+                    line.into[step.node] = into
+                    new = {}
+                extra = self.slice_bytes(step.region) if measured else self.inner_peak(step.region)
             live.update(new)
             line.bytes_at.append(sum(live.values()) + extra)
             for key in list(live):
                 if last.get(key, i) <= i:
                     del live[key]
         return line
+
+    @staticmethod
+    def _resolve(key, alias: dict):
+        while key in alias:
+            key = alias[key]
+        return key
+
+    def _writable_input(self, region: Region, i: int, last: dict, alias: dict) -> Node | None:
+        """An input of the loop at step ``i`` it can write its output into (module docstring), or None."""
+        out = _tensors(region.end.meta["val"])[0]
+        d = region.dims[region.end]
+        storage = {pair: {self._resolve(k, alias) for k in self.keys[pair[0]]} for pair in region.inputs}
+        for (node, dim), keys in storage.items():
+            val = node.meta.get("val")
+            if dim != d or node.op != "call_function" or not isinstance(val, torch.Tensor) or len(keys) != 1:
+                continue
+            (key,) = keys
+            sharing = [pair for pair, other in storage.items() if key in other]
+            if (
+                key in self.baseline
+                or not all(_same_rows(n.meta["val"], e, val, d) for n, e in sharing)
+                or last.get(key, -1) != i
+                or val.shape != out.shape
+                or val.dtype != out.dtype
+                or not val.is_contiguous()
+                or val.storage_offset() != 0
+                or val.untyped_storage().nbytes() != out.numel() * out.element_size()
+            ):
+                continue
+            return node
+        return None
+
+    def slice_bytes(self, region: Region, chunk: int | None = None) -> int:
+        """``scratch.slice_peak`` of the region at ``chunk`` (default its own), cached."""
+        chunk = region.chunk if chunk is None else chunk
+        key = (region.end, frozenset(region.dims.items()), frozenset(region.copies))
+        if key not in self._bodies:
+            self._bodies[key] = slice_body(region, self.order)
+        if (key, chunk) not in self._slice_peaks:
+            self._slice_peaks[key, chunk] = slice_peak(*self._bodies[key], chunk)
+        return self._slice_peaks[key, chunk]
 
     def inner_peak(self, region: Region, chunk: int | None = None) -> int:
         """Peak bytes of one slice of the region's intermediates (its inputs are counted outside)."""

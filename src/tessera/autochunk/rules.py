@@ -10,7 +10,7 @@ contraction, a layer norm's normalized dims), mixes it with another dim (a resha
 merges it), or is an op this table does not know. Unknown ops are never guessed at.
 
 The graph is the pre-dispatch ATen graph ``make_fx(..., pre_dispatch=True)`` records, so the
-vocabulary is small: ``linear``, ``einsum``, ``scaled_dot_product_attention``, ``layer_norm``,
+vocabulary is small: ``linear``, ``addmm``, ``einsum``, ``scaled_dot_product_attention``, ``layer_norm``,
 the view ops, and pointwise ops (found by their ``pointwise`` tag, not by a list).
 """
 
@@ -194,6 +194,12 @@ def input_dims(node: Node, d: int) -> Answer:  # noqa: C901 - one dispatch table
         return _pointwise(node, d)
     if target == aten.linear.default:
         return [(first, d)] + [(w, None) for w in _tensor_args(args[1:])] if d < len(out) - 1 else None
+    if target == aten.addmm.default:  # bias + mat1 @ mat2 (a Conv1D, a flattened linear)
+        bias, mat1, mat2 = args[:3]
+        rows, cols = (mat1, 0), (mat2, None)
+        if d == 1:
+            rows, cols = (mat1, None), (mat2, 1)
+        return [_broadcast(bias, out, d), rows, cols] if isinstance(bias, Node) else [rows, cols]
     if target == aten.matmul.default or target == aten.bmm.default or target == aten.mm.default:
         return _matmul(node, d)
     if target == aten.einsum.default:

@@ -60,21 +60,32 @@ def _plain_peak(line: Timeline) -> tuple[int, int]:
     return best, where
 
 
-def _loop_bytes(model: MemoryModel, line: Timeline, region: Region, chunk: int) -> int:
-    """The loop step's bytes at ``chunk`` given a timeline computed with ``region.chunk``."""
+def _loop_bytes(model: MemoryModel, line: Timeline, region: Region, chunk: int, *, measured: bool = True) -> int:
+    """The loop step's bytes at ``chunk`` given a measured timeline computed with ``region.chunk``;
+    the slice measured by running it on fake tensors, or (``measured=False``) scaled."""
     i = next(i for i, s in enumerate(line.steps) if s.region is not None and s.region.end is region.end)
-    return line.bytes_at[i] - model.inner_peak(region) + model.inner_peak(region, chunk)
+    inner = model.slice_bytes(region, chunk) if measured else model.inner_peak(region, chunk)
+    return line.bytes_at[i] - model.slice_bytes(region) + inner
 
 
 def _largest_chunk(model: MemoryModel, line: Timeline, region: Region, target: int) -> int:
-    lo, hi = 1, region.length
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _loop_bytes(model, line, region, mid) <= target:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    """The largest slice whose loop step fits ``target``: searched with the scaled cost (cheap),
+    checked by running the body at it, and searched again, measured, below it if it does not fit."""
+
+    def search(hi: int, measured: bool) -> int:
+        lo = 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if _loop_bytes(model, line, region, mid, measured=measured) <= target:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    chunk = search(region.length, measured=False)
+    if chunk > 1 and _loop_bytes(model, line, region, chunk) > target:
+        chunk = search(chunk - 1, measured=True)
+    return chunk
 
 
 def plan(
@@ -115,7 +126,7 @@ def plan(
             break
         regions.append(best)
 
-    floor_line = model.timeline(_at(regions, 1))
+    floor_line = model.timeline(_at(regions, 1), measured=True)
     floor = floor_line.peak
     plain, _ = _plain_peak(floor_line)
     if max_memory is not None:
@@ -138,7 +149,8 @@ def plan(
         chunk = _largest_chunk(model, floor_line, region, target)
         if chunk < region.length:
             chosen.append(replace(region, chunk=chunk))
-    final = model.timeline(chosen)
+    final = model.timeline(chosen, measured=True)
+    chosen = [replace(r, into=final.into.get(r.end)) for r in chosen]
     return Plan(
         regions=chosen,
         original_peak=original.peak,
