@@ -90,6 +90,10 @@ def _emulated_transfers() -> dict:
         comm.all_reduce(torch.zeros(2, device="meta"), "x")
     except ValueError as error:
         out["device_error"] = str(error)
+    try:  # also along an axis of size 1, where nothing moves: a one-GPU run catches it
+        Mesh(one=1, x=2).comm.all_gather(torch.zeros(2, device="meta"), "one")
+    except ValueError as error:
+        out["size1_error"] = str(error)
     return out
 
 
@@ -109,3 +113,4 @@ def test_emulated_link_waits_without_punishing_overlap():
     # A tensor off the mesh's device is refused by name before it reaches the backend.
     assert rank0["device_error"].startswith("all_reduce: a tensor on meta was handed to a collective")
     assert "runs on cpu" in rank0["device_error"]
+    assert rank1["size1_error"].startswith("all_gather: a tensor on meta was handed to a collective")

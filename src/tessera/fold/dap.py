@@ -147,8 +147,8 @@ def dap_evoformer(model: Evoformer, m, z, msa_mask=None, pair_mask=None, *, mesh
     """The Evoformer's output for full inputs held on every rank, computed with DAP over
     ``axis``; every rank returns the full (m, z). Differentiable: the collectives carry
     gradients back (each rank's parameter gradients are its share; sum them over ``axis``)."""
-    msa_mask = torch.ones(m.shape[:3]) if msa_mask is None else msa_mask
-    pair_mask = torch.ones(z.shape[:3]) if pair_mask is None else pair_mask
+    msa_mask = torch.ones(m.shape[:3], device=m.device) if msa_mask is None else msa_mask
+    pair_mask = torch.ones(z.shape[:3], device=z.device) if pair_mask is None else pair_mask
     model.check_inputs(m, z, msa_mask, pair_mask)
     layout = DAPLayout(mesh, axis)
     p, (s, r) = layout.size, m.shape[1:3]

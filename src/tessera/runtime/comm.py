@@ -141,6 +141,10 @@ class Comm:
         self.clock = None if link is None else LinkClock(link)
 
     def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        """Every tensor on the mesh's device, also along axes of size 1 (where nothing moves):
+        a one-GPU NCCL run then catches what would crash on many GPUs."""
+        if not dist.is_initialized():
+            return
         device = self.mesh.device
         for t in tensors:
             if t.device != device:
@@ -189,9 +193,9 @@ class Comm:
         every dtype) or "max"."""
         if op not in ("sum", "avg", "max"):
             raise ValueError(f"all_reduce op must be 'sum', 'avg' or 'max', got {op!r}")
+        self._check("all_reduce", t)
         if not self._moves(axis):
             return None
-        self._check("all_reduce", t)
         self.ledger.record("all_reduce", axis, nbytes(t))
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
         work = dist.all_reduce(t, reduce_op, group=self._group(axis), async_op=async_op)
@@ -213,9 +217,9 @@ class Comm:
     def all_gather_async(self, t: torch.Tensor, axis: str, *, dim: int = 0) -> Callable[[], torch.Tensor]:
         """Start an all_gather; the returned function waits for it and gives the result."""
         n = self.mesh.size(axis)
+        self._check("all_gather", t)
         if n == 1:
             return lambda: t
-        self._check("all_gather", t)
         self.ledger.record("all_gather", axis, nbytes(t))
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
@@ -231,13 +235,13 @@ class Comm:
     def reduce_scatter(self, t: torch.Tensor, axis: str, *, dim: int = 0) -> torch.Tensor:
         """Sum over ranks of ``t``, split into equal chunks along ``dim``; returns my chunk."""
         n = self.mesh.size(axis)
+        self._check("reduce_scatter", t)
         if n == 1:
             return t
         if t.shape[dim] % n:
             raise ValueError(
                 f"reduce_scatter: dim {dim} of size {t.shape[dim]} is not divisible by {axis}={n}"
             )
-        self._check("reduce_scatter", t)
         self.ledger.record("reduce_scatter", axis, nbytes(t))
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((src.shape[0] // n, *src.shape[1:]), dtype=t.dtype, device=t.device)
@@ -247,10 +251,10 @@ class Comm:
 
     def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, axis: str) -> None:
         """Flat, in place: ``out`` (n x shard elements) becomes every rank's ``shard`` in axis order."""
+        self._check("all_gather", out, shard)
         if self.mesh.size(axis) == 1:
             out.view(-1).copy_(shard.view(-1))
             return
-        self._check("all_gather", out, shard)
         self.ledger.record("all_gather", axis, nbytes(shard))
         _all_gather_flat(
             out.view(-1), shard.contiguous().view(-1), group=self.mesh.group(axis), async_op=False
@@ -259,10 +263,10 @@ class Comm:
 
     def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, axis: str) -> None:
         """Flat, in place: ``out`` becomes my 1/n of the sum over ranks of ``full``."""
+        self._check("reduce_scatter", out, full)
         if self.mesh.size(axis) == 1:
             out.view(-1).copy_(full.view(-1))
             return
-        self._check("reduce_scatter", out, full)
         self.ledger.record("reduce_scatter", axis, nbytes(full))
         _reduce_scatter_flat(out.view(-1), full.contiguous().view(-1), group=self.mesh.group(axis))
         self._emulate_sync("reduce_scatter", axis, nbytes(full))
@@ -276,6 +280,7 @@ class Comm:
         return self._all_to_all(t, axis, scatter_dim=scatter_dim, gather_dim=gather_dim)
 
     def _all_to_all(self, t: torch.Tensor, axis: str, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        self._check("all_to_all", t)
         n = self.mesh.size(axis)
         if n == 1:
             return t
@@ -283,7 +288,6 @@ class Comm:
             raise ValueError(
                 f"all_to_all: dim {scatter_dim} of size {t.shape[scatter_dim]} is not divisible by {axis}={n}"
             )
-        self._check("all_to_all", t)
         self.ledger.record("all_to_all", axis, nbytes(t))
         src = t.movedim(scatter_dim, 0).contiguous()
         out = torch.empty_like(src)
@@ -295,9 +299,9 @@ class Comm:
 
     def broadcast(self, t: torch.Tensor, axis: str, *, src: int = 0) -> torch.Tensor:
         """In place from the rank at coordinate ``src`` along ``axis``."""
+        self._check("broadcast", t)
         if not self._moves(axis):
             return t
-        self._check("broadcast", t)
         self.ledger.record("broadcast", axis, nbytes(t))
         root = src if axis == WORLD else self.mesh.global_rank_of(axis, src)
         dist.broadcast(t, root, group=self._group(axis))
