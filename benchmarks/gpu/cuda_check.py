@@ -1,24 +1,35 @@
-"""One prepared run for a lent GPU: Tessera's CUDA (and, where possible, NCCL) path of
-PipeFusion and Ulysses, checked against serial sampling, with timings.
+"""One prepared run for a lent GPU: every Tessera path on CUDA over NCCL, checked against
+its single-device reference, plus PixArt-size timings.
+
+At world size 1 the process group is NCCL with one rank: `runtime.comm` checks every
+tensor handed to a collective against the mesh's device even along axes of size 1, so a
+CPU tensor that would crash NCCL on many GPUs fails here by name. With 2+ GPUs the same
+paths run on 2 ranks (NCCL refuses two ranks on one GPU).
 
 Run from the repository root:  PYTHONPATH=src python3 benchmarks/gpu/cuda_check.py OUT_DIR
-Writes OUT_DIR/cuda_check.json and prints a short table. Runs on CPU too (smoke test).
+Writes OUT_DIR/cuda_check.json and prints it. Runs on CPU too (gloo; a smoke test). Each
+check records its result or its error and the run goes on.
 """
 
 import json
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
-from tessera.diffusion.layout import ParallelConfig
-from tessera.diffusion.parallel import parallel_sample
-from tessera.diffusion.sampler import sample
-from tessera.models.dit import DiT, DiTConfig
-from tessera.runtime import spawn
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tests" / "diffusion"), str(ROOT / "tests" / "train")]  # tiny models
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from tessera.diffusion.layout import ParallelConfig  # noqa: E402
+from tessera.diffusion.parallel import parallel_sample  # noqa: E402
+from tessera.diffusion.sampler import sample  # noqa: E402
+from tessera.models.dit import DiT, DiTConfig  # noqa: E402
+from tessera.runtime import spawn  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+BACKEND = "nccl" if CUDA else "gloo"
 SMALL = DiTConfig(
     image_size=32, in_channels=4, patch_size=2, hidden_size=256, depth=6, num_heads=8, num_classes=10
 )
@@ -28,69 +39,217 @@ PIXART = DiTConfig(
 )
 
 
-def build(config: DiTConfig, dtype=torch.float32, device=DEVICE) -> DiT:
+def device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if CUDA else torch.device("cpu")
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def guarded(fn, *args) -> object:
+    try:
+        return fn(*args)
+    except Exception:
+        return "failed: " + traceback.format_exc()[-1200:]
+
+
+def build_dit(config: DiTConfig, dtype=torch.float32) -> DiT:
     torch.manual_seed(0)
     model = DiT(config)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)
-    return model.to(device=device, dtype=dtype).eval()
+    return model.to(device=device(), dtype=dtype).eval()
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+# ---- the checks, each run on every rank of the group ------------------------------------
 
 
-def timed(fn, repeat=2):
-    fn()  # warm-up: kernels, allocator
-    sync()
-    times = []
-    for _ in range(repeat):
-        began = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - began)
-    return min(times)
-
-
-def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def exactness_single_process() -> dict:
-    model = build(SMALL)
-    labels = torch.tensor([1, 7])
+def dit_methods(layouts: dict[str, ParallelConfig]) -> dict:
+    model, labels = build_dit(SMALL), torch.tensor([1, 7])
     kw = dict(height=32, width=32, num_steps=4, guidance_scale=3.0, seed=0)
     serial = sample(
         model, labels, image_shape=(4, 32, 32), num_steps=4, guidance_scale=3.0, seed=0, progress=False
     )
+    return {
+        name: guarded(lambda c=c: rel(parallel_sample(model, labels, config=c, **kw), serial))
+        for name, c in layouts.items()
+    }
+
+
+def boost_paths(plans: dict) -> dict:
+    from tiny_lm import tiny_gpt2
+
+    import tessera
+    from tessera.train.export import full_state_dict
+
     out = {}
-    for name, config in {
-        "pipefusion_patches4_warmup_all": ParallelConfig(num_patches=4, warmup_steps=4),
-        "pipefusion_patches4_warmup1": ParallelConfig(num_patches=4, warmup_steps=1),
-        "ulysses1": ParallelConfig(ulysses_degree=1),
-    }.items():
-        out[name] = rel(parallel_sample(model, labels, config=config, **kw), serial)
+    tokens = torch.randint(0, 128, (8, 12), generator=torch.Generator().manual_seed(0)).to(device())
+
+    def loss_fn(model, batch):
+        logits = model(input_ids=batch).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+
+    def reference(precision: str) -> dict:  # plain torch on this device, autocast as the plan says
+        model = tiny_gpt2().to(device())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            opt.zero_grad()
+            with torch.autocast(device().type, torch.bfloat16, enabled=precision == "bf16"):
+                loss = loss_fn(model, tokens)
+            loss.backward()
+            opt.step()
+        return model.state_dict()
+
+    references = {precision: reference(precision) for precision in {p.precision for p in plans.values()}}
+    for name, plan in plans.items():
+
+        def run(plan=plan):
+            model = tiny_gpt2()
+            model, optimizer = tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan)
+            for _ in range(2):
+                stats = optimizer.train_step(tokens, loss_fn)
+            full = full_state_dict(model, optimizer)  # whole, in the model class's layout
+            want = references[plan.precision]
+            return {
+                "loss": float(stats["loss"]),
+                "max_rel_param": max(rel(full[n].to(want[n].device), want[n]) for n in full if n in want),
+            }
+
+        out[name] = guarded(run)
     return out
 
 
+def dap_path(world: int) -> object:
+    from tessera.fold.dap import dap_evoformer
+    from tessera.models.evoformer import Evoformer, EvoformerConfig
+    from tessera.runtime import Mesh
+
+    cfg = EvoformerConfig(
+        c_m=16,
+        c_z=8,
+        msa_heads=2,
+        msa_head_dim=4,
+        pair_heads=2,
+        pair_head_dim=4,
+        c_mul=8,
+        c_opm=4,
+        num_blocks=2,
+    )
+    torch.manual_seed(0)
+    model = Evoformer(cfg).to(device()).eval()
+    m, z = torch.randn(1, 4, 8, 16, device=device()), torch.randn(1, 8, 8, 8, device=device())
+    with torch.no_grad():
+        want = model(m, z)
+        got = dap_evoformer(model, m, z, mesh=Mesh(dap=world))  # default masks: on the inputs' device
+    return {"m": rel(got[0], want[0]), "z": rel(got[1], want[1])}
+
+
+def autochunk_path() -> object:
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    import tessera
+
+    block = GPT2Block(GPT2Config(n_embd=64, n_head=4, attn_implementation="eager")).to(device()).eval()
+    x = torch.randn(1, 256, 64, device=device())
+    chunked = tessera.autochunk(block, (x,))
+    with torch.no_grad():
+        return rel(chunked(x)[0], block(x)[0])
+
+
+def pipelines_path(config: ParallelConfig) -> dict:
+    import os
+    import shutil
+    import tempfile
+
+    from tiny_pipelines import build_flux_pipeline, build_pixart_pipeline, build_sd3_pipeline
+
+    from tessera.diffusion.pipelines import generate, load_pipeline
+    from tessera.runtime.mesh import global_rank
+
+    out = {}
+    for name, build in {
+        "pixart": build_pixart_pipeline,
+        "sd3": build_sd3_pipeline,
+        "flux": build_flux_pipeline,
+    }.items():
+
+        def run(build=build, name=name):
+            # One folder for the group (the ranks share their parent): rank 0 saves, all load.
+            folder = Path(tempfile.gettempdir()) / f"tessera-cuda-check-{name}-{os.getppid()}"
+            if global_rank() == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+                build(folder)
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            pipe = load_pipeline(folder).to(device())
+            extra = {"clean_caption": False, "use_resolution_binning": False} if name == "pixart" else {}
+            own = pipe(  # the pipeline's own __call__, same seed
+                "a red cat",
+                num_inference_steps=2,
+                guidance_scale=4.5,
+                height=32,
+                width=32,
+                generator=torch.Generator().manual_seed(0),
+                output_type="pt",
+                **extra,
+            ).images[0]
+            kw = dict(prompt="a red cat", height=32, width=32, num_steps=2, guidance_scale=4.5, seed=0)
+            image = generate(pipe, config=config, output_type="pt", **kw)
+            return None if image is None else rel(image, own)
+
+        out[name] = guarded(run)
+    return out
+
+
+def group_checks(world: int) -> dict:
+    import tessera
+
+    if world == 1:
+        dit = {
+            "serial": ParallelConfig(),
+            "patches4_warmup_all": ParallelConfig(num_patches=4, warmup_steps=4),
+            "patches4_warmup1 (stale: not 0)": ParallelConfig(num_patches=4, warmup_steps=1),
+        }
+        plans = {f"zero{z}": tessera.Plan(zero=z) for z in range(4)} | {
+            "zero3_bf16": tessera.Plan(zero=3, precision="bf16")
+        }
+        pipeline_layout = ParallelConfig(num_patches=2, warmup_steps=2)
+    else:
+        dit = {
+            "pipefusion2_warmup_all": ParallelConfig(pipefusion_degree=2, num_patches=4, warmup_steps=4),
+            "ulysses2": ParallelConfig(ulysses_degree=2),
+            "ring2": ParallelConfig(ring_degree=2),
+            "distrifusion2_warmup_all": ParallelConfig(distrifusion_degree=2, warmup_steps=4),
+            "tp2": ParallelConfig(tp_degree=2),
+            "cfg2": ParallelConfig(cfg_parallel=True),
+        }
+        plans = {f"dp2_zero{z}": tessera.Plan(dp=2, zero=z) for z in range(4)} | {"tp2": tessera.Plan(tp=2)}
+        pipeline_layout = ParallelConfig(pipefusion_degree=2, num_patches=2, warmup_steps=2)
+    return {
+        "dit_methods_rel_vs_serial": guarded(dit_methods, dit),
+        "boost_vs_torch": guarded(boost_paths, plans),
+        "dap_rel": guarded(dap_path, world),
+        "autochunk_rel": guarded(autochunk_path),
+        "pipelines_rel_vs_serial": guarded(pipelines_path, pipeline_layout),
+    }
+
+
 def pixart_timings() -> list[dict]:
-    rows = []
-    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
-    sizes = (64, 128) if DEVICE == "cuda" else (16,)
-    model = build(PIXART if DEVICE == "cuda" else SMALL, dtype=dtype)
-    labels = torch.tensor([3])
-    for size in sizes:
+    rows, dtype = [], torch.bfloat16 if CUDA else torch.float32
+    model = build_dit(PIXART if CUDA else SMALL, dtype=dtype)
+    for size in (64, 128) if CUDA else (16,):
         for name, config in {
             "serial": ParallelConfig(),
-            "pipefusion_1stage_4patches": ParallelConfig(num_patches=4, warmup_steps=1),
+            "patches4": ParallelConfig(num_patches=4, warmup_steps=1),
         }.items():
 
             def run(config=config, size=size):
-                return parallel_sample(
+                parallel_sample(
                     model,
-                    labels,
+                    torch.tensor([3]),
                     config=config,
                     height=size,
                     width=size,
@@ -98,68 +257,53 @@ def pixart_timings() -> list[dict]:
                     guidance_scale=4.0,
                     seed=0,
                 )
+                if CUDA:
+                    torch.cuda.synchronize()
 
-            seconds = timed(run)
+            run()
+            began = time.perf_counter()
+            run()
             rows.append(
                 {
                     "layout": name,
                     "latent": f"{size}x{size}",
                     "dtype": str(dtype),
-                    "steps": 8,
-                    "seconds": round(seconds, 4),
-                    "seconds_per_step": round(seconds / 8, 5),
+                    "seconds_8_steps": round(time.perf_counter() - began, 4),
                 }
             )
     return rows
 
 
-def _nccl_rank(config: ParallelConfig) -> float:
-    model = build(SMALL, device=f"cuda:{torch.cuda.current_device()}" if DEVICE == "cuda" else "cpu")
-    labels = torch.tensor([1, 7])
-    out = parallel_sample(
-        model, labels, config=config, height=32, width=32, num_steps=4, guidance_scale=3.0, seed=0
-    )
-    ref = sample(
-        model, labels, image_shape=(4, 32, 32), num_steps=4, guidance_scale=3.0, seed=0, progress=False
-    )
-    return rel(out, ref)
-
-
-def multi_rank() -> dict:
-    backend = "nccl" if DEVICE == "cuda" else "gloo"
-    out = {"backend": backend, "gpus": torch.cuda.device_count()}
-    for name, config in {
-        "pipefusion2_warmup_all": ParallelConfig(pipefusion_degree=2, num_patches=4, warmup_steps=4),
-        "ulysses2": ParallelConfig(ulysses_degree=2),
-    }.items():
-        try:
-            out[name] = max(
-                spawn(_nccl_rank, 2, config, backend=backend, timeout_s=120, collective_timeout_s=60)
-            )
-        except Exception as exc:  # record, do not stop the rest of the lease
-            out[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
-    return out
-
-
 def main() -> None:
-    out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    gpus = torch.cuda.device_count()
     report = {
         "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu",
+        "device": torch.cuda.get_device_name(0) if CUDA else "cpu",
+        "gpus": gpus,
+        "backend": BACKEND,
     }
-    for name, fn in [
-        ("exactness", exactness_single_process),
-        ("timings", pixart_timings),
-        ("multi_rank", multi_rank),
-    ]:
+    stages = [
+        (
+            "world1",
+            lambda: spawn(group_checks, 1, 1, backend=BACKEND, timeout_s=400, collective_timeout_s=60)[0],
+        )
+    ]
+    if gpus >= 2 or not CUDA:
+        stages.append(
+            (
+                "world2",
+                lambda: spawn(group_checks, 2, 2, backend=BACKEND, timeout_s=400, collective_timeout_s=60)[0],
+            )
+        )
+    else:
+        report["world2"] = f"skipped: {gpus} GPU (NCCL refuses two ranks on one GPU)"
+    stages.append(("pixart_timings", pixart_timings))
+    for name, fn in stages:
         began = time.perf_counter()
-        try:
-            report[name] = fn()
-        except Exception:
-            report[name] = "failed: " + traceback.format_exc()[-800:]
+        report[name] = guarded(fn)
         print(f"{name} done in {time.perf_counter() - began:.1f}s", flush=True)
-    with open(f"{out_dir}/cuda_check.json", "w") as f:
-        json.dump(report, f, indent=2)
+        (out_dir / "cuda_check.json").write_text(json.dumps(report, indent=2))  # partial results survive
     print(json.dumps(report, indent=2))
 
 
