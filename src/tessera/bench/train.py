@@ -18,8 +18,9 @@ the tensors each framework holds after a step (distinct storages, so views count
 freed storage counts zero); achieved FLOP/s and MFU against this machine's fp32 matmul peak;
 and, for Tessera, the bytes each collective moved per step.
 
-Full run on 2 cores: about 2-3 s a step; 8 variants x 3 repeats x 22 steps plus start-up,
-about 35 minutes. ``--quick``: a tiny GPT-2, 1 repeat, under two minutes.
+Full run on 2 quiet cores: about 3 s a step (measured 7-14 s with other jobs on the cores);
+7 variants x 3 repeats x (22 steps + ~20 s start-up), about 30 minutes. ``--quick``: a tiny
+GPT-2, 1 repeat, about a minute.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ TESSERA = {  # variant -> Plan settings beside dp
     "tessera_zero3_32mib": dict(zero=3, chunk_mib=32.0),
 }
 VARIANTS = ["ddp", "fsdp2", "deepspeed_zero3", *TESSERA]
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "tessera_dp"]  # stage 0 ~ DDP; on request
 HEADLINE_STAGES = {1: "tessera_zero1", 2: "tessera_zero2", 3: "tessera_zero3"}
 
 
@@ -338,7 +340,7 @@ def run_train_bench(*, quick: bool, progress: bool = True, variants: list[str] |
         have_deepspeed = True
     except ImportError:
         have_deepspeed = False
-    chosen = [v for v in variants or VARIANTS if v != "deepspeed_zero3" or have_deepspeed]
+    chosen = [v for v in variants or DEFAULT_VARIANTS if v != "deepspeed_zero3" or have_deepspeed]
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # the ranks inherit it
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.abspath(".cache/torch_extensions"))
     params = sum(p.numel() for p in _model(cfg).parameters())
