@@ -270,7 +270,9 @@ def boost(
         segment_of=segment_of,
     )
     if plan.activation_checkpointing:
-        checkpoint_blocks(model, blocks, context_fn=lambda: (contextlib.nullcontext(), engine.recomputation()))
+        checkpoint_blocks(
+            model, blocks, context_fn=lambda: (contextlib.nullcontext(), engine.recomputation())
+        )
     boosted = BoostedOptimizer(model, engine, plan, mesh, tp_plan, group_names)
     if loaded is not None:
         boosted.load_state_dict(loaded)
