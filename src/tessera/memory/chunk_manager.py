@@ -4,7 +4,7 @@
 optimizer group and one kind (tensor-parallel-sharded or not) per chunk, in the optimizer's
 order. Each ``ParamChunk`` knows its parameters' slots and can:
 
-- copy their gradients into one flat buffer, or a flat buffer back into the parameters;
+- copy their gradients into one flat buffer, and a flat buffer back into their gradients;
 - ``bind`` the parameters to views of the chunk buffer, so the chunk is their storage;
 - ``free`` that storage (size 0, views kept) and ``restore`` it for refilling.
 
@@ -63,11 +63,6 @@ class ParamChunk:
 
                     grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False)
                 p.grad = grad
-
-    def write_params(self, flat: torch.Tensor) -> None:
-        with torch.no_grad():
-            for slot, p in zip(self.chunk.slots, self.params, strict=True):
-                local(p.data).copy_(flat[slot.offset : slot.offset + slot.numel].view_as(local(p.data)))
 
     def bind(self) -> None:
         """Make the chunk buffer the parameters' storage (a DTensor's local shard, for

@@ -17,6 +17,9 @@ stage     gradients after backward       optimizer state             parameters 
 
 At stages 1-3 the optimizer runs on one flat fp32 shard per chunk (a Parameter whose
 ``.grad`` is that shard of the averaged gradient), so its states are 1/dp of the model's.
+At stages 1-2 the chunk buffer is the parameters' storage and the shard a view of its
+range, so stepping the shard updates those parameters in place and one all-gather of the
+shards completes the rest (no second copy of the parameters).
 It is the user's own optimizer object, its groups' parameters swapped for the shards of
 their chunks: class, constructor settings and hooks stay; its update must be elementwise
 (``tessera.boost`` checks).
@@ -83,8 +86,10 @@ class ZeroEngine:
         self.shards: list[nn.Parameter] = []
         if zero >= 1:
             for cg in self.groups:
-                shard = nn.Parameter(cg.chunk.shard(self.rank, dp).clone())
-                self.shards.append(shard)
+                if zero < 3:  # the chunk becomes the parameters' storage, the shard a view of it
+                    cg.bind()
+                piece = cg.chunk.shard(self.rank, dp)
+                self.shards.append(nn.Parameter(piece if zero < 3 else piece.clone()))
             for gi, group in enumerate(optimizer.param_groups):
                 group["params"] = [
                     s for s, cg in zip(self.shards, self.groups, strict=True) if cg.group_index == gi
@@ -97,7 +102,7 @@ class ZeroEngine:
                 cg.bind()
                 cg.free()
             self._install_stage3_hooks()
-        else:
+        elif zero == 0:
             for cg in self.groups:
                 cg.free()  # the packed copy is not needed: parameters keep their own storage
         for p in self.owner:
@@ -241,11 +246,9 @@ class ZeroEngine:
             for cg, shard in zip(self.groups, self.shards, strict=True):
                 shard.grad = self.grad_shard[cg]
         self.optimizer.step()
-        if self.zero in (1, 2):
+        if self.zero in (1, 2):  # the stepped shard is already in place; gather the others'
             for cg, shard in zip(self.groups, self.shards, strict=True):
-                full = torch.empty(cg.chunk.capacity, dtype=shard.dtype, device=shard.device)
-                self.comm.all_gather_into(full, shard.detach(), self.axis)
-                cg.write_params(full)
+                self.comm.all_gather_into(cg.chunk.buffer, shard.detach().clone(), self.axis)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
