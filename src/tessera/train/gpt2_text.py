@@ -105,8 +105,8 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
     """One rank of a run (called under spawn or torchrun)."""
     from tqdm.auto import tqdm
 
-    import tessera
     from tessera.runtime import Mesh
+    from tessera.train.boost import boost
     from tessera.train.export import save_hf
     from tessera.train.sharded_checkpoint import load_sharded, save_sharded
 
@@ -116,7 +116,7 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
     params = sum(p.numel() for p in model.parameters())
     inner = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(inner, warmup(recipe.warmup_steps))
-    model, opt = tessera.boost(model, inner, plan, mesh)
+    model, opt = boost(model, inner, plan, mesh)
     first = 0
     if resume:
         first = load_sharded(model, opt, Path(out) / "checkpoint", scheduler=scheduler)["extra"]["step"]
