@@ -1,27 +1,37 @@
 """`tessera bench autochunk --quick` end to end: every case runs in its own process, the
-chunked variant uses less memory by both measures, and the results are written."""
+chunked variant uses less memory by both measures, the budget lengths are run and the last
+attempt of each fits its budget, and the results are written."""
 
 import json
 
-from tessera.bench.autochunk import plot_autochunk, run_autochunk_bench
+from tessera.bench.autochunk import MODELS, plot_autochunk, run_autochunk_bench
 from tessera.bench.harness import write_results
 
 
 def test_quick_autochunk_bench(tmp_path):
     result = run_autochunk_bench(quick=True, progress=False)
-    assert {(r["model"], r["variant"]) for r in result.rows} == {
-        (m, v) for m in ("evoformer", "gpt2") for v in ("original", "autochunk")
+    sweep = [r for r in result.rows if r["part"] == "sweep"]
+    budget = [r for r in result.rows if r["part"] == "budget"]
+    assert {(r["model"], r["variant"]) for r in sweep} == {
+        (m, v) for m in MODELS for v in ("original", "autochunk")
     }
-    for row in result.rows:
+    for row in sweep:
         if row["variant"] == "autochunk":
             assert row["regions"] >= 1
             assert row["tracked_cut"] > 0.3 and row["rss_cut"] > 0.3, row
-    for key, value in result.headline.items():
-        if key.endswith("MiB"):
-            assert value > 1.0, (key, value)  # chunked fits a longer length under the same budget
+    for model in MODELS:
+        lengths = {}
+        for variant in ("original", "autochunk"):
+            attempts = [r for r in budget if r["model"] == model and r["variant"] == variant]
+            assert attempts and all(r["run"] for r in attempts)
+            assert attempts[-1]["fits"], attempts  # measured, not estimated
+            assert attempts[-1]["rss_mib"] <= attempts[-1]["budget_mib"]
+            lengths[variant] = attempts[-1]["length"]
+        assert lengths["autochunk"] > lengths["original"], (model, lengths)
     paths = write_results(result, tmp_path, plot_autochunk)
     data = json.loads(paths[0].read_text())
-    for budget in data["budgets_mib"]:
-        fits = data["longest_under_budget"][f"gpt2@{budget}MiB"]
-        assert fits["autochunk"] > fits["unchunked"]
+    for model in MODELS:
+        entry = data["under_budget"][f"{model}@{data['budgets_mib'][0]}MiB"]
+        assert entry["autochunk"]["fits"] > entry["original"]["fits"]
+        assert data["headline"][f"{model}_measured_length_ratio_under_{data['budgets_mib'][0]}MiB"] > 1.0
     assert paths[2].stat().st_size > 10_000

@@ -113,12 +113,17 @@ class MemoryModel:
         for n in self.nodes:
             for key in self.keys[n]:
                 self.born.setdefault(key, n)
+        self._new_keys = {
+            n: [k for k in dict.fromkeys(self.keys[n]) if self.born[k] is n and k not in baseline]
+            for n in self.nodes
+        }
         self.scratch = {n: op_scratch(n) for n in self.nodes}
         self._slice_peaks: dict = {}
         self._bodies: dict = {}
 
     def new_keys(self, node: Node) -> list:
-        return [k for k in dict.fromkeys(self.keys[node]) if self.born[k] is node and k not in self.baseline]
+        """The storages ``node`` allocates (not views of earlier ones, not the caller's)."""
+        return self._new_keys[node]
 
     def node_bytes(self, node: Node) -> int:
         return sum(self.size[k] for k in self.new_keys(node))
@@ -188,17 +193,13 @@ class MemoryModel:
         """An input of the loop at step ``i`` it can write its output into (module docstring), or None."""
         out = _tensors(region.end.meta["val"])[0]
         d = region.dims[region.end]
-        storage = {pair: {self._resolve(k, alias) for k in self.keys[pair[0]]} for pair in region.inputs}
-        for (node, dim), keys in storage.items():
+        for node, dim in region.inputs:
             val = node.meta.get("val")
-            if dim != d or node.op != "call_function" or not isinstance(val, torch.Tensor) or len(keys) != 1:
-                continue
-            (key,) = keys
-            sharing = [pair for pair, other in storage.items() if key in other]
             if (
-                key in self.baseline
-                or not all(_same_rows(n.meta["val"], e, val, d) for n, e in sharing)
-                or last.get(key, -1) != i
+                dim != d
+                or node.op != "call_function"
+                or not isinstance(val, torch.Tensor)
+                or len(self.keys[node]) != 1
                 or val.shape != out.shape
                 or val.dtype != out.dtype
                 or not val.is_contiguous()
@@ -206,7 +207,14 @@ class MemoryModel:
                 or val.untyped_storage().nbytes() != out.numel() * out.element_size()
             ):
                 continue
-            return node
+            key = self._resolve(self.keys[node][0], alias)
+            if key in self.baseline or last.get(key, -1) != i:
+                continue
+            sharing = [
+                (n, e) for n, e in region.inputs if any(self._resolve(k, alias) == key for k in self.keys[n])
+            ]
+            if all(_same_rows(n.meta["val"], e, val, d) for n, e in sharing):
+                return node
         return None
 
     def slice_bytes(self, region: Region, chunk: int | None = None) -> int:

@@ -60,7 +60,9 @@ def _plain_peak(line: Timeline) -> tuple[int, int]:
     return best, where
 
 
-def _loop_bytes(model: MemoryModel, line: Timeline, region: Region, chunk: int, *, measured: bool = True) -> int:
+def _loop_bytes(
+    model: MemoryModel, line: Timeline, region: Region, chunk: int, *, measured: bool = True
+) -> int:
     """The loop step's bytes at ``chunk`` given a measured timeline computed with ``region.chunk``;
     the slice measured by running it on fake tensors, or (``measured=False``) scaled."""
     i = next(i for i, s in enumerate(line.steps) if s.region is not None and s.region.end is region.end)
@@ -86,6 +88,20 @@ def _largest_chunk(model: MemoryModel, line: Timeline, region: Region, target: i
     if chunk > 1 and _loop_bytes(model, line, region, chunk) > target:
         chunk = search(chunk - 1, measured=True)
     return chunk
+
+
+def _sized(model: MemoryModel, regions: list[Region], target: int, *, drop: bool) -> list[Region]:
+    """Each region at its largest slice under ``target``. With ``drop``, a region whose largest
+    slice is its whole length is left out (computed unchunked) and the others are sized again
+    for the schedule without it; otherwise it stays, one slice long."""
+    kept = _at(regions, 1)
+    while True:
+        line = model.timeline(kept, measured=True)
+        sized = [replace(r, chunk=_largest_chunk(model, line, r, target)) for r in kept]
+        sliced = [r for r in sized if r.chunk < r.length]
+        if not drop or len(sliced) == len(sized):
+            return sized
+        kept = _at(sliced, 1)
 
 
 def plan(
@@ -144,12 +160,11 @@ def plan(
             (b for s, b in zip(floor_line.steps, floor_line.bytes_at, strict=True) if s.region), default=0
         )
         target = max(plain, int(loop_floor * slack))
-    chosen = []
-    for region in _at(regions, 1):
-        chunk = _largest_chunk(model, floor_line, region, target)
-        if chunk < region.length:
-            chosen.append(replace(region, chunk=chunk))
+    chosen = _sized(model, regions, target, drop=True)
     final = model.timeline(chosen, measured=True)
+    if max_memory is not None and final.peak > max_memory:  # a dropped loop's nodes, run whole, did not fit
+        chosen = _sized(model, regions, target, drop=False)
+        final = model.timeline(chosen, measured=True)
     chosen = [replace(r, into=final.into.get(r.end)) for r in chosen]
     return Plan(
         regions=chosen,
