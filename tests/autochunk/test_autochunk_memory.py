@@ -89,6 +89,27 @@ def test_loops_write_into_a_dying_input_only_without_autograd():
         close(p.grad, grads[name], name)
 
 
+def test_a_loop_read_whole_by_an_einsum_is_laid_out_for_it():
+    """The triangle multiplication's right-hand projection is computed in a loop and read whole
+    by the sliced einsum: its buffer is allocated with the einsum's batch dims (b, c) outermost
+    in memory, so no slice copies it (layout.py); the values are the same."""
+    block, inputs = _evoformer()
+    chunked = autochunk(block, inputs)
+    laid = [m for m in chunked.graph_module.modules() if isinstance(m, ChunkLoop) and m.layout is not None]
+    assert laid, chunked.plan.describe()
+    strides = []
+    for loop in laid:
+        loop.register_forward_hook(lambda m, args, out: strides.append((m.layout, out.stride())))
+    with torch.no_grad():
+        ref, out = block(*inputs), chunked(*inputs)
+    assert len(strides) == len(laid)
+    for layout, stride in strides:
+        assert layout == (0, 3, 1, 2)  # b and c, the batch dims of both triangle einsums, outermost
+        assert [stride[d] for d in layout] == sorted(stride, reverse=True), (layout, stride)
+    for r, o in zip(ref, out, strict=True):
+        torch.testing.assert_close(o, r, rtol=1e-5, atol=1e-5)  # as above: fp32 rounding only
+
+
 class SlicedNorm(nn.Module):
     """A layer norm read in slices along dim 1 of a (4, N, C) tensor computed whole (cumsum is no
     op the rules know): each slice is non-contiguous and the CPU kernel copies it first; the

@@ -64,8 +64,10 @@ def autochunk(
     """Chunk ``module``'s activation-heavy regions for inputs shaped like ``example_inputs``.
 
     ``max_memory`` (bytes) bounds the estimated activation memory: what the forward
-    allocates beyond its inputs and parameters. Each chunked region then runs in the
-    largest slices that fit. Without it, regions are sliced until the highest unchunked
+    allocates beyond its inputs and parameters, with autograd off (with it on, autograd's
+    saved tensors come on top, and no loop writes into a dying input's storage). Each chunked
+    region then runs in the largest slices that fit. Kernels' own small work buffers (flash
+    attention's, about 0.5 MiB a thread on CPU) are not in the estimate: leave a few MiB. Without it, regions are sliced until the highest unchunked
     step of the graph is the peak (or a region's slices are within ``slack`` of the least
     it can reach). A budget below what any chunking reaches raises ``BudgetError`` with
     the numbers.

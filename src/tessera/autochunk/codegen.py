@@ -4,7 +4,8 @@ The region's nodes move into their own small ``GraphModule`` that takes ``(start
 *inputs)``, narrows each input it reads along that input's chunk dim, and rewrites the one
 entry of a size list (``view``, ``reshape``, ``expand``) that names the chunked dim to
 ``length``. A ``ChunkLoop`` module runs it over ``range(0, length, chunk)`` and copies each
-slice into the output, which is allocated once. In the main graph the loop takes the place
+slice into the output, which is allocated once (in the memory order ``layout.py`` chose, or
+into a dying input's storage: ``memory.py``). In the main graph the loop takes the place
 of the region's last node, so ``print(chunked.graph_module.code)`` shows where each loop runs
 and ``print(chunked.graph_module.chunk_loop_0.region.code)`` what it runs.
 """
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import fx, nn
 
+from tessera.autochunk.layout import laid_out
 from tessera.autochunk.rules import SIZE_LIST_OPS
 
 if TYPE_CHECKING:
@@ -29,9 +31,18 @@ class ChunkLoop(nn.Module):
     input's storage (``memory.py`` says when the planner allows it: the input is read only in
     the same slices, before they are overwritten, and by nothing after the loop)."""
 
-    def __init__(self, region: fx.GraphModule, dim: int, length: int, chunk: int, into: int | None = None):
+    def __init__(
+        self,
+        region: fx.GraphModule,
+        dim: int,
+        length: int,
+        chunk: int,
+        into: int | None = None,
+        layout: tuple[int, ...] | None = None,
+    ):
         super().__init__()
-        self.region, self.dim, self.length, self.chunk, self.into = region, dim, length, chunk, into
+        self.region, self.dim, self.length, self.chunk = region, dim, length, chunk
+        self.into, self.layout = into, layout
 
     def _buffer(self, piece: torch.Tensor, inputs) -> torch.Tensor:
         shape = list(piece.shape)
@@ -40,7 +51,7 @@ class ChunkLoop(nn.Module):
             target = inputs[self.into]
             if list(target.shape) == shape and target.dtype == piece.dtype and target.is_contiguous():
                 return target
-        return piece.new_empty(shape)
+        return laid_out(piece, shape, self.layout)
 
     def forward(self, *inputs):
         out = None
@@ -55,7 +66,8 @@ class ChunkLoop(nn.Module):
 
     def extra_repr(self) -> str:
         into = "" if self.into is None else f", into=input {self.into}"
-        return f"dim={self.dim}, length={self.length}, chunk={self.chunk}{into}"
+        layout = "" if self.layout is None else f", layout={self.layout}"
+        return f"dim={self.dim}, length={self.length}, chunk={self.chunk}{into}{layout}"
 
 
 def region_module(region: Region, order: dict) -> tuple[fx.GraphModule, list[fx.Node]]:
@@ -100,7 +112,8 @@ def apply_regions(gm: fx.GraphModule, regions: list[Region], order: dict) -> fx.
     for i, (region, (sub, sources)) in enumerate(zip(regions, built, strict=True)):
         name = f"chunk_loop_{i}"
         into = sources.index(region.into) if region.into is not None else None
-        gm.add_submodule(name, ChunkLoop(sub, region.dims[region.end], region.length, region.chunk, into))
+        loop = ChunkLoop(sub, region.dims[region.end], region.length, region.chunk, into, region.layout)
+        gm.add_submodule(name, loop)
         with gm.graph.inserting_before(region.end):
             loop = gm.graph.call_module(name, tuple(replaced.get(n, n) for n in sources))
         replaced[region.end] = loop

@@ -50,6 +50,7 @@ class Region:
     copies: set[Node] = field(default_factory=set)  # also computed whole outside the region
     reads: dict[Node, dict[Node, int | None]] = field(default_factory=dict)  # node -> {input: dim}
     into: Node | None = None  # the input whose storage the loop writes its output into (no autograd)
+    layout: tuple[int, ...] | None = None  # memory order of the loop's output buffer (layout.py)
 
     @property
     def nodes(self) -> set[Node]:
@@ -157,6 +158,7 @@ class MemoryModel:
         for n in self.output.all_input_nodes:
             for key in self.keys[n]:
                 last[key] = len(steps)
+        layouts = {r.end: r.layout for r in regions if r.layout is not None}
         alias: dict = {}  # a loop output's storage -> the input storage it is written into
         live: dict = {}
         line = Timeline(steps=steps)
@@ -175,7 +177,10 @@ class MemoryModel:
                     last[alias[key]] = last.get(key, i)
                     line.into[step.node] = into
                     new = {}
-                extra = self.slice_bytes(step.region) if measured else self.inner_peak(step.region)
+                if measured:
+                    extra = self.slice_bytes(step.region, layouts=layouts)
+                else:
+                    extra = self.inner_peak(step.region)
             live.update(new)
             line.bytes_at.append(sum(live.values()) + extra)
             for key in list(live):
@@ -217,12 +222,19 @@ class MemoryModel:
                 return node
         return None
 
-    def slice_bytes(self, region: Region, chunk: int | None = None) -> int:
-        """``scratch.slice_peak`` of the region at ``chunk`` (default its own), cached."""
+    def slice_bytes(self, region: Region, chunk: int | None = None, *, layouts: dict | None = None) -> int:
+        """``scratch.slice_peak`` of the region at ``chunk`` (default its own), cached; ``layouts``:
+        the memory orders of other loops' outputs it reads (``layout.py``)."""
         chunk = region.chunk if chunk is None else chunk
-        key = (region.end, frozenset(region.dims.items()), frozenset(region.copies))
+        layouts = {n: o for n, o in (layouts or {}).items() if any(n is a for a, _ in region.inputs)}
+        key = (
+            region.end,
+            frozenset(region.dims.items()),
+            frozenset(region.copies),
+            frozenset(layouts.items()),
+        )
         if key not in self._bodies:
-            self._bodies[key] = slice_body(region, self.order)
+            self._bodies[key] = slice_body(region, self.order, layouts)
         if (key, chunk) not in self._slice_peaks:
             self._slice_peaks[key, chunk] = slice_peak(*self._bodies[key], chunk)
         return self._slice_peaks[key, chunk]

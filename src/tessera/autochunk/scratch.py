@@ -93,12 +93,21 @@ def op_scratch(node: Node) -> int:
     return max(0, mem.peak - kept)
 
 
-def slice_body(region: Region, order: dict) -> tuple[torch.fx.GraphModule, list]:
-    """The loop body ``codegen`` generates for ``region``, and the fake values of its inputs."""
+def slice_body(region: Region, order: dict, layouts: dict) -> tuple[torch.fx.GraphModule, list]:
+    """The loop body ``codegen`` generates for ``region``, and the fake values of its inputs
+    (laid out in memory as ``layouts`` says for the other loops' outputs among them)."""
     from tessera.autochunk.codegen import region_module
+    from tessera.autochunk.layout import laid_out
 
     body, sources = region_module(region, order)
-    return body, [n.meta["val"] for n in sources]
+    vals = [n.meta["val"] for n in sources]
+    fake_mode = _fake_mode(vals)
+    with fake_mode:
+        vals = [
+            laid_out(v, list(v.shape), layouts[n]) if n in layouts else v
+            for n, v in zip(sources, vals, strict=True)
+        ]
+    return body, vals
 
 
 def slice_peak(body: torch.fx.GraphModule, vals: list, chunk: int) -> int:

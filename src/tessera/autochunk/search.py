@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from tessera.autochunk.layout import output_layouts
 from tessera.autochunk.memory import MemoryModel, Region, Timeline
 from tessera.autochunk.region import build_region
 from tessera.autochunk.rules import shape
@@ -41,9 +42,11 @@ class Plan:
             f"(estimated; floor {self.floor_peak / MiB:.1f} MiB), {len(self.regions)} chunked region(s)"
         ]
         for r in self.regions:
+            into = f", written into {r.into.name}" if r.into is not None else ""
+            into += f", laid out in memory as dims {r.layout}" if r.layout is not None else ""
             lines.append(
                 f"  {r.end.name}: {len(r.dims)} nodes along dim {r.dims[r.end]} "
-                f"(length {r.length}) in slices of {r.chunk}"
+                f"(length {r.length}) in slices of {r.chunk}{into}"
             )
         return "\n".join(lines)
 
@@ -166,6 +169,11 @@ def plan(
         chosen = _sized(model, regions, target, drop=False)
         final = model.timeline(chosen, measured=True)
     chosen = [replace(r, into=final.into.get(r.end)) for r in chosen]
+    layouts = output_layouts(chosen, set(model.output.all_input_nodes))
+    laid = [replace(r, layout=layouts.get(r.end)) for r in chosen]
+    laid_line = model.timeline(laid, measured=True)
+    if max_memory is None or laid_line.peak <= max_memory:  # the layouts change what slices copy
+        chosen, final = laid, laid_line
     return Plan(
         regions=chosen,
         original_peak=original.peak,
