@@ -7,9 +7,13 @@ least memory that region can reach). Stop when the highest unchunked step is no 
 than what the chunked loops need at their finest, or nothing helps.
 
 Then choose slice sizes: each loop gets the largest slice whose step stays under the
-target. With a budget the target is the budget (an error with the numbers if the floor is
-above it); without one it is the highest unchunked step, or a loop's own floor plus
-``slack`` when that is higher, so no loop is cut finer than the graph as a whole needs.
+target, the slice costed by running the loop body on fake tensors. With a budget the target
+is the budget (an error with the numbers if the floor is above it); without one it is the
+highest unchunked step, or a loop's own floor plus ``slack`` when that is higher, so no loop
+is cut finer than the graph as a whole needs. A loop that needs no slicing is dropped (its
+nodes run whole) unless, with a budget, that would not fit. Last, each loop's output is
+written into a dying input where ``memory.py`` allows it, or laid out for the einsum that
+reads it (``layout.py``).
 """
 
 from __future__ import annotations

@@ -22,14 +22,18 @@ with the default allocator. After one warm-up forward:
 - ``estimate_mib``: the planner's estimate (of the traced graph, unchunked or chunked).
 - ``seconds``: the best of a few timed forwards (no_grad), in a second fresh process.
 
-Budgets. For each budget the planner proposes the longest length that fits, searched on
-fake tensors (no memory, no compute): for the original by its graph's estimate, for
-autochunk by ``autochunk(max_memory=budget)`` succeeding. Then the module is run at that
-length in a fresh process (memory measurement as above, after a warm-up forward at a short
-length) and its measured peak compared with the budget. The planner is given the budget
-less ``RESERVE`` (what its estimate leaves out that does not grow with the length). A run
-over the budget is followed by a re-plan with the planning budget lowered by 1.5 times the
-overshoot (and at least one length step shorter) until a run fits; every attempt is a row.
+Budgets. Three variants: the original (eager) module, its traced graph run unchunked
+("graph": the same ops, but each value freed after its last use, which eager Python does not
+always do), and autochunk. For each budget the planner proposes the longest length that
+fits, searched on fake tensors (no memory, no compute): for the unchunked two by the graph's
+estimate, for autochunk by ``autochunk(max_memory=budget)`` succeeding. Then the module is
+run at that length in a fresh process (memory measurement as above, after a warm-up forward
+at a short length) and its measured peak compared with the budget. The planner is given the
+budget less ``reserve(budget)`` (4 MiB and 0.25%: for what its estimate leaves out,
+kernels' work buffers). A run over the budget is followed by a re-plan with the planning
+budget lowered by 1.5 times the overshoot (and at least one length step shorter) until a
+run fits, and an unchunked variant is then run once more halfway between the two; every
+attempt is a row.
 Budgets not in ``run_budgets`` are planned only (their rows say ``run: false``).
 """
 
@@ -54,10 +58,15 @@ MODELS = ("evoformer", "gpt2", "gpt2-eager")
 BUDGETS = (2 * 1024 * MiB, 8 * 1024 * MiB)  # unchunked Evoformer memory grows ~N^3, chunked ~N^2
 QUICK_BUDGET = 32 * MiB
 MAX_ATTEMPTS = 4  # budget runs per (model, budget, variant) before giving up
-# Planned for the budget less this: what the estimate leaves out and does not grow with the
-# length (kernels' work buffers, ~0.5 MiB a thread for flash attention; allocator rounding),
-# measured 1.3-1.5 MiB at 2 threads on the quick models.
-RESERVE = 4 * MiB
+# Planned for the budget less a reserve for what the estimate leaves out (kernels' work
+# buffers, ~0.5 MiB a thread for flash attention; allocator rounding): measured 1.3-1.5 MiB
+# at 2 threads on the quick models, 3.2 MiB on the Evoformer at 1424 residues under 2 GiB.
+
+
+def reserve(budget: int) -> int:
+    return 4 * MiB + budget // 400
+
+
 SEARCH = {  # length step and ceiling of the budget search
     "evoformer": (16, 4096),
     "gpt2": (256, 1 << 20),
@@ -229,13 +238,21 @@ def _planned_estimate(model: str, length: int, variant: str, quick: bool, budget
     return estimate_peak(module, inputs) / MiB
 
 
+def _budget_run(model: str, length: int, variant: str, quick: bool, budget: int, planning: int) -> dict:
+    case = dict(model=model, length=length, variant=variant, quick=quick, measure="budget")
+    row = fresh_run(case | {"budget": planning if variant == "autochunk" else None})
+    return row | {"fits": row["rss_mib"] <= budget / MiB}
+
+
 def budget_rows(model: str, budget: int, variant: str, *, quick: bool, run: bool, report=print) -> list[dict]:
     """The planner's longest length under ``budget``, run and measured (see the module
-    docstring); one row per attempt, the last one fitting unless every attempt failed."""
+    docstring); one row per attempt. After a run over the budget and one that fits, an
+    unchunked variant (whose run does not depend on the plan) is run once more halfway
+    between the two, so its length is not left short by the back-off."""
     step, hi = SEARCH[model]
     if quick:
         hi = min(hi, 512 if model == "evoformer" else 1 << 15)
-    planning, rows = budget - RESERVE, []
+    planning, rows, over = budget - reserve(budget), [], None
     for attempt in range(1, MAX_ATTEMPTS + 1):
         length = longest_under_budget(model, variant == "autochunk", planning, quick=quick, step=step, hi=hi)
         row = dict(part="budget", model=model, variant=variant, budget_mib=budget / MiB, attempt=attempt)
@@ -246,15 +263,19 @@ def budget_rows(model: str, budget: int, variant: str, *, quick: bool, run: bool
             rows.append(row)
             report(row)
             break
-        case = dict(model=model, length=length, variant=variant, quick=quick, measure="budget")
-        row.update(fresh_run(case | {"budget": planning if variant == "autochunk" else None}))
-        row["fits"] = row["rss_mib"] <= budget / MiB
+        row.update(_budget_run(model, length, variant, quick, budget, planning))
         rows.append(row)
         report(row)
         if row["fits"]:
+            middle = (length + over) // 2 // step * step if over else length
+            if variant != "autochunk" and middle > length:
+                row = rows[-1] | {"attempt": attempt + 1, "length": middle, "planning_budget_mib": None}
+                row.update(_budget_run(model, middle, variant, quick, budget, planning))
+                rows.append(row)
+                report(row)
             break
         planning -= int(1.5 * (row["rss_mib"] * MiB - budget))  # the overshoot, and half again
-        hi = length - step
+        over, hi = length, length - step
     return rows
 
 
@@ -284,23 +305,24 @@ def _sweep_headline(rows: list[dict], headline: dict) -> None:
 
 
 def _budget_headline(rows: list[dict], headline: dict) -> dict:
-    """Per (model, budget): the planned and the measured-fitting lengths of both variants."""
+    """Per (model, budget): the planned and the longest measured-fitting length of each variant."""
     summary: dict = {}
     for row in rows:
         entry = summary.setdefault(f"{row['model']}@{int(row['budget_mib'])}MiB", {})
         side = entry.setdefault(row["variant"], {"planned": row["length"], "fits": None})
-        if row.get("fits"):
+        if row.get("fits") and row["length"] > (side["fits"] or 0):  # the longest run that fit
             side["fits"] = row["length"]
             side["rss_mib"] = round(row["rss_mib"], 1)
     for key, entry in summary.items():
         model, budget = key.split("@")
-        orig, ours = entry.get("original", {}), entry.get("autochunk", {})
-        if orig.get("fits") and ours.get("fits"):
-            headline[f"{model}_measured_length_ratio_under_{budget}"] = round(ours["fits"] / orig["fits"], 2)
-        elif orig.get("planned") and ours.get("planned"):
-            headline[f"{model}_planned_length_ratio_under_{budget}"] = round(
-                ours["planned"] / orig["planned"], 2
-            )
+        ours = entry.get("autochunk", {})
+        for base, name in (("original", "length_ratio"), ("graph", "length_ratio_to_graph")):
+            other = entry.get(base, {})
+            if other.get("fits") and ours.get("fits"):
+                headline[f"{model}_measured_{name}_under_{budget}"] = round(ours["fits"] / other["fits"], 2)
+            elif other.get("planned") and ours.get("planned"):
+                ratio = round(ours["planned"] / other["planned"], 2)
+                headline[f"{model}_planned_{name}_under_{budget}"] = ratio
     return summary
 
 
@@ -318,7 +340,7 @@ def run_autochunk_bench(
     run, the others planned only; default the smallest budget."""
     lengths = {
         "evoformer": [96] if quick else [64, 128, 256, 512],
-        "gpt2": [1024] if quick else [1024, 4096, 16384],
+        "gpt2": [4096] if quick else [1024, 4096, 16384],
         "gpt2-eager": [512] if quick else [1024, 2048, 4096],
     }
     budgets = [QUICK_BUDGET] if quick else list(BUDGETS)
@@ -332,7 +354,7 @@ def run_autochunk_bench(
     headline: dict = {}
     _sweep_headline(sweep, headline)
     budget = []
-    jobs = [(m, b, v) for b in budgets for m in MODELS for v in ("original", "autochunk")]
+    jobs = [(m, b, v) for b in budgets for m in MODELS for v in ("original", "graph", "autochunk")]
     for model, b, variant in tqdm(jobs, desc="autochunk budgets", disable=not progress):
         budget += budget_rows(model, b, variant, quick=quick, run=b in run_budgets, report=report)
     summary = _budget_headline(budget, headline)
@@ -347,10 +369,12 @@ def run_autochunk_bench(
         "residues. gpt2: GPT-2 small block (768 wide, 12 heads), SDPA with is_causal (no mask tensor). "
         "gpt2-eager: the same block with eager attention and an additive causal mask built in the forward. "
         "Quick mode shrinks all three.",
-        f"Budget rows: the planner's longest length under the budget less {RESERVE // MiB} MiB "
-        "(original: its graph's estimate; autochunk: autochunk(max_memory=...) succeeds), then one forward "
+        "Budget rows: the planner's longest length under the budget less 4 MiB and 0.25% "
+        "(original, the eager module, and graph, its traced graph run unchunked: the graph's estimate; "
+        "autochunk: autochunk(max_memory=...) succeeds), then one forward "
         "at it in a fresh process (after a warm-up at a short length); a run over the budget is re-planned "
-        "with planning_budget lowered by 1.5x the overshoot, one length step shorter at least. run=false: "
+        "with planning_budget lowered by 1.5x the overshoot, one length step shorter at least (the original "
+        "is then run once more halfway between the lengths that fit and did not). run=false: "
         f"planned only (budgets run: {[b // MiB for b in run_budgets]} MiB). Summary: {summary}.",
     ]
     return BenchResult(
