@@ -16,7 +16,7 @@ from tessera.autochunk.codegen import ChunkLoop, apply_regions
 from tessera.autochunk.memory import MemoryModel
 from tessera.autochunk.region import build_region
 from tessera.autochunk.scratch import ScratchMemory
-from tessera.bench.memtrack import fresh_process_env
+from tessera.memory.track import fresh_process_env
 from tessera.models.evoformer import EvoformerBlock, EvoformerConfig
 
 SMALL = EvoformerConfig(

@@ -21,7 +21,7 @@ from tessera.autochunk.layout import laid_out
 from tessera.autochunk.rules import SIZE_LIST_OPS
 
 if TYPE_CHECKING:
-    from tessera.autochunk.memory import Region
+    from tessera.autochunk.loops import Region
 
 
 class ChunkLoop(nn.Module):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-from tessera.autochunk.memory import Region
+from tessera.autochunk.loops import Region
 
 aten = torch.ops.aten
 

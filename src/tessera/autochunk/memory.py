@@ -34,27 +34,9 @@ import torch
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from tessera.autochunk.loops import Region
 from tessera.autochunk.scratch import op_scratch, slice_body, slice_peak
 from tessera.autochunk.scratch import tensors as _tensors
-
-
-@dataclass
-class Region:
-    """Nodes computed together in slices along one dim: ``dims[node]`` is each node's chunk dim."""
-
-    end: Node
-    dims: dict[Node, int]
-    inputs: list[tuple[Node, int | None]]  # (node, dim) per distinct use from inside
-    length: int
-    chunk: int = 1
-    copies: set[Node] = field(default_factory=set)  # also computed whole outside the region
-    reads: dict[Node, dict[Node, int | None]] = field(default_factory=dict)  # node -> {input: dim}
-    into: Node | None = None  # the input whose storage the loop writes its output into (no autograd)
-    layout: tuple[int, ...] | None = None  # memory order of the loop's output buffer (layout.py)
-
-    @property
-    def nodes(self) -> set[Node]:
-        return set(self.dims)
 
 
 @dataclass

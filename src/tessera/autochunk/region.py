@@ -20,7 +20,8 @@ import operator
 import torch
 from torch.fx import Node
 
-from tessera.autochunk.memory import MemoryModel, Region
+from tessera.autochunk.loops import Region
+from tessera.autochunk.memory import MemoryModel
 from tessera.autochunk.rules import CHEAP_OPS, input_dims, shape
 
 

@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 from tessera.memory.track import TensorMemory
 
 if TYPE_CHECKING:
-    from tessera.autochunk.memory import Region
+    from tessera.autochunk.loops import Region
 
 aten = torch.ops.aten
 

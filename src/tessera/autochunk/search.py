@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from tessera.autochunk.layout import output_layouts
-from tessera.autochunk.memory import MemoryModel, Region, Timeline
+from tessera.autochunk.loops import Region
+from tessera.autochunk.memory import MemoryModel, Timeline
 from tessera.autochunk.region import build_region
 from tessera.autochunk.rules import shape
 

@@ -137,7 +137,7 @@ def run_case(
     "memory" (RSS and tracked peaks), "time" (the best of ``reps`` forwards), or "budget"
     (one forward's RSS peak, planned with ``max_memory=budget``, after a warm-up forward at a
     short length so one-time library set-up is not counted)."""
-    from tessera.bench.memtrack import TensorMemory, rss_peak_during
+    from tessera.memory.track import TensorMemory, rss_peak_during
 
     torch.set_num_threads(THREADS)
     if measure == "budget":
@@ -175,7 +175,7 @@ def fresh_run(case: dict) -> dict:
     """``run_case(**case)`` in a fresh process: one whose allocator returns freed blocks to
     the OS for memory, the default allocator for time (what a user runs with: mmap'ing every
     block would tax the chunked variant's many smaller allocations with page faults)."""
-    from tessera.bench.memtrack import fresh_process_env
+    from tessera.memory.track import fresh_process_env
 
     if case["measure"] == "time":
         env = {**os.environ, "OMP_NUM_THREADS": str(THREADS)}

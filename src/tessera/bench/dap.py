@@ -21,8 +21,9 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from tessera.bench.harness import BenchResult, current_rss_bytes, peak_rss_bytes
+from tessera.bench.harness import BenchResult
 from tessera.fold.dap import dap_evoformer
+from tessera.memory.track import peak_resident_bytes, resident_bytes
 from tessera.models.evoformer import Evoformer, EvoformerConfig
 from tessera.runtime import Mesh, spawn
 
@@ -49,7 +50,7 @@ def _rank_run(cfg: EvoformerConfig, s: int, r: int) -> dict:
     g = torch.Generator().manual_seed(1)
     m, z = torch.randn(1, s, r, cfg.c_m, generator=g), torch.randn(1, r, r, cfg.c_z, generator=g)
     mesh = Mesh(dap=world)
-    rss_before = current_rss_bytes()
+    rss_before = resident_bytes()
     began = time.perf_counter()
     with torch.no_grad():
         if world == 1:
@@ -58,7 +59,7 @@ def _rank_run(cfg: EvoformerConfig, s: int, r: int) -> dict:
             dap_evoformer(model, m, z, mesh=mesh)
     return {
         "seconds": time.perf_counter() - began,
-        "extra_bytes": max(0, peak_rss_bytes() - rss_before),
+        "extra_bytes": max(0, peak_resident_bytes() - rss_before),
         "bytes": mesh.comm.ledger.total() - mesh.comm.ledger.total(op="recv"),
     }
 

@@ -23,10 +23,11 @@ import torch
 from tqdm.auto import tqdm
 
 from tessera.bench.dit_bytes import Dims, formula_bytes, measured_bytes
-from tessera.bench.harness import BenchResult, current_rss_bytes, matmul_peak_flops, peak_rss_bytes
+from tessera.bench.harness import BenchResult, matmul_peak_flops
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_sample
 from tessera.diffusion.pipefusion import release_other_stages
+from tessera.memory.track import peak_resident_bytes, resident_bytes
 from tessera.models.dit import DiT, DiTConfig
 from tessera.plan.devices import device_named
 from tessera.runtime import spawn
@@ -121,14 +122,14 @@ def _timed(model, labels, mesh, kw: dict, steps: int) -> tuple[float, torch.Tens
 
 
 def _rank_run(config: ParallelConfig, size: int, plan: DitBenchPlan, links: dict[str, Link]) -> dict:
-    rss_before_model = current_rss_bytes()
+    rss_before_model = resident_bytes()
     model, mesh = bench_model(), config.build_mesh()
     _set_up(model, config, mesh)
-    held, setup_rss = held_parameter_bytes(model), current_rss_bytes() - rss_before_model
+    held, setup_rss = held_parameter_bytes(model), resident_bytes() - rss_before_model
     labels = torch.arange(plan.batch) % BENCH_MODEL.num_classes
     kw = dict(config=config, mesh=mesh, height=size, width=size, guidance_scale=GUIDANCE, seed=0)
     parallel_sample(model, labels, num_steps=1, **kw)
-    rss_before = current_rss_bytes()
+    rss_before = resident_bytes()
     times = []
     for _ in range(plan.repeats):
         seconds, latent = _timed(model, labels, mesh, kw, plan.steps)
@@ -138,8 +139,8 @@ def _rank_run(config: ParallelConfig, size: int, plan: DitBenchPlan, links: dict
         "ledger": mesh.comm.ledger.snapshot(),
         "param_bytes": held,
         "setup_rss": setup_rss,
-        "peak_rss": peak_rss_bytes(),
-        "sampling_extra": max(0, peak_rss_bytes() - rss_before),
+        "peak_rss": peak_resident_bytes(),
+        "sampling_extra": max(0, peak_resident_bytes() - rss_before),
         "latent": latent if mesh.global_rank == 0 else None,
         "links": {},
     }

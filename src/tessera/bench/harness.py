@@ -7,7 +7,6 @@ import datetime
 import json
 import os
 import platform
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,19 +26,6 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
-
-
-def current_rss_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
-
-
-def peak_rss_bytes() -> int:
-    """High-water mark of this process's resident memory (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def matmul_peak_flops(threads: int = 1, n: int = 512, reps: int = 20) -> float:
