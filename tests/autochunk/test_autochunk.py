@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from evoformer_inputs import evoformer
 from torch import nn
 from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
@@ -17,7 +18,6 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 from tessera.autochunk import BudgetError, autochunk, estimate_peak
 from tessera.autochunk.scratch import ScratchMemory
 from tessera.models.dit import DiT, DiTConfig
-from tessera.models.evoformer import EvoformerBlock, EvoformerConfig
 
 # The estimate is compared with the tracked peak of the same graph (the traced module; eager
 # Python can keep more alive, e.g. GPT-2's discarded attention weights held by a local until
@@ -27,27 +27,6 @@ from tessera.models.evoformer import EvoformerBlock, EvoformerConfig
 # on every graph here, unchunked and chunked (liveness is per storage, as the tracker counts;
 # a slice's body is costed by running it on fake tensors). Bounds: 2% either way.
 ESTIMATE_LOW, ESTIMATE_HIGH = 0.98, 1.02
-
-SMALL = EvoformerConfig(
-    c_m=16, c_z=8, msa_heads=2, msa_head_dim=4, pair_heads=2, pair_head_dim=4, c_mul=8, c_opm=4, num_blocks=1
-)
-
-
-def _evoformer(r=32, s=4):
-    torch.manual_seed(0)
-    block = EvoformerBlock(SMALL).eval()
-    g = torch.Generator().manual_seed(1)
-    msa_mask = torch.ones(1, s, r)
-    msa_mask[:, -1, r // 2 :] = 0  # padded positions: the masks must be sliced with the rest
-    pair_mask = torch.ones(1, r, r)
-    pair_mask[:, :, -3:] = 0
-    inputs = (
-        torch.randn(1, s, r, SMALL.c_m, generator=g),
-        torch.randn(1, r, r, SMALL.c_z, generator=g),
-        msa_mask,
-        pair_mask,
-    )
-    return block, inputs
 
 
 class CausalGPT2Block(nn.Module):
@@ -93,7 +72,7 @@ def _outputs(fn, inputs):
     return out if isinstance(out, tuple) else (out,)
 
 
-@pytest.mark.parametrize("build", [_evoformer, _gpt, _dit], ids=["evoformer", "gpt2", "dit"])
+@pytest.mark.parametrize("build", [evoformer, _gpt, _dit], ids=["evoformer", "gpt2", "dit"])
 def test_chunked_equals_original_and_uses_less_memory(build):
     model, inputs = build()
     chunked = autochunk(model, inputs)
@@ -115,7 +94,7 @@ def test_chunked_equals_original_and_uses_less_memory(build):
 def test_evoformer_regions_slice_a_kept_dim_and_the_pair_peak_drops():
     """The N^3 triangle-attention bias and the outer-product-mean's N^2 x c^2 tensor dominate
     the unchunked block; chunked, the peak is a few pair-sized tensors."""
-    model, inputs = _evoformer(r=48)
+    model, inputs = evoformer(r=48)
     chunked = autochunk(model, inputs)
     pair_bytes = inputs[1].numel() * 4
     assert chunked.plan.original_peak > 10 * pair_bytes

@@ -8,6 +8,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from evoformer_inputs import evoformer
 from torch import nn
 
 from tessera.autochunk import autochunk
@@ -17,30 +18,13 @@ from tessera.autochunk.memory import MemoryModel
 from tessera.autochunk.region import build_region
 from tessera.autochunk.scratch import ScratchMemory
 from tessera.memory.track import fresh_process_env
-from tessera.models.evoformer import EvoformerBlock, EvoformerConfig
-
-SMALL = EvoformerConfig(
-    c_m=16, c_z=8, msa_heads=2, msa_head_dim=4, pair_heads=2, pair_head_dim=4, c_mul=8, c_opm=4, num_blocks=1
-)
-
-
-def _evoformer(r=32, s=4):
-    torch.manual_seed(0)
-    block = EvoformerBlock(SMALL).eval()
-    g = torch.Generator().manual_seed(1)
-    msa_mask = torch.ones(1, s, r)
-    msa_mask[:, -1, r // 2 :] = 0
-    pair_mask = torch.ones(1, r, r)
-    pair_mask[:, :, -3:] = 0
-    m, z = torch.randn(1, s, r, SMALL.c_m, generator=g), torch.randn(1, r, r, SMALL.c_z, generator=g)
-    return block, (m, z, msa_mask, pair_mask)
 
 
 def test_loops_write_into_a_dying_input_only_without_autograd():
     """The pair stack's residual updates (z + f(z)) write their slices into z's storage when
     nothing reads z after the loop; the caller's inputs are never written to; with autograd on
     every loop allocates its own output, and outputs and gradients equal the original's."""
-    block, inputs = _evoformer()
+    block, inputs = evoformer()
     chunked = autochunk(block, inputs)
     loops = [m for m in chunked.graph_module.modules() if isinstance(m, ChunkLoop)]
     writing = [loop for loop in loops if loop.into is not None]
@@ -93,7 +77,7 @@ def test_a_loop_read_whole_by_an_einsum_is_laid_out_for_it():
     """The triangle multiplication's right-hand projection is computed in a loop and read whole
     by the sliced einsum: its buffer is allocated with the einsum's batch dims (b, c) outermost
     in memory, so no slice copies it (layout.py); the values are the same."""
-    block, inputs = _evoformer()
+    block, inputs = evoformer()
     chunked = autochunk(block, inputs)
     laid = [m for m in chunked.graph_module.modules() if isinstance(m, ChunkLoop) and m.layout is not None]
     assert laid, chunked.plan.describe()
