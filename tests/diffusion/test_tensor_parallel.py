@@ -1,7 +1,7 @@
 """DiT inference under tensor parallel runs on the training plan (tessera.parallel.tp_plans.DIT,
 DTensor): each rank holds only its shard while sampling, the model is whole again after,
 a model sharded beforehand stays sharded, the latents equal serial sampling and the bytes
-counted equal tessera.bench.dit_bytes' formula for tp (S*L*2*T*Bm*n*h*e)."""
+counted equal tessera.diffusion.comm_bytes' formula for tp (S*L*2*T*Bm*n*h*e)."""
 
 import gc
 import weakref
@@ -9,8 +9,8 @@ import weakref
 import torch
 from parity import perturbed
 
-from tessera.bench.dit_bytes import Dims, formula_bytes
 from tessera.diffusion.adapters import adapter_for
+from tessera.diffusion.comm_bytes import Dims, formula_bytes
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_sample
 from tessera.diffusion.sampler import sample

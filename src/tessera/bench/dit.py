@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from tessera.bench.dit_bytes import Dims, formula_bytes, measured_bytes
 from tessera.bench.harness import BenchResult, matmul_peak_flops
+from tessera.diffusion.comm_bytes import Dims, formula_bytes, measured_bytes
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_sample
 from tessera.diffusion.pipefusion import release_other_stages
@@ -325,7 +325,7 @@ def _notes(plan: DitBenchPlan, link_info: dict) -> list[str]:
         f"seconds: the fastest of {plan.repeats} timed run(s) after an untimed 1-step run (all_seconds in the JSON); "
         "spread: (slowest - fastest) / fastest",
         "tokens: image tokens of the latent ((size / 2)^2 with 2x2 patches)",
-        "bytes: summed over ranks, receives not added; formulas in src/tessera/bench/dit_bytes.py",
+        "bytes: summed over ranks, receives not added; formulas in src/tessera/diffusion/comm_bytes.py",
         "param_mib_per_rank: parameter bytes the rank holds after set-up, counted from its tensors (PipeFusion "
         "frees other stages' blocks, TP holds its shards); setup_rss: resident memory added by building the "
         "model and setting it up",
