@@ -1,0 +1,222 @@
+"""IR -> C for a contraction under a GemmSchedule: offset tables from the affine accesses,
+then BLIS's loops around the micro-kernel of ``csrc/tessera_primitives.h``.
+
+The generated file defines ``tk_init()`` (fills the tables; called once when loaded) and
+``tk_run(out, in0, in1, nthreads)``, inputs in the operator's order. All sizes are
+compile-time constants. A block packed outside the parallel loop is shared and packed by
+all threads together (one panel each, then a barrier); one packed inside it is private.
+"""
+
+from __future__ import annotations
+
+from tessera.kernels.contraction import Contraction, analyse
+from tessera.kernels.ir import Affine
+from tessera.kernels.schedule import GemmSchedule
+
+LEVELS = {"jc,pc,ic": ("jc", "pc", "ic"), "ic,pc,jc": ("ic", "pc", "jc")}
+
+
+def _table(name: str, ctype: str, axes, expr: Affine) -> tuple[str, str]:
+    """A static table over the flattened axes and the C loop nest that fills it."""
+    size = 1
+    for ax in axes:
+        size *= ax.extent
+    decl = f"static {ctype} {name}[{size}];"
+    loops = "".join(f"for (long {ax.name} = 0; {ax.name} < {ax.extent}; ++{ax.name}) " for ax in axes)
+    fill = f"  {{ long at = 0; {loops}{name}[at++] = {expr.c()}; }}"
+    return decl, fill
+
+
+class _Gen:
+    def __init__(self, con: Contraction, s: GemmSchedule):
+        self.c, self.s = con, s
+        self.BT, self.M, self.N, self.K = con.sizes
+        self.out = con.op.output
+        self.guards = con.b.guarded_dims(con.op.extents)
+        self.decls: list[str] = []
+        self.fills: list[str] = []
+        self.a_scale = (con.scaled_flat(con.part(con.a, "m"), "m"), con.scaled_flat(con.part(con.a, "k"), "k"))
+        self.b_rs = con.scaled_flat(con.part(con.b, "k"), "k")
+        self.b_rows = con.scaled_flat(con.part(con.b, "n"), "n") == 1 and not self.guards
+        self.c_cols = con.scaled_flat(con.part(self.out, "n"), "n") == 1
+        self.panels = -(-self.N // s.nr)
+        self.pack_a = s.pack_a or None in self.a_scale
+        self.pack_b = s.pack_b or not (self.b_rows and self.b_rs is not None)
+
+    def add(self, name: str, ctype: str, group: str, expr: Affine) -> None:
+        decl, fill = _table(name, ctype, getattr(self.c, group), expr)
+        self.decls.append(decl)
+        self.fills.append(fill)
+
+    def tables(self) -> None:
+        c = self.c
+        for tag, acc in (("a", c.a), ("b", c.b), ("c", self.out)):
+            self.add(f"{tag}_bt", "long", "batch", c.part(acc, "batch", const=True))
+        self.add("a_m", "long", "m", c.part(c.a, "m"))
+        self.add("c_m", "long", "m", c.part(self.out, "m"))
+        self.add("b_n", "long", "n", c.part(c.b, "n"))
+        self.add("c_n", "long", "n", c.part(self.out, "n"))
+        self.add("a_k", "long", "k", c.part(c.a, "k"))
+        self.add("b_k", "long", "k", c.part(c.b, "k"))
+        for g, dim in enumerate(self.guards):
+            self.add(f"g{g}_bt", "int", "batch", c.index_part(c.b, dim, "batch", const=True))
+            self.add(f"g{g}_n", "int", "n", c.index_part(c.b, dim, "n"))
+            self.add(f"g{g}_k", "int", "k", c.index_part(c.b, dim, "k"))
+        panels = self.panels
+        self.decls.append(f"static long pstep[{panels}];")
+        self.decls.append(f"static unsigned char cpanel[{panels}];")  # NR-panel p of C is contiguous
+        checks = " ".join(
+            f"if (g{g}_n[nb + j] != g{g}_n[nb] + j * (g{g}_n[nb + 1] - g{g}_n[nb])) step = 0;"
+            for g in range(len(self.guards))
+        )
+        self.fills.append(
+            f"  for (long p = 0; p < {panels}; ++p) {{ long nb = p * TK_NR, step = 0;\n"
+            f"    if (nb + TK_NR <= {self.N}) {{ step = b_n[nb + 1] - b_n[nb];\n"
+            f"      for (long j = 0; j < TK_NR; ++j) {{ if (b_n[nb + j] != b_n[nb] + j * step) step = 0; {checks} }} }}\n"
+            f"    pstep[p] = step; }}"
+        )
+        self.fills.append(
+            f"  for (long p = 0; p < {panels}; ++p) {{ long nb = p * TK_NR, ok = 1;\n"
+            f"    for (long j = 1; j < TK_NR && nb + j < {self.N}; ++j) if (c_n[nb + j] != c_n[nb] + j) ok = 0;\n"
+            f"    cpanel[p] = ok; }}"
+        )
+
+    # ---- packing -------------------------------------------------------------------------
+    def pack_b_call(self, n0: str, nc: str, dst: str) -> str:
+        if self.b_rows:
+            return f"tk_pack_b_rows(Bbt, b_k + pc, {n0}, {nc}, kc, {dst});"
+        return f"tk_pack_b_table(Bbt, b_k + pc, b_n, pstep, {n0}, {nc}, kc, &gd, {dst});"
+
+    def pack_a_call(self, m0: str, mc: str, dst: str) -> str:
+        return f"tk_pack_a(Abt, a_m + {m0}, a_k + pc, {mc}, kc, {dst});"
+
+    def pack_block(self, which: str, shared: bool) -> str:
+        if which == "A":
+            if not self.pack_a:
+                return ""
+            if not shared:
+                return self.pack_a_call("ic", "mc", "Ap")
+            return (
+                "#pragma omp for schedule(static)\n"
+                "for (long p = 0; p < mc; p += TK_MR) "
+                + self.pack_a_call("ic + p", "tk_min(TK_MR, mc - p)", "Ap + p * kc")
+            )
+        if not self.pack_b:
+            return ""
+        if not shared:
+            return self.pack_b_call("jc", "nc", "Bp")
+        return (
+            "#pragma omp for schedule(static)\n"
+            "for (long p = 0; p < nc; p += TK_NR) " + self.pack_b_call("jc + p", "tk_min(TK_NR, nc - p)", "Bp + p * kc")
+        )
+
+    # ---- the micro-kernel call -----------------------------------------------------------
+    def ukernel_call(self) -> str:
+        if self.c_cols:
+            lines = ["float *c_ = Cbt + (jc + jr); const long *ncol = 0;"]
+        else:  # a panel whose columns are contiguous is stored with vectors all the same
+            lines = ["long cp = cpanel[(jc + jr) / TK_NR]; float *c_ = Cbt + (cp ? c_n[jc + jr] : 0);",
+                     "const long *ncol = cp ? 0 : c_n + jc + jr;"]
+        tail = "c_, c_m + ic + ir, ncol, pc == 0, mr, nr"
+        if self.pack_a:
+            a = "Ap + ir * kc, 1, TK_MR"
+        else:
+            rs, cs = self.a_scale
+            lines.append(f"const float *a_ = Abt + (ic + ir) * {rs}L + pc * {cs}L; long a_rs = {rs}, a_cs = {cs};")
+            lines.append("if (mr < TK_MR) { tk_pack_a(Abt, a_m + ic + ir, a_k + pc, mr, kc, At); a_ = At; a_rs = 1; a_cs = TK_MR; }")
+            a = "a_, a_rs, a_cs"
+        if self.pack_b:
+            b = "Bp + jr * kc, TK_NR"
+        else:
+            lines.append(f"const float *b_ = Bbt + pc * {self.b_rs}L + jc + jr; long b_rs = {self.b_rs};")
+            lines.append(
+                "if (nr < TK_NR) { tk_pack_b_rows(Bbt, b_k + pc, jc + jr, nr, kc, Bt); b_ = Bt; b_rs = TK_NR; }"
+            )
+            b = "b_, b_rs"
+        lines.append(f"tk_ukernel(kc, {a}, {b}, {tail});")
+        return "{ " + " ".join(lines) + " }"
+
+    # ---- the loop nest -------------------------------------------------------------------
+    def loops(self) -> str:
+        s = self.s
+        outer = LEVELS[s.order]
+        inner = ("jr", "ir") if s.inner == "jr,ir" else ("ir", "jr")
+        order = ("bt", *outer, *inner)
+        par = {"none": None, "batch": "bt"}.get(s.parallel, s.parallel)
+        depth = order.index(par) if par else len(order)
+        pack_at = {"A": order.index("pc") if outer[0] == "ic" else order.index("ic"),
+                   "B": order.index("pc") if outer[0] == "jc" else order.index("jc")}
+        heads = {
+            "bt": f"for (long bt = 0; bt < {self.BT}; ++bt) {{ const float *Abt = A + a_bt[bt], *Bbt = B + b_bt[bt]; float *Cbt = C + c_bt[bt];",
+            "jc": f"for (long jc = 0; jc < {self.N}; jc += {s.nc}) {{ long nc = tk_min({s.nc}, {self.N} - jc);",
+            "pc": f"for (long pc = 0; pc < {self.K}; pc += {s.kc}) {{ long kc = tk_min({s.kc}, {self.K} - pc);"
+            + self.guard_struct(),
+            "ic": f"for (long ic = 0; ic < {self.M}; ic += {s.mc}) {{ long mc = tk_min({s.mc}, {self.M} - ic);",
+            "jr": "for (long jr = 0; jr < nc; jr += TK_NR) { long nr = tk_min(TK_NR, nc - jr);",
+            "ir": "for (long ir = 0; ir < mc; ir += TK_MR) { long mr = tk_min(TK_MR, mc - ir);",
+        }
+        code = []
+        for i, level in enumerate(order):
+            if i == depth:
+                code.append("#pragma omp for schedule(static)")
+            code.append(heads[level])
+            for which in ("A", "B"):
+                if pack_at[which] == i:
+                    code.append(self.pack_block(which, shared=i < depth))
+        code.append(self.ukernel_call())
+        code.append("}" * len(order))
+        self.shared = {w: pack_at[w] < depth for w in ("A", "B")}
+        return "\n".join(code)
+
+    def guard_struct(self) -> str:
+        if not self.guards:
+            return " tk_guards gd = {{0}, {0}, {0}, {0}}; (void)gd;"
+        parts = [f"gd.gn[{g}] = g{g}_n; gd.gk[{g}] = g{g}_k + pc; gd.gb[{g}] = g{g}_bt[bt]; gd.lim[{g}] = {lim};"
+                 for g, lim in enumerate(self.c.b.tensor.shape[d] for d in self.guards)]
+        return " tk_guards gd; " + " ".join(parts)
+
+    def source(self, header: str) -> str:
+        s = self.s
+        self.tables()
+        body = self.loops()
+        mcp, ncp = s.mc, s.nc
+        alloc = {"A": f"tk_alloc({mcp} * {s.kc})", "B": f"tk_alloc({ncp} * {s.kc})"}
+        shared = "".join(f"float *{w}s = {alloc[w]};" for w in "AB" if self.shared[w])
+        private = "".join(f"float *{w}p = {w}s;" if self.shared[w] else f"float *{w}p = {alloc[w]};" for w in "AB")
+        frees = "".join(f"free({w}p);" for w in "AB" if not self.shared[w])
+        free_shared = "".join(f"free({w}s);" for w in "AB" if self.shared[w])
+        ins = [t.name for t in self.c.op.inputs]
+        a_arg, b_arg = f"in{ins.index(self.c.a.tensor.name)}", f"in{ins.index(self.c.b.tensor.name)}"
+        return "\n".join([
+            f"/* {self.c.op.signature()}\n * schedule: {s.short()} */",
+            f"#define TK_VEC {256 if s.isa == 'avx2' else 512}",
+            f"#define TK_MR {s.mr}", f"#define TK_NR {s.nr}", f"#define TK_UNROLL {s.unroll}",
+            f"#define TK_NG {len(self.guards)}",
+            f'#include "{header}"',
+            *self.decls,
+            "void tk_init(void) {", *self.fills, "}",
+            "void tk_run(float *restrict out, const float *restrict in0, const float *restrict in1, int nthreads) {",
+            f"  const float *A = {a_arg}, *B = {b_arg}; float *C = out;",
+            "  nthreads = 1;" if s.parallel == "none" else "",
+            f"  {shared}",
+            "#pragma omp parallel num_threads(nthreads)",
+            "  {",
+            f"  {private} float *At = tk_alloc(TK_MR * {s.kc}), *Bt = tk_alloc(TK_NR * {s.kc}); (void)At; (void)Bt;",
+            body,
+            f"  {frees} free(At); free(Bt);",
+            "  }",
+            f"  {free_shared}",
+            "}",
+        ]) + "\n"
+
+
+def generate_gemm(op, schedule: GemmSchedule, header: str = "tessera_primitives.h") -> str:
+    """C source of ``op`` (a contraction) under ``schedule``."""
+    return _Gen(analyse(op, fuse_n=schedule.fuse_n), schedule).source(header)
+
+
+def effective_packing(op, schedule: GemmSchedule) -> tuple[bool, bool]:
+    """(pack A, pack B) as compiled: an operand that is not a plain strided matrix is always packed."""
+    g = _Gen(analyse(op, fuse_n=schedule.fuse_n), schedule)
+    return g.pack_a, g.pack_b
+

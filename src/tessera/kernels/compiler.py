@@ -1,0 +1,121 @@
+"""Compiling generated C with the system compiler, and the on-disk kernel cache.
+
+Flags (named, never ``-march=native``: the VM masks the CPU model):
+``-O3 -std=gnu11 -fPIC -shared -fopenmp -ffp-contract=fast`` plus the ISA's own
+(``-mavx2 -mfma`` for avx2, and ``-mavx512f`` for avx512). No ``-ffast-math``: IEEE
+semantics stay, so results depend only on the binary (FMA contraction is part of it).
+
+A compiled kernel is cached under ``$TESSERA_KERNEL_CACHE`` (default
+``~/.cache/tessera/kernels``) by a hash of its source (which names the operator, its
+shapes and the schedule), the primitives header, the flags and the compiler's version.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tessera.kernels.schedule import ISAS
+
+CSRC = Path(__file__).parent / "csrc"
+HEADER = CSRC / "tessera_primitives.h"
+COMMON_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=fast")
+INSTALL_HINT = "install one, e.g. `apt-get install gcc` (Debian/Ubuntu) or `dnf install gcc`, or set CC"
+
+
+class CompilerError(RuntimeError):
+    """No usable C compiler, or it failed on a generated kernel."""
+
+
+@dataclass(frozen=True)
+class Compiler:
+    path: str
+    version: str
+
+    def flags(self, isa: str) -> tuple[str, ...]:
+        return COMMON_FLAGS + ISAS[isa][2]
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("TESSERA_KERNEL_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "tessera" / "kernels"
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(candidate: str) -> Compiler:
+    path = shutil.which(candidate)
+    if path is None:
+        raise CompilerError(f"C compiler {candidate!r} not found; {INSTALL_HINT}")
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise CompilerError(f"C compiler {path} does not run ({exc}); {INSTALL_HINT}") from exc
+    return Compiler(path=path, version=out.stdout.splitlines()[0].strip() if out.stdout else "unknown")
+
+
+def find_compiler() -> Compiler:
+    """$CC if set (and it must work), else the first of gcc, cc, clang on PATH."""
+    if os.environ.get("CC"):
+        return _probe(os.environ["CC"])
+    for candidate in ("gcc", "cc", "clang"):
+        if shutil.which(candidate):
+            return _probe(candidate)
+    raise CompilerError(f"no C compiler found (looked for $CC, gcc, cc, clang on PATH); {INSTALL_HINT}")
+
+
+def cache_key(source: str, compiler: Compiler, isa: str) -> str:
+    material = json.dumps(
+        {"source": source, "header": HEADER.read_text(), "flags": compiler.flags(isa), "compiler": compiler.version}
+    )
+    return hashlib.sha256(material.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Compiled:
+    path: Path
+    key: str
+    compile_seconds: float  # 0.0 when it came from the cache
+    cached: bool
+
+
+def compile_source(source: str, *, isa: str, name: str = "kernel") -> Compiled:
+    """Build ``source`` into a shared library (or find it in the cache)."""
+    compiler = find_compiler()
+    key = cache_key(source, compiler, isa)
+    folder = cache_dir() / key[:2]
+    lib = folder / f"{key}.so"
+    if lib.exists():
+        return Compiled(lib, key, 0.0, True)
+    folder.mkdir(parents=True, exist_ok=True)
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        src = Path(tmp) / f"{name}.c"
+        src.write_text(source)
+        target = Path(tmp) / "out.so"
+        cmd = [compiler.path, *compiler.flags(isa), "-I", str(CSRC), str(src), "-o", str(target)]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise CompilerError(f"{compiler.path} failed to run on {name} ({exc}); {INSTALL_HINT}") from exc
+        if done.returncode != 0:
+            first = next((ln for ln in done.stderr.splitlines() if "error" in ln), done.stderr.strip()[:300])
+            raise CompilerError(f"{compiler.path} failed on generated kernel {name}: {first}")
+        (folder / f"{key}.c").write_text(source)
+        os.replace(target, lib)
+    return Compiled(lib, key, time.perf_counter() - began, False)
+
+
+def load(compiled: Compiled) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(compiled.path))
+    lib.tk_init.restype = None
+    lib.tk_init()
+    return lib

@@ -1,0 +1,147 @@
+/* Tessera's machine micro-benchmark: the parameters of the performance model.
+ *
+ *   tk_peak_gflops(threads, seconds)   FP32 FMA throughput: every thread runs independent
+ *                                      chains of vector FMAs (more chains than latency x
+ *                                      ports, so only throughput limits them)
+ *   tk_read_gbps(bytes, threads, s)    streaming vector reads of a buffer of `bytes` per
+ *                                      thread, summed into independent accumulators: the
+ *                                      bandwidth of the cache level that buffer fits in
+ *   tk_write_gbps(bytes, threads, s)   streaming vector stores of such a buffer
+ *
+ * Each runs rounds until `seconds` have passed and reports its best round. Compiled with
+ * TK_VEC = 256 (AVX2 + FMA) or 512 (AVX-512F).
+ */
+#include <immintrin.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <time.h>
+
+#if TK_VEC == 512
+typedef __m512 vf;
+#define VL 16
+#define LOAD _mm512_load_ps
+#define STORE _mm512_store_ps
+#define SET1 _mm512_set1_ps
+#define FMA _mm512_fmadd_ps
+#define ADD _mm512_add_ps
+#define CHAINS 24
+#else
+typedef __m256 vf;
+#define VL 8
+#define LOAD _mm256_load_ps
+#define STORE _mm256_store_ps
+#define SET1 _mm256_set1_ps
+#define FMA _mm256_fmadd_ps
+#define ADD _mm256_add_ps
+#define CHAINS 12
+#endif
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+
+volatile float tk_sink;
+volatile float tk_scale = 0.9999999f, tk_shift = 1e-7f;
+
+static float fma_chains(long iters) {
+    vf acc[CHAINS];
+    vf b = SET1(tk_scale), c = SET1(tk_shift);
+    for (int i = 0; i < CHAINS; ++i) acc[i] = SET1((float)i);
+    for (long it = 0; it < iters; ++it) {
+#pragma GCC unroll 32
+        for (int i = 0; i < CHAINS; ++i) acc[i] = FMA(acc[i], b, c);
+    }
+    vf s = acc[0];
+    for (int i = 1; i < CHAINS; ++i) s = ADD(s, acc[i]);
+    float out[VL] __attribute__((aligned(64)));
+    STORE(out, s);
+    return out[0];
+}
+
+double tk_peak_gflops(int threads, double seconds) {
+    const long iters = 1L << 20;
+    double best = 0.0, began = now();
+    do {
+        double t0 = 0.0, t1 = 0.0;
+#pragma omp parallel num_threads(threads)
+        {
+#pragma omp barrier
+#pragma omp master
+            t0 = now();
+            float r = fma_chains(iters);
+#pragma omp atomic
+            tk_sink += r;
+#pragma omp barrier
+#pragma omp master
+            t1 = now();
+        }
+        double rate = 2.0 * CHAINS * VL * (double)iters * threads / (t1 - t0) / 1e9;
+        if (rate > best) best = rate;
+    } while (now() - began < seconds);
+    return best;
+}
+
+static float read_pass(const float *buf, long floats) {
+    vf a0 = SET1(0), a1 = SET1(0), a2 = SET1(0), a3 = SET1(0), a4 = SET1(0), a5 = SET1(0), a6 = SET1(0), a7 = SET1(0);
+    for (long i = 0; i + 8 * VL <= floats; i += 8 * VL) {
+        a0 = ADD(a0, LOAD(buf + i)); a1 = ADD(a1, LOAD(buf + i + VL));
+        a2 = ADD(a2, LOAD(buf + i + 2 * VL)); a3 = ADD(a3, LOAD(buf + i + 3 * VL));
+        a4 = ADD(a4, LOAD(buf + i + 4 * VL)); a5 = ADD(a5, LOAD(buf + i + 5 * VL));
+        a6 = ADD(a6, LOAD(buf + i + 6 * VL)); a7 = ADD(a7, LOAD(buf + i + 7 * VL));
+    }
+    vf s = ADD(ADD(ADD(a0, a1), ADD(a2, a3)), ADD(ADD(a4, a5), ADD(a6, a7)));
+    float out[VL] __attribute__((aligned(64)));
+    STORE(out, s);
+    return out[0];
+}
+
+static void write_pass(float *buf, long floats, float v) {
+    vf x = SET1(v);
+    for (long i = 0; i + VL <= floats; i += VL) STORE(buf + i, x);
+}
+
+static double stream(long bytes, int threads, double seconds, int write) {
+    long floats = (bytes / 4) / (8 * VL) * (8 * VL);
+    if (floats < 8 * VL) floats = 8 * VL;
+    /* enough passes per round that a round takes a few milliseconds */
+    long passes = (4L << 20) / floats + 1;
+    double best = 0.0, began = now();
+    float **bufs = malloc(sizeof(float *) * threads);
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num();
+        bufs[t] = aligned_alloc(64, floats * 4);
+        for (long i = 0; i < floats; ++i) bufs[t][i] = (float)(i & 7);
+    }
+    do {
+        double t0 = 0.0, t1 = 0.0;
+#pragma omp parallel num_threads(threads)
+        {
+            float *buf = bufs[omp_get_thread_num()];
+            float r = 0.0f;
+#pragma omp barrier
+#pragma omp master
+            t0 = now();
+            for (long p = 0; p < passes; ++p) {
+                if (write) write_pass(buf, floats, (float)p);
+                else r += read_pass(buf, floats);
+                __asm__ volatile("" ::: "memory"); /* every pass really reads or writes */
+            }
+#pragma omp atomic
+            tk_sink += r + buf[floats - 1];
+#pragma omp barrier
+#pragma omp master
+            t1 = now();
+        }
+        double rate = 4.0 * floats * passes * threads / (t1 - t0) / 1e9;
+        if (rate > best) best = rate;
+    } while (now() - began < seconds);
+    for (int t = 0; t < threads; ++t) free(bufs[t]);
+    free(bufs);
+    return best;
+}
+
+double tk_read_gbps(long bytes, int threads, double seconds) { return stream(bytes, threads, seconds, 0); }
+double tk_write_gbps(long bytes, int threads, double seconds) { return stream(bytes, threads, seconds, 1); }

@@ -1,0 +1,191 @@
+/* Tessera's tensorized primitives, written once: a BLIS-style register-blocked FP32
+ * micro-kernel (MR x NR accumulators in vector registers, broadcast + FMA) and the packing
+ * routines around it. Every generated GEMM-like kernel includes this file after defining
+ *
+ *   TK_VEC     256 (AVX2 + FMA, 8 floats a register) or 512 (AVX-512F, 16 floats)
+ *   TK_MR      rows of the register tile (broadcast side)
+ *   TK_NR      columns of the register tile (vector side), a multiple of the vector length
+ *   TK_UNROLL  unroll factor of the micro-kernel's k loop
+ *   TK_NG      guarded index dimensions of the packed B operand (0..4; padding of a conv)
+ *
+ * Layout (BLIS, "Anatomy of High-Performance Matrix Multiplication"): a packed A block is
+ * a run of MR-row micro-panels, each k-major (MR floats per k); a packed B block is a run of
+ * NR-column micro-panels, each k-major (NR floats per k). Tails are zero-padded in the
+ * packed buffers, so the micro-kernel always computes a full tile and only the store looks
+ * at the valid part. Logical operands are addressed through offset tables built from the
+ * operator's affine accesses: A(m, k) = A[moff[m] + koff[k]], B(k, n) = B[koff[k] + noff[n]];
+ * that is what lets one packing routine serve a matrix, a transposed matrix and the
+ * implicit im2col of a convolution (guarded dimensions read as zero outside [0, limit)).
+ */
+#ifndef TESSERA_PRIMITIVES_H
+#define TESSERA_PRIMITIVES_H
+
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if TK_VEC == 512
+typedef __m512 tk_vf;
+#define TK_VL 16
+#define tk_load _mm512_loadu_ps
+#define tk_store _mm512_storeu_ps
+#define tk_set1 _mm512_set1_ps
+#define tk_zero _mm512_setzero_ps
+#define tk_fma _mm512_fmadd_ps
+#define tk_add _mm512_add_ps
+#elif TK_VEC == 256
+typedef __m256 tk_vf;
+#define TK_VL 8
+#define tk_load _mm256_loadu_ps
+#define tk_store _mm256_storeu_ps
+#define tk_set1 _mm256_set1_ps
+#define tk_zero _mm256_setzero_ps
+#define tk_fma _mm256_fmadd_ps
+#define tk_add _mm256_add_ps
+#else
+#error "TK_VEC must be 256 or 512"
+#endif
+
+#if TK_NR % TK_VL != 0
+#error "TK_NR must be a multiple of the vector length"
+#endif
+#define TK_NV (TK_NR / TK_VL)
+#define TK_INLINE static inline __attribute__((always_inline))
+/* `#pragma GCC unroll` does not expand macros; _Pragma of a stringified argument does. */
+#define TK_DO_PRAGMA(x) _Pragma(#x)
+#define TK_UNROLL_LOOP(n) TK_DO_PRAGMA(GCC unroll n)
+
+TK_INLINE long tk_min(long a, long b) { return a < b ? a : b; }
+
+/* 64-byte aligned scratch (packed blocks); sizes rounded up as aligned_alloc requires. */
+static float *tk_alloc(long floats) {
+    size_t bytes = ((size_t)floats * sizeof(float) + 63) & ~(size_t)63;
+    return (float *)aligned_alloc(64, bytes ? bytes : 64);
+}
+
+/* The micro-kernel: C[rows i, cols j] (+)= sum_k A(i, k) B(k, j) for one MR x NR tile.
+ * A(i, k) = a[i * a_rs + k * a_cs] (packed: a_rs = 1, a_cs = MR), B(k, :) starts at
+ * b + k * b_rs (packed: b_rs = NR). Callers pass literal strides, so after inlining the
+ * compiler sees constants. C row i starts at c + crow[i]; columns are contiguous when
+ * ncol is NULL, else column j lives at ncol[j]. `first` overwrites instead of adding
+ * (the first k block). mr, nr: the valid part of the tile. */
+TK_INLINE void tk_ukernel(long kc, const float *restrict a, long a_rs, long a_cs,
+                          const float *restrict b, long b_rs, float *restrict c,
+                          const long *restrict crow, const long *restrict ncol,
+                          int first, long mr, long nr) {
+    tk_vf acc[TK_MR][TK_NV];
+    for (int i = 0; i < TK_MR; ++i)
+        for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_zero();
+    TK_UNROLL_LOOP(TK_UNROLL)
+    for (long k = 0; k < kc; ++k) {
+        tk_vf bv[TK_NV];
+        for (int j = 0; j < TK_NV; ++j) bv[j] = tk_load(b + k * b_rs + j * TK_VL);
+        for (int i = 0; i < TK_MR; ++i) {
+            tk_vf ai = tk_set1(a[i * a_rs + k * a_cs]);
+            for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_fma(ai, bv[j], acc[i][j]);
+        }
+    }
+    if (mr == TK_MR && nr == TK_NR && ncol == 0) {
+        for (int i = 0; i < TK_MR; ++i) {
+            float *cr = c + crow[i];
+            for (int j = 0; j < TK_NV; ++j) {
+                tk_vf v = first ? acc[i][j] : tk_add(tk_load(cr + j * TK_VL), acc[i][j]);
+                tk_store(cr + j * TK_VL, v);
+            }
+        }
+        return;
+    }
+    float tile[TK_MR * TK_NR] __attribute__((aligned(64)));
+    for (int i = 0; i < TK_MR; ++i)
+        for (int j = 0; j < TK_NV; ++j) tk_store(tile + i * TK_NR + j * TK_VL, acc[i][j]);
+    for (long i = 0; i < mr; ++i) {
+        float *cr = c + crow[i];
+        for (long j = 0; j < nr; ++j) {
+            long at = ncol ? ncol[j] : j;
+            cr[at] = first ? tile[i * TK_NR + j] : cr[at] + tile[i * TK_NR + j];
+        }
+    }
+}
+
+/* Pack an mc x kc block of A (rows moff[0..mc), columns koff[0..kc)) into MR-row panels. */
+static void tk_pack_a(const float *restrict A, const long *restrict moff,
+                      const long *restrict koff, long mc, long kc, float *restrict Ap) {
+    for (long ir = 0; ir < mc; ir += TK_MR) {
+        long mr = tk_min(TK_MR, mc - ir);
+        float *dst = Ap + ir * kc;
+        const float *rows[TK_MR];
+        for (int i = 0; i < TK_MR; ++i) rows[i] = A + moff[ir + (i < mr ? i : 0)];
+        for (long k = 0; k < kc; ++k) {
+            long ko = koff[k];
+            for (int i = 0; i < TK_MR; ++i) dst[k * TK_MR + i] = i < mr ? rows[i][ko] : 0.0f;
+        }
+    }
+}
+
+/* Pack a kc x nc block of B whose columns are contiguous (B(k, n0 + j) = B[koff[k] + n0 + j])
+ * into NR-column panels. */
+static void tk_pack_b_rows(const float *restrict B, const long *restrict koff, long n0,
+                           long nc, long kc, float *restrict Bp) {
+    for (long jr = 0; jr < nc; jr += TK_NR) {
+        long nr = tk_min(TK_NR, nc - jr);
+        float *dst = Bp + jr * kc;
+        for (long k = 0; k < kc; ++k) {
+            const float *src = B + koff[k] + n0 + jr;
+            if (nr == TK_NR) {
+                for (int j = 0; j < TK_NV; ++j) tk_store(dst + k * TK_NR + j * TK_VL, tk_load(src + j * TK_VL));
+            } else {
+                for (long j = 0; j < TK_NR; ++j) dst[k * TK_NR + j] = j < nr ? src[j] : 0.0f;
+            }
+        }
+    }
+}
+
+/* Guards of B's packing: index dimension g of the access is gn[g][n] + gk[g][k] + gb[g] and
+ * reads as zero outside [0, lim[g]) (zero padding). A panel of NR columns whose offsets and
+ * guard indices all step by constants (`step`, `gstep`) is copied as a strided run when its
+ * first and last columns are in bounds; other columns are checked one by one. */
+typedef struct {
+    const int *gn[4];
+    const int *gk[4];
+    int gb[4];
+    int lim[4];
+} tk_guards;
+
+TK_INLINE int tk_in_bounds(const tk_guards *g, long n, long k) {
+    int ok = 1;
+    for (int d = 0; d < TK_NG; ++d)
+        ok &= (unsigned)(g->gn[d][n] + g->gk[d][k] + g->gb[d]) < (unsigned)g->lim[d];
+    return ok;
+}
+
+/* Pack a kc x nc block of B addressed by tables (columns noff[n0..n0+nc), rows koff[0..kc)).
+ * pstep[p] is the constant offset step of NR-panel p of the whole N range, or 0 when the
+ * panel is not a strided run (the tables are built with the kernel). */
+static void tk_pack_b_table(const float *restrict B, const long *restrict koff,
+                            const long *restrict noff, const long *restrict pstep, long n0, long nc,
+                            long kc, const tk_guards *g, float *restrict Bp) {
+    for (long jr = 0; jr < nc; jr += TK_NR) {
+        long nr = tk_min(TK_NR, nc - jr), nb = n0 + jr;
+        long step = nr == TK_NR ? pstep[nb / TK_NR] : 0;
+        float *dst = Bp + jr * kc;
+        for (long k = 0; k < kc; ++k) {
+            float *d = dst + k * TK_NR;
+            const float *src = B + koff[k];
+            if (step && tk_in_bounds(g, nb, k) && tk_in_bounds(g, nb + TK_NR - 1, k)) {
+                const float *s = src + noff[nb];
+                if (step == 1) {
+                    for (int j = 0; j < TK_NV; ++j) tk_store(d + j * TK_VL, tk_load(s + j * TK_VL));
+                } else {
+                    for (int j = 0; j < TK_NR; ++j) d[j] = s[j * step];
+                }
+                continue;
+            }
+            for (long j = 0; j < TK_NR; ++j) {
+                long n = nb + j;
+                d[j] = (j < nr && tk_in_bounds(g, n, k)) ? src[noff[n]] : 0.0f;
+            }
+        }
+    }
+}
+
+#endif /* TESSERA_PRIMITIVES_H */

@@ -1,0 +1,110 @@
+"""A compiled operator: generate C for (operator, schedule), compile it (cached), load it with
+ctypes, and call it on numpy arrays or torch tensors with their shapes and dtypes checked."""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tessera.kernels.codegen_gemm import generate_gemm
+from tessera.kernels.codegen_loops import generate_loops
+from tessera.kernels.compiler import Compiled, compile_source, load
+from tessera.kernels.ir import Operator, Tensor
+from tessera.kernels.schedule import GemmSchedule, LoopSchedule, Schedule
+
+_LOADED: dict[str, Kernel] = {}
+
+
+def generate(op: Operator, schedule: Schedule) -> str:
+    if isinstance(schedule, GemmSchedule):
+        return generate_gemm(op, schedule)
+    if isinstance(schedule, LoopSchedule):
+        return generate_loops(op, schedule)
+    raise TypeError(f"not a schedule: {schedule!r}")
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _pointer(x, spec: Tensor, role: str, op_name: str) -> int:
+    if _is_torch(x):
+        import torch
+
+        dtype_ok, contiguous, shape, device = x.dtype == torch.float32, x.is_contiguous(), tuple(x.shape), x.device.type
+        if device != "cpu":
+            raise ValueError(f"{op_name}: {role} {spec.name} is on {x.device}; Tessera's kernels run on the CPU")
+        ptr = x.data_ptr()
+    elif isinstance(x, np.ndarray):
+        dtype_ok, contiguous, shape = x.dtype == np.float32, x.flags.c_contiguous, x.shape
+        ptr = x.ctypes.data
+    else:
+        raise TypeError(f"{op_name}: {role} {spec.name} must be a numpy array or torch tensor, not {type(x).__name__}")
+    if not dtype_ok:
+        raise ValueError(f"{op_name}: {role} {spec.name} has dtype {x.dtype}; the kernel takes float32")
+    if tuple(shape) != spec.shape:
+        raise ValueError(f"{op_name}: {role} {spec.name} has shape {tuple(shape)}; the operator expects {spec.shape}")
+    if not contiguous:
+        raise ValueError(f"{op_name}: {role} {spec.name} is not contiguous; pass .contiguous()")
+    return ptr
+
+
+@dataclass
+class Kernel:
+    op: Operator
+    schedule: Schedule
+    compiled: Compiled
+    _fn: ctypes._CFuncPtr = field(repr=False)
+    _lib: ctypes.CDLL = field(repr=False)
+
+    @property
+    def input_specs(self) -> tuple[Tensor, ...]:
+        return self.op.inputs
+
+    def __call__(self, *inputs, out=None, threads: int = 1):
+        specs = self.op.inputs
+        if len(inputs) != len(specs):
+            raise ValueError(f"{self.op.name} takes {len(specs)} inputs ({', '.join(t.name for t in specs)}), got {len(inputs)}")
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        ptrs = [_pointer(x, t, "input", self.op.name) for x, t in zip(inputs, specs, strict=True)]
+        spec = self.op.output.tensor
+        if out is None:
+            if inputs and _is_torch(inputs[0]):
+                import torch
+
+                out = torch.empty(spec.shape, dtype=torch.float32)
+            else:
+                out = np.empty(spec.shape, dtype=np.float32)
+        optr = _pointer(out, spec, "output", self.op.name)
+        self._fn(ctypes.c_void_p(optr), *[ctypes.c_void_p(p) for p in ptrs], ctypes.c_int(threads))
+        return out
+
+    def time(self, *inputs, threads: int = 1, repeats: int = 5, warmup: int = 1) -> list[float]:
+        """Seconds per call, ``repeats`` of them (after ``warmup`` untimed calls)."""
+        out = None
+        for _ in range(warmup):
+            out = self(*inputs, out=out, threads=threads)
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            out = self(*inputs, out=out, threads=threads)
+            times.append(time.perf_counter() - began)
+        return times
+
+
+def compile_kernel(op: Operator, schedule: Schedule) -> Kernel:
+    """The kernel of ``op`` under ``schedule`` (compiled once per process and cached on disk)."""
+    source = generate(op, schedule)
+    compiled = compile_source(source, isa=schedule.isa, name=op.name)
+    if compiled.key in _LOADED:
+        return _LOADED[compiled.key]
+    lib = load(compiled)
+    fn = lib.tk_run
+    fn.restype = None
+    kernel = Kernel(op=op, schedule=schedule, compiled=compiled, _fn=fn, _lib=lib)
+    _LOADED[compiled.key] = kernel
+    return kernel

@@ -1,0 +1,191 @@
+"""The machine the performance model describes: measured, not assumed.
+
+Cache sizes come from the OS (/sys/devices/system/cpu/cpu0/cache); the vector ISAs from
+the CPU flags the kernel reports; peak FP32 FMA throughput and the streaming bandwidth of
+each level (L1, L2, L3, DRAM) from the bundled micro-benchmark ``csrc/machine_bench.c``,
+on 1 thread and on every core. The result is kept as JSON beside the kernel cache, keyed by
+a fingerprint of the CPU, so the tuner measures a machine once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tessera.kernels.compiler import CSRC, cache_dir, compile_source
+from tessera.kernels.schedule import ISAS
+
+SYS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
+LEVELS = ("L1", "L2", "L3", "DRAM")
+FALLBACK_CACHES = {"L1": 32 << 10, "L2": 1 << 20, "L3": 16 << 20}  # only where /sys has none
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def cpu_isas(flags: set[str] | None = None) -> list[str]:
+    """The vector ISAs the kernels can use here, widest last."""
+    flags = cpu_flags() if flags is None else flags
+    out = []
+    if {"avx2", "fma"} <= flags:
+        out.append("avx2")
+        if "avx512f" in flags:
+            out.append("avx512")
+    return out
+
+
+def _size(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+    return int(text.rstrip("KMG")) * scale
+
+
+def _cpu_count(cpu_list: str) -> int:
+    count = 0
+    for part in cpu_list.strip().split(","):
+        lo, _, hi = part.partition("-")
+        count += int(hi or lo) - int(lo) + 1
+    return count
+
+
+def cache_sizes() -> tuple[dict[str, int], dict[str, int]]:
+    """(bytes per level, cores sharing each level) for L1 data, L2 and L3."""
+    sizes, shared = dict(FALLBACK_CACHES), {"L1": 1, "L2": 1, "L3": os.cpu_count() or 1}
+    for index in sorted(SYS_CACHE.glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+            level = int((index / "level").read_text())
+            if kind == "Instruction" or level > 3:
+                continue
+            sizes[f"L{level}"] = _size((index / "size").read_text())
+            shared[f"L{level}"] = _cpu_count((index / "shared_cpu_list").read_text())
+        except (OSError, ValueError):
+            continue
+    return sizes, shared
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    isa: str
+    cores: int
+    cache_bytes: dict[str, int]
+    cache_shared_by: dict[str, int]
+    peak_flops: dict[str, dict[int, float]]  # ISA -> threads -> FP32 FLOP/s of all of them together
+    read_bw: dict[str, dict[int, float]]  # level -> threads -> bytes/s of all of them together
+    write_bw: dict[int, float]  # DRAM stores, threads -> bytes/s
+    cpu: str = ""
+    measured_seconds: float = 0.0
+    fingerprint: str = ""
+    isas: tuple[str, ...] = field(default=())
+
+    def peak(self, threads: int, isa: str | None = None) -> float:
+        table = self.peak_flops[isa or self.isa]
+        if threads in table:
+            return table[threads]
+        return table[1] * threads if threads < max(table) else table[max(table)]
+
+    def bandwidth(self, level: str, threads: int) -> float:
+        table = self.read_bw[level]
+        return table[min(threads, max(table))]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(data: dict) -> Machine:
+        data = dict(data)
+        data["peak_flops"] = {i: {int(k): v for k, v in t.items()} for i, t in data["peak_flops"].items()}
+        data["read_bw"] = {lvl: {int(k): v for k, v in t.items()} for lvl, t in data["read_bw"].items()}
+        data["write_bw"] = {int(k): v for k, v in data["write_bw"].items()}
+        data["isas"] = tuple(data.get("isas", ()))
+        return Machine(**data)
+
+
+def fingerprint() -> str:
+    sizes, shared = cache_sizes()
+    text = json.dumps([platform.processor(), sorted(cpu_flags()), os.cpu_count(), sizes, shared])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _bench_lib(isa: str) -> ctypes.CDLL:
+    source = f"#define TK_VEC {256 if isa == 'avx2' else 512}\n" + (CSRC / "machine_bench.c").read_text()
+    lib = ctypes.CDLL(str(compile_source(source, isa=isa, name="machine_bench").path))
+    lib.tk_peak_gflops.restype = ctypes.c_double
+    lib.tk_peak_gflops.argtypes = [ctypes.c_int, ctypes.c_double]
+    for fn in (lib.tk_read_gbps, lib.tk_write_gbps):
+        fn.restype = ctypes.c_double
+        fn.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_double]
+    return lib
+
+
+def measure(*, isa: str | None = None, seconds: float = 0.3, threads: tuple[int, ...] | None = None) -> Machine:
+    """Run the micro-benchmark (about 12 x ``seconds`` per thread count)."""
+    isas = cpu_isas()
+    if not isas:
+        raise RuntimeError("this CPU has neither AVX2+FMA nor AVX-512; Tessera's kernels need one of them")
+    isa = isa or isas[-1]
+    if isa not in ISAS or isa not in isas:
+        raise ValueError(f"ISA {isa!r} is not available here (available: {', '.join(isas)})")
+    began = time.perf_counter()
+    cores = os.cpu_count() or 1
+    threads = threads or tuple(sorted({1, cores}))
+    sizes, shared = cache_sizes()
+    peak = {}
+    for name in isas:  # every ISA's peak: a schedule may use the narrower one
+        bench = _bench_lib(name)
+        peak[name] = {t: bench.tk_peak_gflops(t, seconds) * 1e9 for t in threads}
+    lib = _bench_lib(isa)
+    read_bw: dict[str, dict[int, float]] = {}
+    for level in LEVELS:
+        read_bw[level] = {}
+        for t in threads:
+            if level == "DRAM":
+                per_thread = max(4 * sizes["L3"], 256 << 20) // t
+            else:  # half the level, split among the threads that share it
+                per_thread = sizes[level] // 2 // max(1, min(t, shared[level]))
+            read_bw[level][t] = lib.tk_read_gbps(per_thread, t, seconds) * 1e9
+    dram = max(4 * sizes["L3"], 256 << 20)
+    write_bw = {t: lib.tk_write_gbps(dram // t, t, seconds) * 1e9 for t in threads}
+    return Machine(
+        isa=isa, cores=cores, cache_bytes=sizes, cache_shared_by=shared, peak_flops=peak,
+        read_bw=read_bw, write_bw=write_bw, cpu=platform.processor() or platform.machine(),
+        measured_seconds=time.perf_counter() - began, fingerprint=fingerprint(), isas=tuple(isas),
+    )
+
+
+def machine_path() -> Path:
+    return cache_dir() / f"machine-{fingerprint()}.json"
+
+
+def load_machine(*, measure_if_missing: bool = True, seconds: float = 0.3) -> Machine:
+    """This machine's parameters: from the cache, else measured now (and saved)."""
+    path = machine_path()
+    if path.exists():
+        return Machine.from_json(json.loads(path.read_text()))
+    if not measure_if_missing:
+        raise FileNotFoundError(f"no machine parameters at {path}; run `tessera bench machine`")
+    m = measure(seconds=seconds)
+    save_machine(m)
+    return m
+
+
+def save_machine(m: Machine) -> Path:
+    path = machine_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(m.to_json(), indent=2))
+    os.replace(partial, path)
+    return path

@@ -1,0 +1,198 @@
+"""The analytic performance model (swDNN's approach, on this CPU): a schedule's time from
+the measured machine (peak FMA rate per ISA and thread count, bandwidth per level, cache
+sizes) and counts derived from the operator and the schedule alone.
+
+Micro-kernel schedules (BLIS's loops), per thread:
+
+    compute  = padded FMAs / (peak x issue x latency x call efficiency x balance)
+    streams  = bytes each loop re-reads / bandwidth of the level that block lives in
+               (A block per jr panel, B block per ic block, C per k block)
+    packing  = elements packed x cycles per element + their bytes / source bandwidth
+    time     = packing + max(compute, streams) + a fixed call cost
+
+issue: loads per k step (NR/VL vector loads + MR broadcasts, 2 a cycle) against MR x NR/VL
+FMAs (2 a cycle); latency: MR x NR/VL independent chains against 4 cycles x 2 pipes; call
+efficiency: the C tile's load/add/store against kc steps of FMAs; balance: the parallel
+loop's trip count over the threads (the busiest thread decides). A block "lives" in the
+smallest level it fits in (L1/L2 per core, L3 shared).
+
+Loop-nest schedules: the innermost loop's issue rate (its loads and stores against the
+FMA pipes, vector or scalar, its trip count against the vector length) and each cache
+level's traffic from footprints (the data the loops inside a level touch, times the trips
+of the loops outside it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from tessera.kernels.codegen_loops import _loops, unit_axes
+from tessera.kernels.contraction import analyse
+from tessera.kernels.ir import Operator, accesses, drop_unit_axes
+from tessera.kernels.machine import Machine
+from tessera.kernels.schedule import GemmSchedule, LoopSchedule, Schedule
+
+FMA_PIPES, FMA_LATENCY, LOADS_PER_CYCLE = 2, 4, 2
+CALL_SECONDS = 4e-6  # entering the kernel and its OpenMP region
+PACK_CYCLES = {"rows": 0.3, "run": 0.6, "table": 3.0, "a": 1.0}  # per packed element
+
+
+def _cycle(m: Machine, isa: str) -> float:
+    """Seconds per cycle, from the measured peak (FMA_PIPES vector FMAs a cycle)."""
+    vl = 16 if isa == "avx512" else 8
+    return FMA_PIPES * vl * 2 / m.peak(1, isa)
+
+
+def _level(m: Machine, nbytes: float, threads: int = 1) -> str:
+    for level in ("L1", "L2"):
+        if nbytes <= 0.75 * m.cache_bytes[level]:
+            return level
+    return "L3" if nbytes * threads <= 0.75 * m.cache_bytes["L3"] else "DRAM"
+
+
+def _bw(m: Machine, level: str, threads: int) -> float:
+    """Bytes/s one thread gets from ``level`` when ``threads`` run."""
+    return m.bandwidth(level, threads) / threads
+
+
+def _balance(trips: int, threads: int) -> float:
+    """Effective parallel speed-up of a loop of ``trips`` iterations."""
+    return trips / math.ceil(trips / threads) if trips else 1.0
+
+
+@functools.lru_cache(maxsize=256)
+def _facts(op: Operator, fuse_n: bool):
+    """The contraction, whether A / B may stay unpacked, and how B packs."""
+    con = analyse(op, fuse_n=fuse_n)
+    a_plain = None not in (con.scaled_flat(con.part(con.a, "m"), "m"), con.scaled_flat(con.part(con.a, "k"), "k"))
+    guarded = bool(con.b.guarded_dims(con.op.extents))
+    b_rows = con.scaled_flat(con.part(con.b, "n"), "n") == 1 and not guarded
+    b_plain = b_rows and con.scaled_flat(con.part(con.b, "k"), "k") is not None
+    kind = "rows" if b_rows else ("run" if _runs(con) else "table")
+    return con, a_plain, b_plain, kind
+
+
+def predict_gemm(op: Operator, s: GemmSchedule, m: Machine, threads: int) -> float:
+    con, a_plain, b_plain, b_kind = _facts(op, s.fuse_n)
+    BT, M, N, K = con.sizes
+    nv = s.nr // s.vector_length
+    mr, nr = s.mr, s.nr
+    mc, nc, kc = min(s.mc, -(-M // mr) * mr), min(s.nc, -(-N // nr) * nr), min(s.kc, K)
+    pack_a, pack_b = s.pack_a or not a_plain, s.pack_b or not b_plain
+    mp, np_ = -(-M // mr) * mr, -(-N // nr) * nr
+    k_blocks, n_blocks, m_blocks = -(-K // kc), -(-N // nc), -(-M // mc)
+    cycle = _cycle(m, s.isa)
+    par = s.parallel if threads > 1 else "none"
+    trips = {"none": 1, "batch": BT, "jc": n_blocks, "ic": m_blocks, "jr": -(-nc // nr), "ir": -(-mc // mr)}[par]
+    speed = _balance(trips, threads) if par != "none" else 1.0
+    t_eff = max(1, threads if par != "none" else 1)
+    # the micro-kernel
+    fmas = mr * nv
+    issue = fmas / max(fmas, (mr + nv) * FMA_PIPES / LOADS_PER_CYCLE)
+    latency = min(1.0, fmas / (FMA_LATENCY * FMA_PIPES))
+    k_cycles = fmas / FMA_PIPES
+    store_cycles = 3 * fmas + 12 + (0 if mc % mr == 0 and nc % nr == 0 else mr * nr * 0.05)
+    call = kc * k_cycles / (kc * k_cycles + store_cycles)
+    flops = 2.0 * BT * mp * np_ * K
+    per_core = m.peak(t_eff, s.isa) / t_eff
+    t_compute = flops / (per_core * issue * latency * call * speed)
+    # re-read streams (bytes per thread)
+    a_block, b_block = 4 * mc * kc, 4 * kc * nc
+    inner_jr = s.inner == "jr,ir"
+    if inner_jr:  # A block re-read per NR panel, B micro-panel from L1
+        stream_bytes, stream_block = 4.0 * BT * mp * K * (np_ / nr), a_block
+    else:
+        stream_bytes, stream_block = 4.0 * BT * np_ * K * (mp / mr), b_block
+    c_bytes = 4.0 * BT * M * N * (2 * k_blocks - 1)
+    if s.order == "jc,pc,ic":
+        outer_bytes, outer_block = 4.0 * BT * np_ * K * m_blocks, b_block
+    else:
+        outer_bytes, outer_block = 4.0 * BT * mp * K * n_blocks, a_block
+    t_streams = max(
+        stream_bytes / speed / _bw(m, _level(m, stream_block), t_eff),
+        outer_bytes / speed / _bw(m, _level(m, outer_block, t_eff), t_eff),
+        c_bytes / speed / _bw(m, _level(m, 4.0 * M * N * BT), t_eff),
+    )
+    # packing
+    a_times = n_blocks if s.order == "jc,pc,ic" else 1
+    b_times = m_blocks if s.order == "ic,pc,jc" else 1
+    t_pack = 0.0
+    a_src = _level(m, 4.0 * con.a.tensor.numel)
+    b_src = _level(m, 4.0 * con.b.tensor.numel)
+    if pack_a:
+        elems = BT * mp * K * a_times
+        t_pack += elems * PACK_CYCLES["a"] * cycle + 4 * elems / _bw(m, a_src, t_eff)
+    else:
+        t_compute *= 1.0 + 0.1 * (mr > 4)  # strided broadcasts: more address registers, some spills
+    if pack_b:
+        elems = BT * np_ * K * b_times
+        t_pack += elems * PACK_CYCLES[b_kind] * cycle + 4 * elems / _bw(m, b_src, t_eff)
+    pack_par = threads if par != "none" else 1
+    return CALL_SECONDS + t_pack / pack_par + max(t_compute, t_streams)
+
+
+def _runs(con) -> bool:
+    """Does B's N part step by a constant along the innermost N axis (so panels are runs)?"""
+    last = con.n[-1].name if con.n else None
+    return last is not None and con.b.offset().coeff(last) != 0
+
+
+def _footprint(accs, loops_inside, extents) -> float:
+    total = 0.0
+    for acc in accs:
+        elems = 1
+        for idx in acc.index:
+            span = 1 + sum(abs(c) * (extents[a] - 1) for a, c in idx.coeffs if a in loops_inside)
+            elems *= span
+        total += 4.0 * min(elems, acc.tensor.numel)
+    return total
+
+
+def predict_loops(op: Operator, s: LoopSchedule, m: Machine, threads: int) -> float:
+    unit = unit_axes(op)
+    op = drop_unit_axes(op)
+    loops = _loops(op, s, unit)
+    ext, tiles = op.extents, s.tile_of
+    trips = [ext[lp.axis] if lp.kind == "full" else (
+        -(-ext[lp.axis] // tiles[lp.axis]) if lp.kind == "outer" else tiles[lp.axis]) for lp in loops]
+    inner = loops[-1].axis
+    accs = accesses(op.body)
+    unit = [a for a in accs if a.offset().coeff(inner) == 1]
+    varying = [a for a in accs if a.offset().coeff(inner) != 0]
+    out_varies = op.output.offset().coeff(inner) != 0
+    vector = s.vectorize and len(unit) == len(varying) and (not out_varies or op.output.offset().coeff(inner) == 1)
+    vl = (16 if s.isa == "avx512" else 8) if vector else 1
+    loads = len(varying) + (1 if out_varies else 0)
+    stores = 1 if out_varies else 0
+    cycles = max(1.0 / FMA_PIPES, loads / LOADS_PER_CYCLE, float(stores)) + (0 if vector or loads <= 1 else 0.5 * loads)
+    n_inner = trips[-1]
+    fill = n_inner / (math.ceil(n_inner / vl) * vl)
+    per_instance = 8 + 3 * len(loops)  # loop set-up and bound computations, in cycles
+    instances = op.points / max(1, n_inner)
+    par_trips = math.prod(trips[: s.parallel]) if s.parallel else 1
+    speed = _balance(par_trips, threads) if s.parallel and threads > 1 else 1.0
+    t_eff = threads if s.parallel and threads > 1 else 1
+    cycle = _cycle(m, s.isa)
+    t_compute = (op.points / vl / fill * cycles + instances * per_instance) * cycle / speed
+    all_accs = [*accs, op.output]
+    t_mem = 0.0
+    for level, below in (("L1", "L2"), ("L2", "L3"), ("L3", "DRAM")):
+        cap = 0.75 * m.cache_bytes[level] / (t_eff if level == "L3" else 1)
+        cut = len(loops)
+        for i in range(len(loops)):
+            if _footprint(all_accs, {lp.axis for lp in loops[i:]}, ext) <= cap:
+                cut = i
+                break
+        inside = {lp.axis for lp in loops[cut:]}
+        bytes_in = _footprint(all_accs, inside, ext) * math.prod(trips[:cut])
+        t_mem = max(t_mem, bytes_in / speed / _bw(m, below, t_eff))
+    t_zero = 4.0 * op.output.tensor.numel / m.write_bw[min(m.write_bw)]
+    return CALL_SECONDS + t_zero + max(t_compute, t_mem)
+
+
+def predict(op: Operator, schedule: Schedule, m: Machine, threads: int = 1) -> float:
+    """Predicted seconds of one call of ``op`` under ``schedule`` on ``threads`` threads."""
+    if isinstance(schedule, GemmSchedule):
+        return predict_gemm(op, schedule, m, threads)
+    return predict_loops(op, schedule, m, threads)

@@ -1,0 +1,137 @@
+"""Schedules as data: how an operator's loop nest is cut, ordered, packed, unrolled and
+spread over threads. Two kinds, one per code generator:
+
+``GemmSchedule`` lowers a contraction onto the micro-kernel (BLIS's five loops): register
+tile MR x NR, cache tiles MC / NC / KC, the order of the three outer loops and of the two
+inner ones, packing of each operand, the k-loop unroll, which loop runs on OpenMP threads.
+
+``LoopSchedule`` lowers any operator as a plain loop nest: tiles per axis, the loop order,
+the (collapsed) parallel outer loops, ``omp simd`` on the innermost loop and its unroll.
+Issue 14's stencils are loop nests of this kind.
+
+A schedule never changes results: reductions always run in one fixed order inside one
+thread, so the same binary gives bit-identical outputs at any thread count.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+# vector ISA -> (floats per register, vector registers, compiler flags beyond the common ones)
+ISAS: dict[str, tuple[int, int, tuple[str, ...]]] = {
+    "avx2": (8, 16, ("-mavx2", "-mfma")),
+    "avx512": (16, 32, ("-mavx2", "-mfma", "-mavx512f")),
+}
+GEMM_PARALLEL = ("none", "batch", "jc", "ic", "jr", "ir")
+OUTER_ORDERS = ("jc,pc,ic", "ic,pc,jc")
+INNER_ORDERS = ("jr,ir", "ir,jr")
+
+
+def _isa(isa: str) -> tuple[int, int, tuple[str, ...]]:
+    if isa not in ISAS:
+        raise ValueError(f"unknown vector ISA {isa!r}; choose one of {', '.join(ISAS)}")
+    return ISAS[isa]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmSchedule:
+    isa: str = "avx2"
+    mr: int = 6
+    nr: int = 16
+    mc: int = 96
+    nc: int = 1024
+    kc: int = 256
+    order: str = "jc,pc,ic"
+    inner: str = "jr,ir"
+    pack_a: bool = True
+    pack_b: bool = True
+    unroll: int = 4
+    parallel: str = "ic"
+    fuse_n: bool = True  # a conv's images join N (one wide GEMM) instead of a batch loop
+    kind: str = field(default="gemm", init=False)
+
+    def __post_init__(self):
+        vl, regs, _ = _isa(self.isa)
+        if self.nr < vl or self.nr % vl:
+            raise ValueError(f"nr={self.nr} must be a multiple of the {self.isa} vector length {vl}")
+        live = self.mr * (self.nr // vl) + self.nr // vl + 1
+        if self.mr < 1 or live > regs:
+            raise ValueError(
+                f"register tile {self.mr}x{self.nr} needs {live} vector registers; {self.isa} has {regs}"
+            )
+        for name, tile, unit in (("mc", self.mc, self.mr), ("nc", self.nc, self.nr)):
+            if tile < unit or tile % unit:
+                raise ValueError(f"{name}={tile} must be a positive multiple of {unit}")
+        if self.kc < 1 or self.unroll < 1:
+            raise ValueError(f"kc={self.kc} and unroll={self.unroll} must be >= 1")
+        if self.order not in OUTER_ORDERS or self.inner not in INNER_ORDERS:
+            raise ValueError(f"loop order {self.order!r}/{self.inner!r}; choose from {OUTER_ORDERS} / {INNER_ORDERS}")
+        if self.parallel not in GEMM_PARALLEL:
+            raise ValueError(f"parallel loop {self.parallel!r}; choose one of {', '.join(GEMM_PARALLEL)}")
+
+    @property
+    def vector_length(self) -> int:
+        return ISAS[self.isa][0]
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def short(self) -> str:
+        packs = ("A" if self.pack_a else "") + ("B" if self.pack_b else "")
+        return (
+            f"{self.isa} {self.mr}x{self.nr} mc{self.mc} nc{self.nc} kc{self.kc} {self.order}|{self.inner}"
+            f" pack{packs or '-'} u{self.unroll} par:{self.parallel}" + ("" if self.fuse_n else " batch-loop")
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopSchedule:
+    """``order`` names every loop: an untiled axis by its name, a tiled one as ``axis.o``
+    (its blocks, which must come first) and ``axis.i`` (inside a block of ``tiles[axis]``)."""
+
+    order: tuple[str, ...]
+    tiles: tuple[tuple[str, int], ...] = ()
+    parallel: int = 0  # how many outermost loops are collapsed into one parallel loop
+    vectorize: bool = True
+    unroll: int = 1
+    isa: str = "avx2"
+    kind: str = field(default="loops", init=False)
+
+    def __post_init__(self):
+        _isa(self.isa)
+        if self.parallel < 0 or self.parallel > len(self.order):
+            raise ValueError(f"parallel={self.parallel} must name 0..{len(self.order)} outer loops")
+        if self.unroll < 1:
+            raise ValueError(f"unroll={self.unroll} must be >= 1")
+        for axis, size in self.tiles:
+            if size < 1:
+                raise ValueError(f"tile of axis {axis!r} is {size}; it must be >= 1")
+            if f"{axis}.o" not in self.order or f"{axis}.i" not in self.order:
+                raise ValueError(f"tiled axis {axis!r} needs loops {axis}.o and {axis}.i in the order")
+            if self.order.index(f"{axis}.o") > self.order.index(f"{axis}.i"):
+                raise ValueError(f"loop {axis}.o must come before {axis}.i")
+
+    @property
+    def tile_of(self) -> dict[str, int]:
+        return dict(self.tiles)
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def short(self) -> str:
+        tiles = ",".join(f"{a}:{t}" for a, t in self.tiles)
+        return f"loops {'>'.join(self.order)} tiles[{tiles}] par{self.parallel} simd{int(self.vectorize)} u{self.unroll}"
+
+
+Schedule = GemmSchedule | LoopSchedule
+
+
+def schedule_from_dict(data: dict) -> Schedule:
+    data = dict(data)
+    kind = data.pop("kind", "gemm")
+    if kind == "gemm":
+        return GemmSchedule(**data)
+    data["order"] = tuple(data["order"])
+    data["tiles"] = tuple(tuple(t) for t in data.get("tiles", ()))
+    return LoopSchedule(**data)

@@ -1,0 +1,84 @@
+"""The schedule space of an operator: every GemmSchedule the micro-kernel allows (when the
+operator is a contraction) and a family of loop-nest schedules (always), sized to the
+operator so that no tile is larger than the work."""
+
+from __future__ import annotations
+
+import itertools
+
+from tessera.kernels.codegen_loops import _Gen as _LoopGen
+from tessera.kernels.codegen_loops import parallel_safe_axes
+from tessera.kernels.contraction import NotTensorizable
+from tessera.kernels.ir import Operator, drop_unit_axes
+from tessera.kernels.model import _facts
+from tessera.kernels.schedule import GemmSchedule, LoopSchedule, Schedule
+
+REGISTER_TILES = {
+    "avx2": ((6, 16), (4, 24), (8, 8), (4, 16), (12, 8), (5, 16)),
+    "avx512": ((14, 32), (12, 32), (8, 32), (6, 64), (28, 16), (4, 48), (8, 48)),
+}
+MC_TARGETS = (48, 96, 192, 384)
+NC_TARGETS = (256, 1024, 4096)
+KC_TARGETS = (128, 256, 512)
+
+
+def _round(target: int, unit: int, limit: int) -> int:
+    """A multiple of ``unit`` near ``target``, no larger than ``limit`` rounded up to ``unit``."""
+    cap = -(-limit // unit) * unit
+    return max(unit, min(cap, round(target / unit) * unit))
+
+
+def gemm_space(op: Operator, *, threads: int, isas: tuple[str, ...], unrolls=(4,)) -> list[GemmSchedule]:
+    try:
+        variants = [(f, *_facts(op, f)) for f in (True, False)]
+    except NotTensorizable:
+        return []
+    if variants[0][1].sizes == variants[1][1].sizes:
+        variants = variants[:1]
+    out = set()
+    for (fuse, con, a_plain, b_plain, _), isa in itertools.product(variants, isas):
+        BT, M, N, K = con.sizes
+        pars = ("none",) if threads == 1 else tuple(p for p in ("ic", "jc", "jr", "batch") if p != "batch" or BT > 1)
+        for mr, nr in REGISTER_TILES[isa]:
+            mcs = {_round(t, mr, M) for t in MC_TARGETS}
+            ncs = {_round(t, nr, N) for t in NC_TARGETS}
+            kcs = {min(t, K) for t in KC_TARGETS}
+            for mc, nc, kc, order, inner, pa, pb, par, un in itertools.product(
+                mcs, ncs, kcs, ("jc,pc,ic", "ic,pc,jc"), ("jr,ir", "ir,jr"),
+                (True, False) if a_plain else (True,), (True, False) if b_plain else (True,), pars, unrolls
+            ):
+                out.add(GemmSchedule(isa=isa, mr=mr, nr=nr, mc=mc, nc=nc, kc=kc, order=order, inner=inner,
+                                     pack_a=pa, pack_b=pb, unroll=un, parallel=par, fuse_n=fuse))
+    return sorted(out, key=lambda s: s.key())
+
+
+def _orders(op: Operator) -> list[tuple[str, ...]]:
+    out_axes = [a.name for a in op.axes if a.name in op.output.axes]
+    red = list(op.reduction_axes)
+    orders = [tuple(out_axes[:-1] + red + out_axes[-1:]), tuple(out_axes + red)]
+    if len(out_axes) >= 2:
+        orders.append(tuple(out_axes[:-2] + red + out_axes[-2:]))
+    return list(dict.fromkeys(o for o in orders if o))
+
+
+def loop_space(op: Operator, *, threads: int, isas: tuple[str, ...]) -> list[LoopSchedule]:
+    op = drop_unit_axes(op)
+    safe = parallel_safe_axes(op)
+    out = []
+    for order, isa, unroll in itertools.product(_orders(op), isas[-1:], (1, 4)):
+        pars = [0]
+        if threads > 1:
+            pars = [p for p in (1, 2) if p < len(order) and all(a in safe for a in order[:p])] or [0]
+        for par in pars:
+            try:
+                s = LoopSchedule(order=order, parallel=par, unroll=unroll, isa=isa)
+                _LoopGen(op, s)  # rejects what the generator cannot do
+            except ValueError:
+                continue
+            out.append(s)
+    return out
+
+
+def schedule_space(op: Operator, *, threads: int, isas: tuple[str, ...]) -> list[Schedule]:
+    """Every candidate schedule of ``op`` for ``threads`` threads and the given vector ISAs."""
+    return [*gemm_space(op, threads=threads, isas=isas), *loop_space(op, threads=threads, isas=isas)]

@@ -1,0 +1,178 @@
+"""Model-guided tuning (swATOP's split): the analytic model ranks the whole schedule space,
+only a handful of the best predicted are compiled and timed (median of repeats), and the
+fastest is kept in a small on-disk database keyed by the operator, the thread count and
+the machine's fingerprint. Without measuring (``mode="model"``) the model's first choice
+is used as is."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tessera.kernels.compiler import cache_dir
+from tessera.kernels.ir import Operator
+from tessera.kernels.kernel import compile_kernel
+from tessera.kernels.machine import Machine, load_machine
+from tessera.kernels.model import predict
+from tessera.kernels.schedule import GemmSchedule, Schedule, schedule_from_dict
+from tessera.kernels.space import schedule_space
+
+MODES = ("model", "measure")
+
+
+@dataclass
+class Trial:
+    schedule: Schedule
+    predicted: float
+    measured: float | None = None
+    times: list[float] = field(default_factory=list)
+    compile_seconds: float = 0.0
+
+
+@dataclass
+class Tuned:
+    op: Operator
+    threads: int
+    best: Schedule
+    trials: list[Trial]
+    space_size: int
+    model_seconds: float
+    compile_seconds: float
+    measure_seconds: float
+    wall_seconds: float
+
+    @property
+    def best_seconds(self) -> float:
+        return min(t.measured for t in self.trials if t.measured is not None)
+
+    @property
+    def spearman(self) -> float:
+        done = [t for t in self.trials if t.measured is not None]
+        return spearman([t.predicted for t in done], [t.measured for t in done])
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for t in range(i, j + 1):
+            ranks[order[t]] = (i + j) / 2
+        i = j + 1
+    return ranks
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (ties get their average rank); nan for fewer than 3 pairs."""
+    if len(x) != len(y) or len(x) < 3:
+        return float("nan")
+    rx, ry = _ranks(list(x)), _ranks(list(y))
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def rank(op: Operator, *, threads: int, machine: Machine) -> list[Trial]:
+    """Every schedule of the space with its predicted time, fastest first."""
+    isas = tuple(i for i in ("avx2", "avx512") if i in machine.peak_flops)
+    trials = [Trial(s, predict(op, s, machine, threads)) for s in schedule_space(op, threads=threads, isas=isas)]
+    if not trials:
+        raise ValueError(f"{op.name}: no schedule in the space (ISAs {isas})")
+    return sorted(trials, key=lambda t: t.predicted)
+
+
+def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
+    """The ``top_k`` best predicted, plus the best of the other lowering (micro-kernel vs loops)."""
+    picked = trials[:top_k]
+    kinds = {t.schedule.kind for t in picked}
+    for t in trials[top_k:]:
+        if t.schedule.kind not in kinds:
+            picked.append(t)
+            kinds.add(t.schedule.kind)
+    return picked
+
+
+def random_inputs(op: Operator, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(t.shape, dtype=np.float32) for t in op.inputs]
+
+
+def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int) -> None:
+    first = kernel.time(*inputs, threads=threads, repeats=1, warmup=1)[0]
+    reps = max(3, min(repeats, int(1.0 / max(first, 1e-6))))  # about a second per candidate at most
+    trial.times = [first, *kernel.time(*inputs, threads=threads, repeats=reps - 1, warmup=0)]
+    trial.measured = statistics.median(trial.times)
+
+
+def tune(
+    op: Operator, *, threads: int = 1, machine: Machine | None = None, top_k: int = 6, repeats: int = 7,
+    extra: list[Schedule] | None = None,
+) -> Tuned:
+    """Rank the space by the model, then compile and time only the shortlist (and ``extra``)."""
+    began = time.perf_counter()
+    machine = machine or load_machine()
+    trials = rank(op, threads=threads, machine=machine)
+    model_seconds = time.perf_counter() - began
+    picked = shortlist(trials, top_k)
+    for s in extra or ():
+        picked.append(Trial(s, predict(op, s, machine, threads)))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        kernels = list(pool.map(lambda t: compile_kernel(op, t.schedule), picked))
+    compile_seconds = time.perf_counter() - t0
+    inputs = random_inputs(op)
+    t0 = time.perf_counter()
+    for trial, kernel in zip(picked, kernels, strict=True):
+        trial.compile_seconds = kernel.compiled.compile_seconds
+        _measure(trial, kernel, inputs, threads, repeats)
+    measure_seconds = time.perf_counter() - t0
+    best = min(picked, key=lambda t: t.measured).schedule
+    tuned = Tuned(op, threads, best, picked, len(trials), model_seconds, compile_seconds, measure_seconds,
+                  time.perf_counter() - began)
+    _save(op, threads, machine, best, "measure")
+    return tuned
+
+
+def _db_path(op: Operator, threads: int, machine: Machine):
+    key = hashlib.sha256(f"{op.signature()}|{threads}|{machine.fingerprint}".encode()).hexdigest()[:32]
+    return cache_dir() / "tuned" / f"{key}.json"
+
+
+def _save(op: Operator, threads: int, machine: Machine, schedule: Schedule, mode: str) -> None:
+    path = _db_path(op, threads, machine)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_text(json.dumps({"op": op.signature(), "threads": threads, "mode": mode,
+                                   "schedule": json.loads(schedule.key())}))
+    os.replace(partial, path)
+
+
+def best_schedule(op: Operator, *, threads: int = 1, machine: Machine | None = None, mode: str = "model") -> Schedule:
+    """The tuned schedule if there is one, else (``model``) the model's choice or (``measure``) tune now."""
+    if mode not in MODES:
+        raise ValueError(f"tuning mode {mode!r}; choose one of {', '.join(MODES)}")
+    machine = machine or load_machine()
+    path = _db_path(op, threads, machine)
+    if path.exists():
+        entry = json.loads(path.read_text())
+        if mode == "model" or entry["mode"] == "measure":
+            return schedule_from_dict(entry["schedule"])
+    if mode == "measure":
+        return tune(op, threads=threads, machine=machine).best
+    best = rank(op, threads=threads, machine=machine)[0].schedule
+    _save(op, threads, machine, best, "model")
+    return best
+
+
+__all__ = ["GemmSchedule", "Trial", "Tuned", "best_schedule", "rank", "shortlist", "spearman", "tune"]

@@ -1,0 +1,77 @@
+"""Generated convolution kernels against the float64 reference within the error bound:
+implicit GEMM (the micro-kernel over an im2col packed on the fly) and the direct loop nest,
+with strides, padding, asymmetric kernels, groups and depthwise; and the operators of the
+backward pass (weight gradient, column gradient + col2im, direct data gradient)."""
+
+import numpy as np
+import pytest
+from kernel_checks import assert_within_bound, random_inputs, run
+
+from tessera.kernels import compile_kernel, ops, reference
+from tessera.kernels.codegen_loops import default_loop_schedule
+from tessera.kernels.schedule import GemmSchedule, LoopSchedule
+
+SHAPES = [
+    ops.Conv2dShape(batch=2, in_channels=3, out_channels=5, height=7, width=7, kernel=(3, 3), stride=(2, 2), padding=(1, 1)),
+    ops.Conv2dShape(batch=1, in_channels=4, out_channels=7, height=9, width=11, kernel=(3, 3), padding=(1, 1)),
+    ops.Conv2dShape(batch=2, in_channels=8, out_channels=8, height=6, width=6, kernel=(1, 1)),
+    ops.Conv2dShape(batch=1, in_channels=6, out_channels=4, height=10, width=7, kernel=(3, 2), stride=(2, 1), padding=(1, 0)),
+    ops.Conv2dShape(batch=1, in_channels=4, out_channels=6, height=5, width=6, kernel=(3, 3), padding=(1, 1), groups=2),
+]
+DEPTHWISE = [
+    ops.Conv2dShape(batch=2, in_channels=8, out_channels=8, height=7, width=7, kernel=(3, 3), padding=(1, 1), groups=8),
+    ops.Conv2dShape(batch=1, in_channels=4, out_channels=4, height=9, width=8, kernel=(3, 3), stride=(2, 2), padding=(1, 1), groups=4),
+]
+GEMM = GemmSchedule(mc=12, nc=32, kc=8, parallel="jr")  # small blocks: every tail runs
+
+
+def _check(op, schedule, threads=2, seed=0):
+    inputs = random_inputs(op, seed)
+    out = run(compile_kernel(op, schedule), op, inputs, threads)
+    assert_within_bound(out, op, inputs)
+    return out
+
+
+@pytest.mark.parametrize("s", SHAPES, ids=lambda s: s.label())
+def test_conv_implicit_gemm_and_direct(s):
+    op = ops.conv2d(s)
+    implicit = _check(op, GEMM)
+    direct = _check(op, default_loop_schedule(op, threads=2))
+    np.testing.assert_allclose(implicit, direct, rtol=1e-4, atol=1e-5)  # both within the bound of the same sum
+
+
+def test_conv_batch_loop_and_other_orders():
+    op = ops.conv2d(SHAPES[0])
+    _check(op, GemmSchedule(mc=6, nc=16, kc=5, fuse_n=False, parallel="batch", order="ic,pc,jc"))
+    _check(op, GemmSchedule(mr=4, nr=24, mc=8, nc=48, kc=11, inner="ir,jr", parallel="ic"))
+
+
+@pytest.mark.parametrize("s", SHAPES[:2] + SHAPES[4:], ids=lambda s: s.label())
+def test_conv_backward_operators(s):
+    _check(ops.conv2d_weight_grad(s), GEMM)
+    _check(ops.conv2d_column_grad(s), GEMM)
+    col2im = ops.col2im(s)
+    _check(col2im, default_loop_schedule(col2im, threads=2))
+    direct = ops.conv2d_data_grad_direct(s)
+    _check(direct, default_loop_schedule(direct, threads=2))
+
+
+@pytest.mark.parametrize("s", DEPTHWISE, ids=lambda s: s.label())
+def test_depthwise_loop_nests(s):
+    for op in (ops.conv2d(s), ops.conv2d_weight_grad(s), ops.conv2d_data_grad_direct(s)):
+        _check(op, default_loop_schedule(op, threads=2))
+    wgrad = ops.conv2d_weight_grad(s)  # the reduction innermost: a vectorised sum in a register
+    _check(wgrad, LoopSchedule(order=("g", "r", "s", "n", "oh", "ow"), parallel=1))
+
+
+def test_stencil_with_a_sum_body():
+    """A body that is not a product (issue 14's stencils): reads keep their own guards."""
+    from tessera.kernels.ir import Axis, Operator, Tensor
+
+    i, j = Axis("i", 13), Axis("j", 17)
+    x, y = Tensor("x", (13, 17)), Tensor("y", (13, 17))
+    body = 0.5 * x[i, j] + 0.125 * x[i - 1, j] + 0.125 * x[i + 1, j] + 0.125 * x[i, j - 1] + 0.125 * x[i, j + 1]
+    op = Operator(name="jacobi", axes=(i, j), output=y[i, j], body=body)
+    inputs = random_inputs(op)
+    out = run(compile_kernel(op, LoopSchedule(order=("i", "j"), parallel=1)), op, inputs, 2)
+    np.testing.assert_allclose(out, reference.evaluate(op, inputs), rtol=1e-6, atol=1e-6)  # 5 terms, |c| <= 1/2

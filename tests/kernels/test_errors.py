@@ -1,0 +1,96 @@
+"""Bad input is a one-line error that names it: shapes that do not match the operator, an
+unsupported dtype, a missing or failing C compiler (which says how to install one), a
+schedule the generator cannot honour. The cache is keyed so that a changed schedule or
+compiler never reuses another's binary."""
+
+import os
+import stat
+
+import numpy as np
+import pytest
+from kernel_checks import random_inputs, run
+
+from tessera.kernels import CompilerError, compile_kernel, ops
+from tessera.kernels.codegen_loops import generate_loops
+from tessera.kernels.compiler import cache_dir, compile_source, find_compiler
+from tessera.kernels.kernel import generate
+from tessera.kernels.schedule import GemmSchedule, LoopSchedule
+
+OP = ops.gemm(5, 6, 7)
+
+
+def test_kernel_checks_its_inputs():
+    kernel = compile_kernel(OP, GemmSchedule())
+    a, b = (np.ones(t.shape, np.float32) for t in OP.inputs)
+    with pytest.raises(ValueError, match=r"input B has shape \(6, 7\); the operator expects \(7, 6\)"):
+        kernel(a, np.ones((6, 7), np.float32))
+    with pytest.raises(ValueError, match="dtype float64; the kernel takes float32"):
+        kernel(a.astype(np.float64), b)
+    with pytest.raises(ValueError, match="not contiguous"):
+        kernel(np.ones((7, 5), np.float32).T, b)
+    with pytest.raises(ValueError, match="takes 2 inputs"):
+        kernel(a)
+    with pytest.raises(ValueError, match="threads must be"):
+        kernel(a, b, threads=0)
+
+
+def _fake_compiler(tmp_path, script: str):
+    path = tmp_path / "fakecc"
+    path.write_text("#!/bin/sh\n" + script)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_missing_compiler_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", "no-such-cc")
+    with pytest.raises(CompilerError, match="not found; install one, e.g. `apt-get install gcc`"):
+        compile_kernel(ops.gemm(3, 3, 3), GemmSchedule(mc=6, nc=16, kc=2))
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, cc or clang anywhere
+    with pytest.raises(CompilerError, match=r"no C compiler found .*apt-get install gcc"):
+        find_compiler()
+
+
+def test_failing_compiler_is_an_error_not_a_fallback(monkeypatch, tmp_path):
+    cc = _fake_compiler(tmp_path, 'if [ "$1" = --version ]; then echo "fakecc 1.0"; exit 0; fi\necho "error: broken" >&2; exit 1\n')
+    monkeypatch.setenv("CC", cc)
+    with pytest.raises(CompilerError, match="failed on generated kernel gemm_nn: error: broken"):
+        compile_kernel(ops.gemm(3, 3, 4), GemmSchedule())
+    assert not list(cache_dir().glob("*/*.partial"))
+
+
+def test_cache_hits_and_keys(monkeypatch):
+    op, s = ops.gemm(3, 5, 2), GemmSchedule(mc=6, nc=16, kc=2)
+    first = compile_source(generate(op, s), isa="avx2")
+    again = compile_source(generate(op, s), isa="avx2")
+    assert again.cached and again.path == first.path and again.compile_seconds == 0.0
+    assert str(first.path).startswith(str(cache_dir())) and first.path.with_suffix(".c").exists()
+    other = compile_source(generate(op, GemmSchedule(mc=6, nc=16, kc=1)), isa="avx2")
+    assert other.key != first.key
+    inputs = random_inputs(op)
+    assert np.array_equal(run(compile_kernel(op, s), op, inputs), run(compile_kernel(op, s), op, inputs))
+
+
+def test_cache_folder_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TESSERA_KERNEL_CACHE", str(tmp_path / "elsewhere"))
+    done = compile_source(generate(OP, GemmSchedule(kc=3)), isa="avx2")
+    assert done.path.parent.parent == tmp_path / "elsewhere" and not done.cached
+    monkeypatch.delenv("TESSERA_KERNEL_CACHE")
+    assert cache_dir() == __import__("pathlib").Path(os.path.expanduser("~/.cache/tessera/kernels"))
+
+
+def test_schedules_the_generator_cannot_honour():
+    with pytest.raises(ValueError, match="multiple of the avx2 vector length 8"):
+        GemmSchedule(nr=12)
+    with pytest.raises(ValueError, match="needs 19 vector registers; avx2 has 16"):
+        GemmSchedule(mr=8, nr=16)
+    with pytest.raises(ValueError, match="mc=10 must be a positive multiple of 6"):
+        GemmSchedule(mc=10)
+    s = ops.Conv2dShape(batch=1, in_channels=2, out_channels=2, height=5, width=5, kernel=(3, 3), padding=(1, 1))
+    col2im = ops.col2im(s)
+    with pytest.raises(ValueError, match="axis 'oh' does not own its output elements"):
+        generate_loops(col2im, LoopSchedule(order=("oh", "ci", "r", "s", "ow"), parallel=1))
+    with pytest.raises(ValueError, match="vectorised reduction loop cannot also be unrolled"):
+        generate_loops(OP, LoopSchedule(order=("m", "n", "k"), unroll=4))
+    with pytest.raises(ValueError, match="misses axes"):
+        generate_loops(OP, LoopSchedule(order=("m", "n")))

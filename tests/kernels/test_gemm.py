@@ -1,0 +1,63 @@
+"""Generated GEMM kernels against the float64 reference within the float32 error bound of
+their reduction length (conftest.error_bound), over odd shapes (1, primes, tails that no
+register or cache tile divides), every transposition, batches, each loop order, packing
+on and off, every parallel loop; and bit-identical results for one binary."""
+
+import numpy as np
+import pytest
+from kernel_checks import assert_within_bound, random_inputs, run
+
+from tessera.kernels import compile_kernel, ops
+from tessera.kernels.machine import cpu_isas
+from tessera.kernels.schedule import GemmSchedule, LoopSchedule
+
+SMALL = dict(mc=12, nc=32, kc=8)  # blocks far smaller than the shapes: every loop and tail runs
+
+CASES = [
+    (ops.gemm(1, 1, 1), GemmSchedule()),
+    (ops.gemm(7, 13, 5), GemmSchedule()),
+    (ops.gemm(37, 29, 67), GemmSchedule(**SMALL)),
+    (ops.gemm(37, 29, 67), GemmSchedule(**SMALL, order="ic,pc,jc", inner="ir,jr")),
+    (ops.gemm(37, 29, 67), GemmSchedule(**SMALL, pack_a=False, pack_b=False, unroll=1)),
+    (ops.gemm(23, 41, 19, trans_a=True), GemmSchedule(mc=12, nc=48, kc=8, mr=4, nr=24, pack_a=False)),
+    (ops.gemm(23, 41, 19, trans_b=True), GemmSchedule(mc=16, nc=32, kc=8, mr=8, nr=8)),
+    (ops.gemm(23, 41, 19, trans_a=True, trans_b=True), GemmSchedule(**SMALL, order="ic,pc,jc")),
+    (ops.batched_gemm(3, 11, 17, 13), GemmSchedule(**SMALL, fuse_n=False)),
+    (ops.batched_gemm(3, 11, 17, 13, trans_b=True), GemmSchedule(mc=12, nc=16, kc=5, parallel="batch")),
+]
+
+
+@pytest.mark.parametrize("op,schedule", CASES, ids=lambda x: x.name if hasattr(x, "axes") else x.short())
+def test_gemm_within_error_bound(op, schedule):
+    inputs = random_inputs(op)
+    assert_within_bound(run(compile_kernel(op, schedule), op, inputs), op, inputs)
+
+
+@pytest.mark.parametrize("parallel", ["ic", "jc", "jr", "ir"])
+def test_parallel_loops_agree_bit_for_bit(parallel):
+    """Reductions never cross threads, so 1 and 2 threads give the very same bits; and one
+    binary called twice at one thread count repeats itself."""
+    op = ops.gemm(53, 47, 31)
+    schedule = GemmSchedule(mc=12, nc=16, kc=8, parallel=parallel)
+    kernel, inputs = compile_kernel(op, schedule), random_inputs(op, seed=3)
+    one, two, again = run(kernel, op, inputs, 1), run(kernel, op, inputs, 2), run(kernel, op, inputs, 2)
+    assert_within_bound(two, op, inputs)
+    assert np.array_equal(one, two) and np.array_equal(two, again)
+
+
+@pytest.mark.skipif("avx512" not in cpu_isas(), reason="this CPU has no AVX-512")
+def test_avx512_micro_kernel():
+    op = ops.gemm(31, 67, 45)
+    inputs = random_inputs(op)
+    for mr, nr in ((14, 32), (6, 64)):
+        kernel = compile_kernel(op, GemmSchedule(isa="avx512", mr=mr, nr=nr, mc=2 * mr, nc=nr, kc=16))
+        assert_within_bound(run(kernel, op, inputs), op, inputs)
+
+
+def test_gemm_as_a_plain_loop_nest():
+    op = ops.gemm(9, 21, 7)
+    inputs = random_inputs(op)
+    for s in (LoopSchedule(order=("m", "k", "n")), LoopSchedule(order=("m", "k", "n"), unroll=4),
+              LoopSchedule(order=("m", "n", "k")), LoopSchedule(order=("m", "n", "k"), vectorize=False, unroll=4),
+              LoopSchedule(order=("m.o", "n", "m.i", "k"), tiles=(("m", 4),), parallel=1)):
+        assert_within_bound(run(compile_kernel(op, s), op, inputs, threads=2), op, inputs)

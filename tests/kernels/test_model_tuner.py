@@ -1,0 +1,60 @@
+"""The machine is measured, the model ranks schedules sensibly, and the tuner times only
+its shortlist, keeps the fastest and remembers it."""
+
+import math
+
+import pytest
+
+from tessera.kernels import ops
+from tessera.kernels.machine import cache_sizes, cpu_isas, load_machine
+from tessera.kernels.model import predict
+from tessera.kernels.schedule import GemmSchedule, LoopSchedule
+from tessera.kernels.space import schedule_space
+from tessera.kernels.tuner import best_schedule, rank, spearman, tune
+
+
+def test_machine_parameters(machine):
+    sizes, _ = cache_sizes()
+    assert machine.cache_bytes == sizes and sizes["L1"] < sizes["L2"] < sizes["L3"]
+    assert machine.isa == cpu_isas()[-1] and set(machine.peak_flops) == set(cpu_isas())
+    assert machine.peak(1) > 1e9  # a core does more than a GFLOP/s
+    assert machine.bandwidth("L1", 1) > machine.bandwidth("DRAM", 1) > 1e8
+    assert load_machine(measure_if_missing=False).fingerprint == machine.fingerprint  # saved
+
+
+def test_model_prefers_blocked_packed_schedules(machine):
+    op = ops.gemm(1024, 1024, 1024)
+    good = predict(op, GemmSchedule(), machine)
+    tiny_tile = predict(op, GemmSchedule(mr=1, nr=8, mc=8, nc=64, kc=16), machine)
+    loops = predict(op, LoopSchedule(order=("m", "k", "n")), machine)
+    assert good < tiny_tile and good < loops
+    assert 2 * 1024**3 / good <= machine.peak(1, "avx2") * 1.01  # never faster than the measured peak
+    assert predict(ops.gemm(512, 512, 512), GemmSchedule(), machine) < good
+
+
+def test_space_covers_both_lowerings():
+    conv = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=8, out_channels=8, height=8, width=8, kernel=(3, 3), padding=(1, 1)))
+    space = schedule_space(conv, threads=2, isas=("avx2",))
+    kinds = {s.kind for s in space}
+    assert kinds == {"gemm", "loops"} and len(space) > 100
+    assert all(s.parallel != "none" for s in space if s.kind == "gemm")
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert math.isnan(spearman([1, 2], [1, 2]))
+
+
+def test_tuner_measures_the_shortlist_and_remembers(machine):
+    op = ops.gemm(96, 80, 64)
+    tuned = tune(op, threads=1, machine=machine, top_k=3, repeats=3)
+    measured = [t for t in tuned.trials if t.measured is not None]
+    assert len(measured) == len(tuned.trials) >= 3 and tuned.space_size > len(measured)
+    assert tuned.best == min(measured, key=lambda t: t.measured).schedule
+    assert all(len(t.times) >= 3 for t in measured)
+    assert -1.0 <= tuned.spearman <= 1.0 or math.isnan(tuned.spearman)
+    assert best_schedule(op, threads=1, machine=machine, mode="measure") == tuned.best  # from the database
+    assert rank(op, threads=1, machine=machine)[0].predicted <= min(t.predicted for t in measured)
+    with pytest.raises(ValueError, match="tuning mode 'fast'"):
+        best_schedule(op, mode="fast")
