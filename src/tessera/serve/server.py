@@ -1,0 +1,192 @@
+"""Putting a server together and running it: load the model, build the runner, measure
+the cost table (DP scheduler), start the engine, serve the app with uvicorn on a socket
+bound here (port 0: the OS picks a free one, announced on stdout).
+
+SIGTERM (or SIGINT) drains: the server keeps its socket open and answers new requests
+with 503 while the engine finishes every accepted input; then uvicorn shuts down, letting
+in-flight responses complete. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tessera.serve.cost import CostTable
+from tessera.serve.engine import Engine
+from tessera.serve.metrics import ServerMetrics
+from tessera.serve.model import check_choice, load_model
+from tessera.serve.runner import make_runner
+from tessera.serve.scheduler import BatchLimits, make_scheduler
+from tessera.serve.service import LocalBackend, Service
+
+log = logging.getLogger(__name__)
+SCHEDULERS = ("dp", "fifo_padded", "sort_window", "one_by_one")
+RUNNERS = ("auto", "unpadded", "padded")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    model: str
+    task: str = "auto"
+    pooling: str = "mean"
+    host: str = "127.0.0.1"
+    port: int = 8080
+    scheduler: str = "dp"
+    runner: str = "auto"  # auto: unpadded for dp and one_by_one, padded for the baselines
+    attention: str = "per_request"
+    memory_plan: bool = False  # unpadded runner with attention "padded": TurboTransformers' memory plan
+    max_batch_tokens: int = 16384
+    max_batch_size: int = 32
+    max_queue: int = 512
+    max_client_batch: int = 32
+    payload_limit: int = 2_000_000
+    overload_status: int = 429
+    threads: int | None = None
+    drain_timeout_s: float = 30.0
+    cost_table: str | None = None  # JSON file: loaded if present, else measured and written
+
+    def __post_init__(self) -> None:
+        check_choice("scheduler", self.scheduler, SCHEDULERS)
+        check_choice("runner", self.runner, RUNNERS)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535 (0: any free port), got {self.port}")
+        for name in ("max_queue", "max_client_batch", "payload_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.overload_status not in (429, 503):
+            raise ValueError(f"overload_status must be 429 or 503, got {self.overload_status}")
+        BatchLimits(max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size)
+
+    @property
+    def runner_name(self) -> str:
+        if self.runner != "auto":
+            return self.runner
+        return "unpadded" if self.scheduler in ("dp", "one_by_one") else "padded"
+
+
+def build_engine(config: ServeConfig, served, metrics=None) -> Engine:
+    """Runner, limits, (measured) cost table and scheduler for ``served``, as configured."""
+    if config.max_batch_tokens < served.max_length:
+        raise ValueError(
+            f"max_batch_tokens {config.max_batch_tokens} is below the model's input limit {served.max_length}: "
+            f"one full-length input must fit a batch"
+        )
+    if config.memory_plan and config.runner_name != "unpadded":
+        raise ValueError(f"the memory plan is the unpadded runner's; runner is {config.runner_name}")
+    options = (
+        {"attention": config.attention, "memory_plan": config.memory_plan}
+        if config.runner_name == "unpadded"
+        else {}
+    )
+    runner = make_runner(config.runner_name, served, **options)
+    limits = BatchLimits(max_batch_tokens=config.max_batch_tokens, max_batch_size=config.max_batch_size)
+    cost = _cost_table(config, runner, served, limits) if config.scheduler == "dp" else None
+    scheduler = make_scheduler(config.scheduler, limits, cost)
+    return Engine(runner, scheduler, max_queue=config.max_queue, observer=metrics)
+
+
+def _cost_table(config: ServeConfig, runner, served, limits: BatchLimits) -> CostTable:
+    path = Path(config.cost_table) if config.cost_table else None
+    if path is not None and path.is_file():
+        return CostTable.from_dict(json.loads(path.read_text()))
+    table = CostTable.measure(
+        runner,
+        max_length=served.max_length,
+        max_batch_size=limits.max_batch_size,
+        max_batch_tokens=limits.max_batch_tokens,
+    )
+    log.info("cost table: %d cells measured in %.1f s", table.measured, table.measure_seconds)
+    if path is not None:
+        path.write_text(json.dumps(table.to_dict()))
+    return table
+
+
+def build_service(config: ServeConfig) -> Service:
+    import torch
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    served = load_model(config.model, task=config.task, pooling=config.pooling)
+    metrics = ServerMetrics()
+    engine = build_engine(config, served, metrics).start()
+    return Service(served, LocalBackend(engine), metrics, max_client_batch=config.max_client_batch)
+
+
+class DrainingServer:
+    """uvicorn's Server with its exit signal turned into a drain first."""
+
+    def __init__(self, app, service: Service, config: ServeConfig):
+        import uvicorn
+
+        outer = self
+
+        class _Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                outer.on_signal(sig, frame)
+
+        self.service, self.drain_timeout_s = service, config.drain_timeout_s
+        uv_config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=config.drain_timeout_s)
+        self.server = _Server(uv_config)
+        self._base_exit = uvicorn.Server.handle_exit
+
+    def on_signal(self, sig, frame) -> None:
+        if self.service.draining:  # a second signal: stop now
+            self._base_exit(self.server, sig, frame)
+            return
+        log.warning("signal %s: draining (new requests get 503)", sig)
+        self.service.begin_drain()
+        threading.Thread(target=self._finish, name="tessera-drain", daemon=True).start()
+
+    def _finish(self) -> None:
+        idle = self.service.backend.wait_idle(self.drain_timeout_s)
+        if not idle:
+            log.warning("drain timed out after %.0f s with work left", self.drain_timeout_s)
+        self.server.should_exit = True  # uvicorn then lets in-flight responses finish
+
+    async def serve(self, sock: socket.socket, announce) -> None:
+        task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started and not task.done():
+            await asyncio.sleep(0.01)
+        if self.server.started:
+            announce()
+        await task
+
+
+def run_server(config: ServeConfig, service: Service | None = None) -> None:
+    from tessera.serve.app import create_app
+
+    service = service or build_service(config)
+    app = create_app(service, payload_limit=config.payload_limit, overload_status=config.overload_status)
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((config.host, config.port))
+    port = sock.getsockname()[1]
+    server = DrainingServer(app, service, config)
+
+    def announce() -> None:
+        print(f"tessera serve: listening on http://{config.host}:{port}", flush=True)
+        print("tessera serve: " + json.dumps({"port": port, **_summary(config, service)}), flush=True)
+
+    try:
+        asyncio.run(server.serve(sock, announce))
+    finally:
+        service.backend.begin_drain()
+        service.backend.wait_idle(1.0)
+        sys.stdout.flush()
+
+
+def _summary(config: ServeConfig, service: Service) -> dict:
+    return {
+        "model": service.served.name,
+        "task": service.served.task,
+        "scheduler": config.scheduler,
+        "runner": config.runner_name,
+        "config": {k: v for k, v in asdict(config).items() if k != "model"},
+    }

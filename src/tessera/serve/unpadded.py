@@ -1,0 +1,208 @@
+"""Unpadded batching, applied from outside the HF model code (TurboTransformers' "smart
+batching", section 4.2): the batch's inputs are concatenated into one row of T tokens, so
+every dense layer (embeddings, Q/K/V/output projections, feed-forward, layer norms) runs
+on exactly the real tokens, and only attention sees the request boundaries. The model
+class is used as loaded; the runner passes each token's position within its own input
+and swaps in an attention function through transformers' `AttentionInterface` for the
+duration of the call (as `tessera.diffusion` swaps attention kernels), which splits at the
+boundaries in one of three ways:
+
+- ``per_request``: one fused SDPA call per input on its own slice of Q/K/V (no padding
+  anywhere);
+- ``padded``: gather Q/K/V into (inputs, heads, longest, head_dim) with a key mask, one
+  SDPA call, scatter back (padding inside attention only: TurboTransformers' layout);
+- ``nested``: torch's jagged nested tensors through SDPA (on CPU torch runs it input by
+  input inside; kept for devices where it has a fused kernel).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from tessera.serve.model import ServedModel
+from tessera.serve.runner import Runner
+
+IMPLEMENTATION = "tessera_packed"
+ATTENTION_MODES = ("per_request", "padded", "nested")
+
+
+@dataclass
+class Segments:
+    """Where each input lies in the packed row, built once per batch."""
+
+    offsets: list[int]  # len B + 1, offsets[0] = 0, offsets[-1] = T
+    mode: str
+    gather: torch.Tensor | None = None  # padded: (B, longest) packed row each slot reads
+    valid: torch.Tensor | None = None  # padded: (B, longest) bool
+    unpack: torch.Tensor | None = None  # padded: (T,) slot of each token in the flat B x longest
+    bias: torch.Tensor | None = None  # padded, math: (B, 1, longest) 0 or -inf, the key mask as a bias
+    math: bool = False  # padded: attention as matmul + softmax head by head (every op has out=)
+    jagged_offsets: torch.Tensor | None = None
+    starts: torch.Tensor | None = None  # (B,) row of each input's first token
+
+    @classmethod
+    def build(cls, lengths: list[int], mode: str, *, math: bool = False) -> Segments:
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
+        seg = cls(offsets, mode, math=math, starts=torch.tensor(offsets[:-1]))
+        if mode == "padded":
+            longest = max(lengths)
+            slot = torch.arange(longest)
+            length = torch.tensor(lengths)[:, None]
+            seg.valid = slot[None] < length
+            first = seg.starts[:, None]  # padding slots read their input's first token (masked out as keys)
+            seg.gather = torch.where(seg.valid, first + slot, first)
+            seg.unpack = seg.valid.flatten().nonzero().flatten()
+            seg.bias = torch.zeros(len(lengths), 1, longest).masked_fill(
+                ~seg.valid[:, None, :], float("-inf")
+            )
+        elif mode == "nested":
+            seg.jagged_offsets = torch.tensor(offsets)
+        return seg
+
+
+def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The attention function HF's self-attention layers call: (1, H, T, D) packed Q/K/V in,
+    (1, T, H, D) out. Without this batch's segments (any other caller), plain SDPA."""
+    seg: Segments | None = kwargs.get("tessera_segments")
+    if seg is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+        return out.transpose(1, 2), None
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
+    if seg.mode == "per_request":
+        out = _per_request(q, k, v, seg.offsets, scaling)
+    elif seg.mode == "padded":
+        out = _padded(q, k, v, seg, scaling)
+    else:
+        out = _nested(q, k, v, seg, scaling)
+    return out[None], None
+
+
+def _per_request(q, k, v, offsets, scaling) -> torch.Tensor:
+    parts = []
+    for a, b in zip(offsets[:-1], offsets[1:], strict=True):
+        piece = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (H, n, D)
+        parts.append(F.scaled_dot_product_attention(*piece, scale=scaling).transpose(0, 1))
+    return torch.cat(parts)
+
+
+def _padded(q, k, v, seg: Segments, scaling) -> torch.Tensor:
+    def gather(t):  # (T, H, D) -> (B, H, longest, D)
+        return t[seg.gather].transpose(1, 2)
+
+    qg, kg, vg = gather(q), gather(k), gather(v)
+    if seg.math:
+        out = _math_heads(qg, kg, vg, seg.bias, scaling)  # (B, longest, H, D), contiguous
+    else:
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=seg.valid[:, None, None, :], scale=scaling)
+        out = out.transpose(1, 2)
+    b, n, h, d = out.shape
+    return out.reshape(b * n, h, d).index_select(0, seg.unpack)  # back in packed order
+
+
+def _math_heads(q, k, v, bias, scaling) -> torch.Tensor:
+    """softmax(q k^T * scale + bias) v one head at a time: (B, L, L) scores for one head
+    live at once, and every op has an out= overload (so the memory plan can place it)."""
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    heads = []
+    for h in range(q.shape[1]):
+        scores = torch.baddbmm(bias, q[:, h], k[:, h].transpose(1, 2), alpha=scale)
+        heads.append(torch.bmm(torch.softmax(scores, dim=-1), v[:, h]))
+    return torch.stack(heads, dim=2)  # (B, L, H, D): the packed order's layout, so no copy after
+
+
+def _nested(q, k, v, seg: Segments, scaling) -> torch.Tensor:
+    def jag(t):
+        return torch.nested.nested_tensor_from_jagged(t, offsets=seg.jagged_offsets).transpose(1, 2)
+
+    out = F.scaled_dot_product_attention(jag(q), jag(k), jag(v), scale=scaling)
+    return out.transpose(1, 2).values()
+
+
+AttentionInterface.register(IMPLEMENTATION, packed_attention)
+
+
+@contextlib.contextmanager
+def packed_attention_on(model):
+    """The model's layers call `packed_attention` inside; its own choice is restored after."""
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = IMPLEMENTATION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
+
+
+@dataclass
+class Packed:
+    ids: torch.Tensor  # (1, T)
+    positions: torch.Tensor  # (1, T)
+    segments: Segments
+    lengths: torch.Tensor  # (B,)
+
+
+class UnpaddedRunner(Runner):
+    """``memory_plan=True`` runs each forward inside `arena.Arena` (TurboTransformers'
+    length-aware plan); it needs an op sequence that does not depend on the batch, so
+    attention is the ``padded`` split computed head by head."""
+
+    padded = False
+    name = "unpadded"
+
+    def __init__(self, served: ServedModel, *, attention: str = "per_request", memory_plan: bool = False):
+        super().__init__(served)
+        if attention not in ATTENTION_MODES:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
+        if memory_plan and attention != "padded":
+            raise ValueError(
+                f"the memory plan needs attention 'padded' (one op sequence for every batch), got {attention!r}"
+            )
+        self.attention = attention
+        self.position_offset = served.family.position_offset(served.config)
+        self.arena = None
+        self.memory_plan = memory_plan  # set before the arena traces prepare/compute
+        if memory_plan:
+            from tessera.serve.arena import Arena
+
+            self.arena = Arena(self.prepare, self.compute)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "attention": self.attention, "memory_plan": self.arena is not None}
+
+    def prepare(self, sequences: list[list[int]]) -> Packed:
+        lengths = [len(s) for s in sequences]
+        seg = Segments.build(lengths, self.attention, math=self.memory_plan)
+        ids = torch.tensor([t for s in sequences for t in s])[None]
+        length = torch.tensor(lengths)
+        starts = torch.tensor(seg.offsets[:-1]).repeat_interleave(length)
+        positions = (torch.arange(seg.offsets[-1]) - starts + self.position_offset)[None]
+        return Packed(ids, positions, seg, length)
+
+    def hidden_states(self, packed: Packed) -> torch.Tensor:
+        """(T, hidden) of the packed batch."""
+        with packed_attention_on(self.served.model):
+            out = self.served.encoder(input_ids=packed.ids, position_ids=packed.positions,
+                                      tessera_segments=packed.segments)  # fmt: skip
+        return out.last_hidden_state[0]
+
+    def compute(self, packed: Packed) -> torch.Tensor:
+        hidden = self.hidden_states(packed)
+        first = hidden.index_select(0, packed.segments.starts)
+        served = self.served
+        if served.task == "classify":
+            return served.family.head(served.model, first)
+        if served.pooling == "cls":
+            return first
+        return torch.segment_reduce(hidden, "mean", lengths=packed.lengths, axis=0)
+
+    def forward(self, sequences: list[list[int]]) -> torch.Tensor:
+        if self.arena is not None:
+            return self.arena.run(sequences)
+        return self.compute(self.prepare(sequences))
