@@ -26,10 +26,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tessera.serve.memory_plan import MemoryPlan, Usage, plan_memory
+from tessera.serve.memory_plan import MemoryPlan, Usage, plan_apart, plan_memory
 
 PROBES = ([3, 8], [5, 6, 12], [2, 9, 4, 14, 7])  # T, B, L, BxL affinely independent over these
 VARIABLES = ("T", "B", "L", "BL")
+# A batch's chunks may hold at most this much over its peak of live bytes (the issue's aim;
+# TurboTransformers' greedy-by-size lands at 1.10-1.16 from nothing on BERT layers).
+FOOTPRINT_TARGET = 1.2
 
 
 def signature(lengths: list[int]) -> dict[str, int]:
@@ -201,7 +204,9 @@ class _Replay(TorchDispatchMode):
             self.stats["diverged"] += 1
         positions = None if self.diverged else self.by_op.get(k)
         if positions is None:
-            return _picked(func(*args, **kwargs), pick)
+            out = func(*args, **kwargs)
+            self._count_allocations(args, kwargs, out)
+            return _picked(out, pick)
         op, names = _out_overload(func)
         outs = [self.views[k, p] for p in sorted(positions)]  # every output of this op is planned
         result = op(*args, **kwargs, **dict(zip(names, outs, strict=True)))
@@ -212,19 +217,49 @@ class _Replay(TorchDispatchMode):
                 self.stats["misplaced"] += 1
         return _picked(result, pick)
 
+    def _count_allocations(self, args, kwargs, out) -> None:
+        """An unplanned op that made a new storage asked the allocator: counted, so that
+        "nothing allocated in steady state" is a measurement."""
+        seen = {
+            StorageWeakRef(t.untyped_storage()).cdata
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()).cdata not in seen:
+                self.stats["allocations"] += 1
+                self.stats["allocated_bytes"] += t.untyped_storage().nbytes()
+
 
 class Arena:
     """Chunks held across batches, a plan per batch shape, a forward run inside them."""
 
-    def __init__(self, prepare: Callable, compute: Callable[..., torch.Tensor], *, keep_plans: int = 8):
-        self.prepare, self.compute = prepare, compute
+    def __init__(
+        self,
+        prepare: Callable,
+        compute: Callable[..., torch.Tensor],
+        *,
+        keep_plans: int = 8,
+        target: float = FOOTPRINT_TARGET,
+    ):
+        self.prepare, self.compute, self.target = prepare, compute, target
         self.trace = derive_trace(prepare, compute)
         self.chunks: list[torch.Tensor] = []
         self._last_use: list[int] = []
         self._plans: dict[tuple, MemoryPlan] = {}
         self.keep_plans = keep_plans
-        self.stats = {"batches": 0, "plans": 0, "chunk_allocations": 0, "chunk_releases": 0, "diverged": 0,
-                      "misplaced": 0}  # fmt: skip
+        counters = (
+            "batches",
+            "plans",
+            "plans_apart",
+            "chunk_allocations",
+            "chunk_releases",
+            "diverged",
+            "misplaced",
+            "allocations",  # storages unplanned ops made inside a planned forward
+            "allocated_bytes",
+        )
+        self.stats = dict.fromkeys(counters, 0)
         self.last_plan: MemoryPlan | None = None
 
     def usages(self, sig: dict[str, int]) -> list[Usage]:
@@ -235,7 +270,13 @@ class Arena:
         key = tuple(sig.values())
         plan = self._plans.get(key)
         if plan is None:
-            plan = plan_memory(self.usages(sig), [c.numel() for c in self.chunks])
+            usages = self.usages(sig)
+            plan = plan_memory(usages, [c.numel() for c in self.chunks])
+            if plan.footprint > self.target * plan.peak_live:
+                # The held chunks were cut for other shapes and fit this one badly: a set of
+                # its own (kept while used, released when idle) keeps each batch within target.
+                plan = plan_apart(usages, [c.numel() for c in self.chunks])
+                self.stats["plans_apart"] += 1
             for size in plan.chunk_sizes[len(self.chunks) :]:
                 self.chunks.append(torch.empty(size, dtype=torch.uint8))
                 self._last_use.append(0)

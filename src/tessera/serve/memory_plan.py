@@ -110,3 +110,17 @@ def plan_memory(usages: list[Usage], chunk_sizes: list[int] | None = None) -> Me
             placements[i] = (len(chunks) - 1, 0)
     used = sorted({c for c, _ in placements})
     return MemoryPlan(placements, [c.size for c in chunks], used, len(chunks) - held, peak_live_bytes(usages))
+
+
+def plan_apart(usages: list[Usage], held: list[int]) -> MemoryPlan:
+    """Plan ``usages`` from nothing into chunks of their own, appended after the ``held``
+    ones (which this plan leaves alone)."""
+    alone = plan_memory(usages)
+    shift = len(held)
+    return MemoryPlan(
+        [(c + shift, offset) for c, offset in alone.placements],
+        list(held) + alone.chunk_sizes,
+        [c + shift for c in alone.used_chunks],
+        alone.new_chunks,
+        alone.peak_live,
+    )
