@@ -10,9 +10,51 @@ of its own; tensors never straddle chunks.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
+
+
+class ChunkKind(enum.Enum):
+    """What a chunk holds. ``PARAM`` is a rank's fp32 master shard of a chunk of parameters,
+    ``COMPUTE`` the whole chunk the modules compute with (all-gathered from the shards; at
+    bf16 or fp16 it could be a low-precision copy, which Tessera does not make yet: autocast
+    casts per op), ``GRAD`` the rank's reduced gradient shard, ``OPTIM`` one per-element
+    optimizer state of a shard (Adam's two moments are two chunks)."""
+
+    PARAM = "param"
+    COMPUTE = "compute"
+    GRAD = "grad"
+    OPTIM = "optim"
+
+
+class ChunkState(enum.Enum):
+    """A chunk's state, as PatrickStar has them (section 4). Only a chunk not in ``COMPUTE``
+    may move between tiers; every use passes through ``COMPUTE``."""
+
+    FREE = "free"  # no data yet (a gradient before backward, a state before its first step)
+    COMPUTE = "compute"  # in use now, on the compute tier
+    HOLD = "hold"  # data kept, not in use (after the optimizer step)
+    HOLD_AFTER_FWD = "hold_after_fwd"  # used by forward, next needed by backward
+    HOLD_AFTER_BWD = "hold_after_bwd"  # used by backward, next needed by the optimizer step
+    RELEASED = "released"  # data consumed and dropped (a gradient after the step)
+
+
+_USE = {ChunkState.COMPUTE}
+TRANSITIONS: dict[ChunkState, set[ChunkState]] = {
+    ChunkState.FREE: _USE,
+    ChunkState.COMPUTE: {
+        ChunkState.HOLD,
+        ChunkState.HOLD_AFTER_FWD,
+        ChunkState.HOLD_AFTER_BWD,
+        ChunkState.RELEASED,
+    },
+    ChunkState.HOLD: _USE,
+    ChunkState.HOLD_AFTER_FWD: _USE,
+    ChunkState.HOLD_AFTER_BWD: _USE,
+    ChunkState.RELEASED: _USE,
+}
 
 
 @dataclass(frozen=True)

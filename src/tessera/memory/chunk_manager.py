@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.memory.chunk import Chunk, Slot, pack
+from tessera.memory.chunk import TRANSITIONS, Chunk, ChunkState, Slot, pack
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -104,12 +104,20 @@ class ChunkManager:
     ):
         self.chunks: list[ParamChunk] = []
         self.owner: dict[nn.Parameter, ParamChunk] = {}
+        self.transitions = 0
         for gi, group in enumerate(param_groups):
             params = [p for p in group["params"] if p.requires_grad]
             for kind in (True, False):
                 chosen = [p for p in params if tp_sharded(p) == kind]
                 for run in _runs(chosen, segment_of or {}):
                     self._add(run, gi, kind, chunk_elems=chunk_elems, align=align)
+
+    def transition(self, chunk, state: ChunkState) -> None:
+        """The one place a chunk's state changes (``chunk`` has a ``state``: a tiered
+        chunk of ``tessera.memory.store``); an illegal change is a bug, not a user error."""
+        assert state in TRANSITIONS[chunk.state], f"{chunk}: {chunk.state.value} -> {state.value}"
+        chunk.state = state
+        self.transitions += 1
 
     def _add(self, params: list[nn.Parameter], gi: int, kind: bool, *, chunk_elems: int, align: int) -> None:
         named = [(str(i), local(p.detach()).float()) for i, p in enumerate(params)]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+OFFLOADS = (None, "auto", "static")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,7 +24,14 @@ class Plan:
     block, so a block's parameters are chunks of their own (the granularity FSDP2's
     ``fully_shard`` per block has); ``activation_checkpointing`` recomputes each
     transformer block's activations in backward (``torch.utils.checkpoint``, non-reentrant)
-    instead of keeping them."""
+    instead of keeping them.
+
+    ``offload`` moves ZeRO-3 chunks between memory tiers (``tessera.memory.store``): "auto"
+    places them by a warm-up trace (Belady eviction, prefetch), "static" keeps only the
+    working set on the fast tier; ``device_memory`` / ``host_memory`` are the bytes of model
+    data (parameters, gradients, optimizer states) each rank may keep on the accelerator /
+    in host memory (None: unbounded; activations come on top), ``offload_dir`` a directory
+    for chunks that fit neither (None: no disk tier)."""
 
     dp: int = 1
     tp: int = 1
@@ -35,6 +44,10 @@ class Plan:
     activation_checkpointing: bool = False
     loss_scale_init: float = 2.0**16
     loss_scale_growth_interval: int = 2000
+    offload: str | None = None
+    device_memory: int | None = None
+    host_memory: int | None = None
+    offload_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "grad_accum", "loss_scale_growth_interval"):
@@ -54,6 +67,38 @@ class Plan:
         for name in ("block_chunks", "activation_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Plan.{name} must be True or False, got {getattr(self, name)!r}")
+
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        if self.offload not in OFFLOADS:
+            raise ValueError(f"Plan.offload must be one of {OFFLOADS}, got {self.offload!r}")
+        for name in ("device_memory", "host_memory"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"Plan.{name} must be a positive number of bytes or None, got {value!r}")
+        if self.offload_dir is not None and not isinstance(self.offload_dir, str | os.PathLike):
+            raise ValueError(f"Plan.offload_dir must be a directory path or None, got {self.offload_dir!r}")
+        if self.offload is None:
+            given = [n for n in ("device_memory", "host_memory", "offload_dir") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"Plan.{given[0]} is set but Plan.offload is None; set offload='auto' or 'static'")
+            return
+        if self.zero != 3:
+            raise ValueError(
+                f"Plan(offload={self.offload!r}) moves ZeRO-3 chunks between tiers, got zero={self.zero}; use zero=3"
+            )
+        if self.precision == "fp16":
+            raise ValueError(
+                f"Plan(offload={self.offload!r}) with fp16 loss scaling is not supported yet; use precision='bf16'"
+            )
+        if self.tp != 1:
+            raise ValueError(f"Plan(offload={self.offload!r}) does not combine with tp={self.tp} yet; use tp=1")
+        if self.host_memory is not None and self.offload_dir is None:
+            raise ValueError(
+                f"Plan.host_memory={self.host_memory} bounds host memory, so chunks beyond it need a disk tier: "
+                "set Plan.offload_dir"
+            )
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,268 @@
+"""Tiered chunks: one mechanism that moves a chunk's bytes between the compute tier, host
+memory and disk, as ``placement``'s policy says, within each tier's budget.
+
+A ``TieredChunk`` wraps the tensor the training code holds (a ZeRO-3 master shard, a
+gradient shard, an optimizer moment). It always keeps that tensor object, so optimizers
+and views never see a swap: off the compute tier its storage is resized to zero, and a
+fetch gives the storage back and reads the bytes into it. Every use goes through
+``use`` (state COMPUTE: pinned on the compute tier) and ``done`` (a HOLD state, or
+RELEASED for data that is consumed); state changes go through the chunk manager.
+
+The slow tier keeps a chunk's bytes after a fetch, so evicting a chunk that was only read
+(a parameter shard after its all-gather) writes nothing. A prefetch reserves room on the
+main thread, then reads on one background thread while compute runs; ``use`` waits for
+it. Tiers (CPU-only: host, then disk; CUDA: device, pinned host, then disk) are filled
+fastest first: a chunk evicted from a full tier moves one tier down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from tessera.memory.chunk import ChunkKind, ChunkState
+from tessera.memory.tiers import DiskTier, Tier, TierFull
+from tessera.memory.track import resident_bytes
+
+
+@dataclass(eq=False)
+class TieredChunk:
+    key: str
+    kind: ChunkKind
+    tensor: torch.Tensor
+    nbytes: int
+    tier: int = 0  # index of the tier holding the data
+    state: ChunkState = ChunkState.FREE
+    saved: bool = False  # the disk file holds the current bytes
+    host: torch.Tensor | None = None  # CUDA: its copy in host memory
+    pending: Future | None = None
+
+    def __repr__(self) -> str:
+        return f"chunk {self.key} ({self.kind.value}, {self.nbytes} bytes)"
+
+
+@dataclass
+class Moves:
+    read: int = 0
+    written: int = 0
+    fetches: int = 0
+    evictions: int = 0
+    prefetches: int = 0
+    waited_s: float = 0.0
+
+    def snapshot(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class TieredStore:
+    tiers: list[Tier]  # compute tier first; a DiskTier, if any, last
+    policy: object
+    manager: object  # ChunkManager: every state change goes through its ``transition``
+    chunks: dict[str, TieredChunk] = field(default_factory=dict)
+    moves: Moves = field(default_factory=Moves)
+
+    def __post_init__(self):
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-prefetch")
+        self.compute_bytes = 0  # whole chunks gathered for compute (reserved, not movable)
+
+    @property
+    def disk(self) -> DiskTier | None:
+        return self.tiers[-1] if isinstance(self.tiers[-1], DiskTier) else None
+
+    # ---- the uses ---------------------------------------------------------------------------
+    def register(self, key: str, kind: ChunkKind, tensor: torch.Tensor) -> TieredChunk:
+        """A new chunk whose data ``tensor`` holds now, on the compute tier, in use."""
+        assert key not in self.chunks, key
+        nbytes = tensor.numel() * tensor.element_size()
+        chunk = TieredChunk(key, kind, tensor, nbytes)
+        self._make_room(0, nbytes, keep=chunk, what=repr(chunk))
+        self.tiers[0].reserve(nbytes, repr(chunk))
+        self.chunks[key] = chunk
+        self.manager.transition(chunk, ChunkState.COMPUTE)
+        self.policy.on_use(key, self._nonmodel())
+        return chunk
+
+    def use(self, key: str, *, write: bool = False) -> torch.Tensor:
+        chunk = self.chunks[key]
+        self.policy.on_use(key, self._nonmodel())
+        self._fetch(chunk)
+        self.manager.transition(chunk, ChunkState.COMPUTE)
+        if write:
+            chunk.saved = False
+        self._prefetch()
+        return chunk.tensor
+
+    def done(self, key: str, state: ChunkState) -> None:
+        chunk = self.chunks[key]
+        self.manager.transition(chunk, state)
+        if state is ChunkState.RELEASED:
+            self._drop(chunk)
+        elif self.policy.eager and len(self.tiers) > 1:
+            self._evict(chunk)
+
+    def reserve_compute(self, nbytes: int, what: str) -> None:
+        """Room for a whole chunk gathered for compute (not movable until freed)."""
+        self._make_room(0, nbytes, keep=None, what=what)
+        self.tiers[0].reserve(nbytes, what)
+        self.compute_bytes += nbytes
+
+    def release_compute(self, nbytes: int) -> None:
+        self.tiers[0].release(nbytes)
+        self.compute_bytes -= nbytes
+
+    def end_step(self) -> None:
+        self.policy.end_step()
+
+    # ---- moving -----------------------------------------------------------------------------
+    def _movable(self, tier: int, keep) -> list[str]:
+        return [
+            k
+            for k, c in self.chunks.items()
+            if c.tier == tier and c is not keep and c.state is not ChunkState.COMPUTE and c.pending is None
+            and c.state is not ChunkState.RELEASED
+        ]
+
+    def _make_room(self, tier: int, nbytes: int, *, keep, what: str, before: float | None = None) -> bool:
+        """Evict from ``tier`` until ``nbytes`` fit; with ``before`` only chunks next used
+        later than that (a prefetch): False if that is not enough."""
+        t = self.tiers[tier]
+        while nbytes > t.room():
+            movable = self._movable(tier, keep)
+            if before is not None:
+                movable = [k for k in movable if self.policy.next_use(k) > before]
+            if not movable or tier == len(self.tiers) - 1:
+                if before is not None:
+                    return False
+                t.reserve(nbytes, what)  # raises TierFull with the numbers
+            self._evict(self.chunks[self.policy.victim(movable)])
+        return True
+
+    def _evict(self, chunk: TieredChunk) -> None:
+        """One tier down: compute tier -> host (CUDA) or disk, host -> disk. Bytes are
+        written only where the slow copy is stale."""
+        if chunk.state is ChunkState.COMPUTE or chunk.tier == len(self.tiers) - 1:
+            return
+        down = chunk.tier + 1
+        if self.tiers[down] is not self.disk:  # CUDA: device -> pinned host memory
+            self._make_room(down, chunk.nbytes, keep=chunk, what=repr(chunk))
+            self.tiers[down].reserve(chunk.nbytes, repr(chunk))
+            chunk.host = torch.empty(chunk.tensor.shape, dtype=chunk.tensor.dtype, pin_memory=True)
+            chunk.host.copy_(chunk.tensor)
+        else:
+            data = chunk.host if chunk.host is not None else chunk.tensor
+            if not chunk.saved:
+                self.disk.write(chunk.key, data)
+                chunk.saved = True
+                self.moves.written += chunk.nbytes
+        if chunk.tier == 0:
+            self._free_storage(chunk.tensor)
+        else:
+            chunk.host = None
+        self.tiers[chunk.tier].release(chunk.nbytes)
+        chunk.tier = down
+        self.moves.evictions += 1
+
+    def _fetch(self, chunk: TieredChunk) -> None:
+        if chunk.pending is not None:
+            began = time.perf_counter()
+            chunk.pending.result()
+            self.moves.waited_s += time.perf_counter() - began
+            chunk.pending = None
+        if chunk.tier == 0:
+            return
+        self._make_room(0, chunk.nbytes, keep=chunk, what=repr(chunk))
+        self._start_fetch(chunk).result()
+        chunk.pending = None
+
+    def _start_fetch(self, chunk: TieredChunk) -> Future:
+        """Reserve and give back the storage now; a read from disk into a CPU chunk runs
+        on the prefetch thread (CUDA: read into pinned memory, then copied on the stream)."""
+        self.tiers[0].reserve(chunk.nbytes, repr(chunk))
+        self._restore_storage(chunk.tensor)
+        source, chunk.tier = chunk.tier, 0
+        self.moves.read += chunk.nbytes
+        self.moves.fetches += 1
+        if chunk.host is None:  # on disk
+            if chunk.tensor.device.type == "cpu":
+                return self.pool.submit(self.disk.read_into, chunk.key, chunk.tensor)
+            chunk.host = torch.empty(chunk.tensor.shape, dtype=chunk.tensor.dtype, pin_memory=True)
+            self.disk.read_into(chunk.key, chunk.host)
+        else:  # in host memory (CUDA), which it now leaves
+            self.tiers[source].release(chunk.nbytes)
+        chunk.tensor.copy_(chunk.host, non_blocking=True)
+        chunk.host = None
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+    def _prefetch(self) -> None:
+        for key in self.policy.prefetch():
+            chunk = self.chunks.get(key)
+            if chunk is None or chunk.tier == 0 or chunk.pending is not None:
+                continue
+            mine = self.policy.next_use(key)
+            if not self._make_room(0, chunk.nbytes, keep=chunk, what=repr(chunk), before=mine):
+                return
+            chunk.pending = self._start_fetch(chunk)
+            self.moves.prefetches += 1
+
+    def _drop(self, chunk: TieredChunk) -> None:
+        """Consumed data: gone from every tier."""
+        if chunk.pending is not None:
+            chunk.pending.result()
+        if chunk.tier == 0:
+            self.tiers[0].release(chunk.nbytes)
+            self._free_storage(chunk.tensor)
+        elif chunk.host is not None:
+            self.tiers[chunk.tier].release(chunk.nbytes)
+        if chunk.saved and self.disk is not None:
+            self.disk.remove(chunk.key)
+        del self.chunks[chunk.key]
+
+    # ---- whole-state access (checkpoints) ---------------------------------------------------
+    @contextlib.contextmanager
+    def all_resident(self):
+        """Every chunk on the compute tier, budget suspended (saving, loading); evicted
+        back to the budget after."""
+        budget = self.tiers[0].budget
+        self.tiers[0].budget = None
+        keys = list(self.chunks)
+        states = {k: self.chunks[k].state for k in keys}
+        for k in keys:
+            self.use(k, write=True)
+        try:
+            yield
+        finally:
+            for k in keys:
+                if k in self.chunks:
+                    self.done(k, states[k] if states[k] is not ChunkState.FREE else ChunkState.HOLD)
+            self.tiers[0].budget = budget
+            self._make_room(0, 0, keep=None, what="the chunks held while saving or loading")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        if self.disk is not None:
+            self.disk.close()
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _nonmodel(self) -> int:
+        """Bytes on the compute tier that are not chunks (activations, temporaries, runtime)."""
+        device = self.tiers[0].device
+        total = torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
+        return max(0, total - self.tiers[0].used)
+
+    @staticmethod
+    def _free_storage(t: torch.Tensor) -> None:
+        t.untyped_storage().resize_(0)
+
+    @staticmethod
+    def _restore_storage(t: torch.Tensor) -> None:
+        t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+__all__ = ["TieredChunk", "TieredStore", "TierFull", "Moves"]
