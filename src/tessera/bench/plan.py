@@ -1,0 +1,254 @@
+"""`tessera bench plan`: the planner's predictions against what was measured.
+
+1. This machine: every row of the committed `tessera bench dit` (loopback and the emulated
+   links) and `tessera bench train` results, predicted with this CPU's measured profile
+   (fp32 matmul peak per thread, copy bandwidth) and a loopback link measured here with
+   two gloo ranks; each table calibrated on its serial (dit) or DDP (train) row.
+2. Published: every row of the numeric latency tables xDiT publishes
+   (tessera.plan.published), predicted from the stated hardware's datasheet profile and
+   link, each table calibrated on its one-GPU row.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from tessera.bench.harness import BenchResult, matmul_peak_flops
+from tessera.diffusion.layout import ParallelConfig
+from tessera.plan.check import calibrate, check_generate_rows, check_published, compare
+from tessera.plan.devices import DeviceProfile
+from tessera.plan.hardware import Hardware
+from tessera.plan.model_spec import PRESETS, gpt2_spec
+from tessera.plan.published import TABLES
+from tessera.plan.training import TrainCandidate, predict_train
+from tessera.runtime import spawn
+from tessera.runtime.link import Link, link_named
+
+RESULTS = Path("benchmarks/results")
+DIT_LAYOUTS = {  # bench dit's layout names (tessera.bench.dit.LAYOUTS)
+    "serial": ParallelConfig(),
+    "pipefusion": ParallelConfig(pipefusion_degree=2, num_patches=4, warmup_steps=1),
+    "ulysses": ParallelConfig(ulysses_degree=2),
+    "ring": ParallelConfig(ring_degree=2),
+    "distrifusion": ParallelConfig(distrifusion_degree=2, warmup_steps=1),
+    "tensor_parallel": ParallelConfig(tp_degree=2),
+    "cfg_parallel": ParallelConfig(cfg_parallel=True),
+}
+
+
+def _loopback_rank(sizes: list[int], reps: int) -> dict:
+    import torch.distributed as dist
+
+    out = {}
+    for n in sizes:
+        x = torch.ones(n // 4)
+        dist.all_reduce(x)
+        best = float("inf")
+        for _ in range(reps):
+            dist.barrier()
+            t = time.perf_counter()
+            dist.all_reduce(x)
+            best = min(best, time.perf_counter() - t)
+        out[n] = best
+    return out
+
+
+def measure_loopback(reps: int = 5) -> Link:
+    """A two-rank gloo all-reduce on 127.0.0.1, timed at 4 KiB and 32 MiB: bandwidth from
+    the large one (an all-reduce of b bytes on 2 ranks puts b on the wire), latency from the
+    small one (two hops)."""
+    small, large = 4096, 32 * 2**20
+    times = spawn(_loopback_rank, 2, [small, large], reps, timeout_s=300)[0]
+    latency = times[small] / 2
+    bandwidth = large / max(times[large] - 2 * latency, 1e-9)
+    return Link(name="loopback", bandwidth=bandwidth, latency=latency, source="measured: gloo on 127.0.0.1")
+
+
+def measure_cpu(threads: int = 1) -> DeviceProfile:
+    """This CPU per rank: fp32 matmul peak on ``threads`` threads, and the bandwidth of a
+    256 MiB copy (read + write)."""
+    flops = matmul_peak_flops(threads=threads, n=1024, reps=10)
+    a = torch.empty(64 * 2**20)
+    b = torch.empty_like(a)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return DeviceProfile(
+        name="this-cpu",
+        fp32_flops=flops,
+        bf16_flops=flops,
+        memory_bandwidth=2 * a.numel() * 4 / best,
+        memory_bytes=0,
+        source=f"measured here, {threads} thread(s)",
+    )
+
+
+def _dit_checks(dit: dict, hw: Hardware) -> list[dict]:
+    out = []
+    steps = dit["plan"]["steps"]
+    for size in dit["plan"]["sizes"]:
+        rows = {r["method"]: r["seconds"] for r in dit["rows"] if r["size"] == f"{size}x{size}"}
+        spec = PRESETS["bench-dit"].with_tokens((size // 2) ** 2)
+        table = [(DIT_LAYOUTS[m], rows[m]) for m in DIT_LAYOUTS if m in rows]
+        out.append(
+            {"table": f"bench dit {size}x{size}, loopback, {steps} steps"}
+            | check_generate_rows(spec, hw, table, steps=steps, guidance=True)
+        )
+    scale = dit["link_scaling"]["scale"]
+    spec = PRESETS["bench-dit"].with_tokens(dit["model"]["image_size"] ** 2 // 4)
+    for name in dit["plan"]["links"]:
+        rows = {r["method"]: r["seconds"] for r in dit["link_rows"] if r["link"] == name}
+        table = [(DIT_LAYOUTS[m], rows[m]) for m in DIT_LAYOUTS if m in rows]
+        linked = Hardware(
+            device=hw.device, link=link_named(name).scaled(scale), dtype="fp32", devices_per_node=2
+        )
+        out.append(
+            {
+                "table": f"bench dit 64x64, emulated {name} scaled x{scale:.3g}, {dit['plan']['link_steps']} steps"
+            }
+            | check_generate_rows(spec, linked, table, steps=dit["plan"]["link_steps"], guidance=True)
+        )
+    return out
+
+
+def _train_check(train: dict, hw: Hardware) -> dict:
+    rows = {r["variant"]: r for r in train["rows"]}
+    cfg = train["config"]
+    batch, seq = cfg["global_batch"], cfg["seq"]
+    spec = gpt2_spec("gpt2", cfg["n_layer"], cfg["n_embd"], cfg["n_head"], tokens=seq, positions=seq)
+    # DDP calibrates (torch's DDP, the same arithmetic and all-reduce volume as ZeRO-0)
+    order = [("ddp", 0), ("tessera_zero1", 1), ("tessera_zero2", 2), ("tessera_zero3", 3)]
+
+    def seconds(h: Hardware, zero: int) -> float:
+        return predict_train(spec, TrainCandidate(dp=2, zero=zero), h, global_batch=batch, seq=seq).seconds
+
+    def measured(variant: str) -> float:
+        return batch * seq / rows[variant]["tokens_per_s"]
+
+    hw = calibrate(lambda h: seconds(h, 0), hw, measured("ddp"))
+    out = []
+    for variant, zero in order:
+        pred = predict_train(spec, TrainCandidate(dp=2, zero=zero), hw, global_batch=batch, seq=seq)
+        row = rows[variant]
+        out.append(
+            {
+                "layout": f"dp=2 zero={zero} ({variant})",
+                "ranks": 2,
+                "measured_s": round(measured(variant), 4),
+                "predicted_s": round(pred.seconds, 4),
+                "state_mib_predicted": round(sum(pred.state.values()) / 2**20, 1),
+                "state_mib_measured": row["model_state_mib_per_rank"],
+            }
+        )
+    return {
+        "table": "bench train GPT-2 small, 2 ranks, loopback",
+        "efficiency": round(hw.efficiency, 4),
+    } | compare(out)
+
+
+def run_plan_bench(results_dir: str | Path = RESULTS, quick: bool = False) -> BenchResult:
+    results_dir = Path(results_dir)
+    cpu = measure_cpu()
+    loopback = measure_loopback(reps=2 if quick else 5)
+    hw = Hardware(device=cpu, link=loopback, dtype="fp32", devices_per_node=2)
+    checks: list[dict] = []
+    notes = [
+        f"this CPU: {cpu.fp32_flops / 1e9:.1f} GFLOP/s fp32 matmul per thread, {cpu.memory_bandwidth / 1e9:.1f} GB/s copy",
+        f"loopback (2 gloo ranks): {loopback.bandwidth / 1e9:.2f} GB/s, {loopback.latency * 1e6:.0f} us per hop",
+        "each table calibrates one number, the achieved fraction of peak (efficiency), on its first row; "
+        "every other row is predicted; errors and Kendall's tau are over the predicted rows",
+    ]
+    for name, build in (
+        ("dit.json", lambda d: _dit_checks(d, hw)),
+        ("train.json", lambda d: [_train_check(d, hw)]),
+    ):
+        path = results_dir / name
+        if path.is_file():
+            checks += [c | {"kind": "this machine"} for c in build(json.loads(path.read_text()))]
+        else:
+            notes.append(f"{path} absent: run its benchmark first; its check is skipped")
+    checks += [check_published(t) | {"kind": "published"} for t in TABLES]
+    rows = [
+        {"table": c["table"], "kind": c["kind"]} | r | {"efficiency": c["efficiency"]}
+        for c in checks
+        for r in c["rows"]
+    ]
+    summary = [
+        {
+            k: c[k]
+            for k in (
+                "table",
+                "kind",
+                "efficiency",
+                "predicted",
+                "within_20pct",
+                "median_abs_error",
+                "max_abs_error",
+                "kendall_tau",
+                "best_measured",
+                "best_predicted",
+            )
+        }
+        for c in checks
+    ]
+
+    def share(kind: str) -> str:
+        chosen = [c for c in checks if c["kind"] == kind]
+        return f"{sum(c['within_20pct'] for c in chosen)}/{sum(c['predicted'] for c in chosen)}"
+
+    headline = {
+        "this_machine_rows_within_20pct": share("this machine"),
+        "published_rows_within_20pct": share("published"),
+        "kendall_tau": {c["table"]: c["kendall_tau"] for c in checks},
+        "best_choice_matches": f"{sum(c['best_measured'] == c['best_predicted'] for c in checks)}/{len(checks)}",
+    }
+    return BenchResult(
+        name="plan",
+        headline=headline,
+        rows=rows,
+        columns=["table", "layout", "ranks", "measured_s", "predicted_s", "rel_error", "efficiency"],
+        notes=notes,
+        extra={"summary": summary, "cpu": vars(cpu), "loopback": vars(loopback)},
+        tables=[("Per table", list(summary[0]), summary)],
+    )
+
+
+def plot_plan(result: BenchResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 6))
+    for kind, marker in (("this machine", "o"), ("published", "s")):
+        rows = [r for r in result.rows if r["kind"] == kind]
+        ax.scatter(
+            [r["measured_s"] for r in rows],
+            [r["predicted_s"] for r in rows],
+            marker=marker,
+            label=kind,
+            alpha=0.7,
+        )
+    values = [v for r in result.rows for v in (r["measured_s"], r["predicted_s"])]
+    lo, hi = min(values) * 0.8, max(values) * 1.25
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8, label="exact")
+    ax.fill_between(
+        [lo, hi], [lo * 0.8, hi * 0.8], [lo * 1.2, hi * 1.2], color="grey", alpha=0.15, label="within 20%"
+    )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="measured seconds",
+        ylabel="predicted seconds",
+        title="tessera plan: predicted vs measured",
+    )
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

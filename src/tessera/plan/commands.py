@@ -1,0 +1,125 @@
+"""`tessera plan train | generate`: rank the valid plans for a model on named hardware and
+print the choice as the flags `tessera train` / `tessera generate` take."""
+
+from __future__ import annotations
+
+import argparse
+
+from tessera.plan.devices import DEVICES, device_named
+from tessera.plan.hardware import Hardware
+from tessera.plan.model_spec import PRESETS, model_spec
+from tessera.plan.search import generate_flags, search_generate, search_train
+from tessera.runtime.link import LINKS, link_named
+
+GIB = 2**30
+
+
+def add_hardware_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a transformers model folder"
+    )
+    p.add_argument("--devices", type=int, required=True, help="devices (ranks) in all")
+    p.add_argument("--device-profile", default="h100", help=f"one of {', '.join(DEVICES)}")
+    p.add_argument("--link", default="nvlink4", help=f"link inside a node: one of {', '.join(LINKS)}")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
+    p.add_argument("--inter-node-link", default="ib-hdr", help="link between nodes")
+    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--efficiency", type=float, default=0.4, help="achieved fraction of the device's peak")
+    p.add_argument("--top", type=int, default=10, help="rows of the table")
+
+
+def _hardware(args) -> Hardware:
+    if args.devices < 1 or args.nodes < 1 or args.devices % args.nodes:
+        raise ValueError(f"--devices {args.devices} must be a positive multiple of --nodes {args.nodes}")
+    return Hardware(
+        device=device_named(args.device_profile),
+        link=link_named(args.link),
+        devices_per_node=args.devices // args.nodes,
+        inter_node=link_named(args.inter_node_link) if args.nodes > 1 else None,
+        dtype=args.dtype,
+        efficiency=args.efficiency,
+    )
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows, strict=True)]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths, strict=True))  # noqa: E731
+    return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def cmd_plan_generate(args) -> None:
+    hw = _hardware(args)
+    tokens = (args.height // 16) * (args.width // 16) if args.height and args.width else None
+    spec = model_spec(args.model, tokens)
+    ranked = search_generate(spec, args.devices, hw, steps=args.steps, guidance=not args.no_guidance)
+    rows = [
+        [
+            i + 1,
+            p.config.describe(),
+            f"{p.seconds:.3f}",
+            f"{p.memory_bytes_per_rank / GIB:.1f}",
+            f"{p.comm_bytes / GIB:.2f}",
+        ]
+        for i, p in enumerate(ranked.fits[: args.top])
+    ]
+    print(
+        f"{spec.name}: {spec.tokens} tokens, {args.steps} steps on {args.devices} x {hw.device.name} ({hw.link.name})"
+    )
+    print(_table(["rank", "plan", "seconds", "GiB/rank", "GiB moved"], rows))
+    if ranked.dropped:
+        print(
+            f"{len(ranked.dropped)} plan(s) dropped: over {hw.device.memory_bytes / GIB:.0f} GiB per device"
+        )
+    if not ranked.fits:
+        raise ValueError(
+            f"no plan fits {hw.device.memory_bytes / GIB:.0f} GiB per device on {args.devices} devices"
+        )
+    print(f"choice: tessera generate {generate_flags(ranked.fits[0].config)}")
+
+
+def cmd_plan_train(args) -> None:
+    hw = _hardware(args)
+    spec = model_spec(args.model, args.seq)
+    ranked = search_train(spec, args.devices, hw, global_batch=args.global_batch, seq=spec.tokens)
+    rows = [
+        [
+            i + 1,
+            f"dp={p.candidate.dp} tp={p.candidate.tp} zero={p.candidate.zero}"
+            + (" ckpt" if p.candidate.activation_checkpointing else ""),
+            f"{p.seconds:.3f}",
+            f"{p.tokens_per_s:,.0f}",
+            f"{p.memory_bytes_per_rank / GIB:.1f}",
+        ]
+        for i, p in enumerate(ranked.fits[: args.top])
+    ]
+    print(
+        f"{spec.name}: {spec.total_params / 1e6:,.0f}M parameters, batch {args.global_batch} x {spec.tokens} tokens "
+        f"on {args.devices} x {hw.device.name} ({hw.link.name})"
+    )
+    print(_table(["rank", "plan", "step s", "tokens/s", "GiB/rank"], rows))
+    if ranked.dropped:
+        print(
+            f"{len(ranked.dropped)} plan(s) dropped: over {hw.device.memory_bytes / GIB:.0f} GiB per device"
+        )
+    if not ranked.fits:
+        raise ValueError(
+            f"no plan fits {hw.device.memory_bytes / GIB:.0f} GiB per device on {args.devices} devices"
+        )
+    print(f"choice: tessera train {ranked.fits[0].candidate.flags()}")
+
+
+def add_plan_parsers(plan_sub) -> None:
+    p = plan_sub.add_parser(
+        "generate", help="rank the DiT inference plans (pipefusion, ulysses, ring, cfg, ...)"
+    )
+    add_hardware_args(p)
+    p.add_argument("--height", type=int, help="image height in pixels (8x VAE, 2x2 patches)")
+    p.add_argument("--width", type=int, help="image width in pixels")
+    p.add_argument("--steps", type=int, default=20, help="sampling steps")
+    p.add_argument("--no-guidance", action="store_true", help="no classifier-free guidance (Flux)")
+    p.set_defaults(handler=cmd_plan_generate)
+    p = plan_sub.add_parser("train", help="rank the training plans (dp, tp, ZeRO stage, checkpointing)")
+    add_hardware_args(p)
+    p.add_argument("--seq", type=int, default=1024, help="tokens per sample")
+    p.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step")
+    p.set_defaults(handler=cmd_plan_train)

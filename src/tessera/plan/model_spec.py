@@ -1,0 +1,250 @@
+"""What the planner needs to know of a model: a transformer's shape, its parameters and its
+FLOPs, as formulas (no weights, no torch).
+
+Per layer of hidden size h, MLP width f and t tokens attending over a sequence of s:
+
+    parameters   4h^2 + 2hf + extra_layer_params (adaLN modulation, norms, biases, cross-attention)
+    forward      2 t (4h^2 + 2hf + extra_token_params)   the matmuls, 2 FLOPs a multiply-add
+                 (adaLN's modulation acts on one conditioning vector, not per token)
+                 + 4 t s h                       q k^T and attention x v
+    training     3 x forward (backward is twice the forward), 4 x with activation
+                 checkpointing (one forward again)
+
+The presets carry their source; ``params`` is the published total where one is stated (the
+layer formula then only splits the time, it does not decide the memory).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransformerSpec:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int  # MLP inner width
+    tokens: int  # sequence length of one sample (image tokens + text tokens for joint attention)
+    vocab: int = 0  # language models: embedding and head rows
+    extra_layer_params: int = 0  # per layer beyond attention + MLP (adaLN modulation, norms, biases)
+    extra_token_params: int = 0  # of those, the ones every token is multiplied by (cross-attention q, o)
+    params: int | None = None  # published total; None: counted from the formula
+    linear_attention: bool = False  # attention costs 4 t h^2 / heads instead of 4 t s h (SANA)
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "hidden", "heads", "ffn", "tokens"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"model {self.name!r}: {field} must be a positive integer, got {value!r}")
+        if self.hidden % self.heads:
+            raise ValueError(
+                f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}"
+            )
+
+    @property
+    def layer_params(self) -> int:
+        return 4 * self.hidden**2 + 2 * self.hidden * self.ffn + self.extra_layer_params
+
+    @property
+    def total_params(self) -> int:
+        if self.params is not None:
+            return self.params
+        return self.layers * self.layer_params + self.vocab * self.hidden
+
+    def linear_flops(self, tokens: int) -> float:
+        """Forward FLOPs of one layer's matmuls for ``tokens`` tokens."""
+        return 2.0 * tokens * (4 * self.hidden**2 + 2 * self.hidden * self.ffn + self.extra_token_params)
+
+    def attention_flops(self, queries: int, keys: int) -> float:
+        """Forward FLOPs of one layer's attention: ``queries`` tokens over ``keys``."""
+        if self.linear_attention:
+            return 4.0 * queries * self.hidden * (self.hidden // self.heads)
+        return 4.0 * queries * keys * self.hidden
+
+    def layer_flops(self, tokens: int | None = None) -> float:
+        t = self.tokens if tokens is None else tokens
+        return self.linear_flops(t) + self.attention_flops(t, t)
+
+    def head_flops(self, tokens: int) -> float:
+        return 2.0 * tokens * self.vocab * self.hidden
+
+    def with_tokens(self, tokens: int) -> TransformerSpec:
+        return dataclasses.replace(self, tokens=tokens)
+
+
+def dit_spec(
+    name: str,
+    *,
+    latent: int,
+    patch: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    text_tokens: int = 0,
+    cross_attention: bool = False,
+    adaln_single: bool = False,
+    mlp_ratio: float = 4.0,
+    params: int | None = None,
+    source: str = "",
+    **extra,
+) -> TransformerSpec:
+    """A DiT over a ``latent`` x ``latent`` latent cut into ``patch`` x ``patch`` patches,
+    with adaLN modulation (6h^2 + 6h per layer) as DiT and PixArt have it; ``text_tokens``
+    join the sequence (joint attention, Flux/SD3), ``cross_attention`` adds PixArt's
+    cross-attention to the text (4h^2 parameters, q and o per image token); ``adaln_single``
+    shares one modulation over all layers (PixArt), so no 6h^2 per layer."""
+    return TransformerSpec(
+        name=name,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        ffn=int(hidden * mlp_ratio),
+        tokens=(latent // patch) ** 2 + text_tokens,
+        extra_layer_params=(0 if adaln_single else 6 * hidden**2 + 6 * hidden)
+        + (4 * hidden**2 if cross_attention else 0),
+        extra_token_params=2 * hidden**2 if cross_attention else 0,
+        params=params,
+        source=source,
+        **extra,
+    )
+
+
+def gpt2_spec(
+    name: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    tokens: int = 1024,
+    positions: int = 1024,
+    vocab: int = 50257,
+) -> TransformerSpec:
+    # GPT-2: learned positions (1024 x h) beside the tied embedding; 2 LayerNorms + biases per layer.
+    return TransformerSpec(
+        name=name,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        ffn=4 * hidden,
+        tokens=tokens,
+        vocab=vocab,
+        extra_layer_params=13 * hidden,
+        params=layers * (12 * hidden**2 + 13 * hidden) + vocab * hidden + positions * hidden + 2 * hidden,
+        source="Radford et al. 2019, GPT-2 configs in transformers",
+    )
+
+
+PRESETS: dict[str, TransformerSpec] = {
+    s.name: s
+    for s in (
+        gpt2_spec("gpt2", 12, 768, 12),
+        gpt2_spec("gpt2-medium", 24, 1024, 16),
+        gpt2_spec("gpt2-large", 36, 1280, 20),
+        gpt2_spec("gpt2-xl", 48, 1600, 25),
+        # The DiT of `tessera bench dit` (BENCH_MODEL there) at 64x64 latents.
+        dit_spec("bench-dit", latent=64, patch=2, layers=12, hidden=384, heads=6, source="tessera bench dit"),
+        # PixArt-alpha XL/2 at 1024px: 128x128 latent, 2x2 patches, 28 layers, 1152 wide, 16 heads.
+        dit_spec(
+            "pixart-alpha",
+            latent=128,
+            patch=2,
+            layers=28,
+            hidden=1152,
+            heads=16,
+            cross_attention=True,
+            adaln_single=True,
+            params=611_000_000,
+            source="PixArt-alpha paper (0.6B), transformer config of PixArt-XL-2-1024-MS",
+        ),
+        # FLUX.1-dev at 1024px: 19 double + 38 single blocks (a double block is two streams, so
+        # counted as 2 layers: 76 layer-equivalents of 3072 wide), 4096 image + 512 text tokens.
+        dit_spec(
+            "flux-dev",
+            latent=128,
+            patch=2,
+            layers=76,
+            hidden=3072,
+            heads=24,
+            text_tokens=512,
+            params=11_900_000_000,
+            source="black-forest-labs FLUX.1-dev transformer config (12B)",
+        ),
+        # SANA 1600M at 4096px: DC-AE (32x) latent 128x128, patch 1, 20 layers, 2240 wide,
+        # linear attention, Mix-FFN 2.5x.
+        dit_spec(
+            "sana-1600m-4k",
+            latent=128,
+            patch=1,
+            layers=20,
+            hidden=2240,
+            heads=70,
+            mlp_ratio=2.5,
+            params=1_600_000_000,
+            linear_attention=True,
+            text_tokens=300,
+            source="SANA paper (1.6B), Sana_1600M_4Kpx config",
+        ),
+        # HunyuanVideo 13B at 1280x720, 129 frames: latent 33 x 90 x 160, 1x2x2 patches ->
+        # 118,800 tokens (+256 text); 20 double + 40 single blocks of 3072 (80 layer-equivalents).
+        TransformerSpec(
+            name="hunyuanvideo-720p",
+            layers=80,
+            hidden=3072,
+            heads=24,
+            ffn=4 * 3072,
+            tokens=33 * 45 * 80 + 256,
+            extra_layer_params=6 * 3072**2,
+            params=13_000_000_000,
+            source="HunyuanVideo paper (13B), 720p x 129 frames",
+        ),
+    )
+}
+
+
+def spec_from_config(path: str | Path, tokens: int | None = None) -> TransformerSpec:
+    """A spec from a transformers ``config.json`` (GPT-2 or Llama-style keys)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(
+            f"{path}: no config.json there; give a preset ({', '.join(PRESETS)}) or a model folder"
+        )
+    cfg = json.loads(file.read_text())
+    hidden = cfg.get("hidden_size", cfg.get("n_embd"))
+    layers = cfg.get("num_hidden_layers", cfg.get("n_layer"))
+    heads = cfg.get("num_attention_heads", cfg.get("n_head"))
+    if not (hidden and layers and heads):
+        raise ValueError(f"{file}: needs hidden_size/n_embd, num_hidden_layers/n_layer and heads")
+    ffn = cfg.get("intermediate_size") or cfg.get("n_inner") or 4 * hidden
+    gated = "intermediate_size" in cfg and cfg.get("hidden_act", "") in (
+        "silu",
+        "swiglu",
+        "gelu_pytorch_tanh",
+    )
+    return TransformerSpec(
+        name=cfg.get("model_type", file.parent.name),
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        ffn=int(ffn * 1.5) if gated else ffn,  # a gated MLP has 3 matrices of h x f: 1.5x two
+        tokens=tokens or cfg.get("max_position_embeddings", cfg.get("n_positions", 1024)),
+        vocab=cfg.get("vocab_size", 0),
+        source=str(file),
+    )
+
+
+def model_spec(name: str, tokens: int | None = None) -> TransformerSpec:
+    """A preset by name, or a model folder / config.json path."""
+    if name in PRESETS:
+        spec = PRESETS[name]
+        return spec.with_tokens(tokens) if tokens else spec
+    if Path(name).exists():
+        return spec_from_config(name, tokens)
+    raise ValueError(
+        f"unknown model {name!r}; give a preset ({', '.join(PRESETS)}) or a transformers model folder"
+    )

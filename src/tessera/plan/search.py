@@ -1,0 +1,96 @@
+"""Enumerate the valid plans for a world size, drop those that do not fit the device's
+memory, rank the rest by predicted time."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from tessera.diffusion.layout import ParallelConfig
+from tessera.plan.hardware import Hardware
+from tessera.plan.inference import GeneratePrediction, predict_generate
+from tessera.plan.model_spec import TransformerSpec
+from tessera.plan.training import TrainCandidate, TrainPrediction, predict_train
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def generate_configs(spec: TransformerSpec, world: int, guidance: bool) -> list[ParallelConfig]:
+    """Every PipeFusion x Ulysses x Ring x CFG product equal to ``world`` (patches: the
+    degree and twice it), and the TP and DistriFusion baselines over all ranks."""
+    out: list[ParallelConfig] = []
+    for cfg in (1, 2) if guidance else (1,):
+        if world % cfg:
+            continue
+        rest = world // cfg
+        for p, u in itertools.product(divisors(rest), repeat=2):
+            if rest % (p * u) or spec.heads % u or spec.layers < p:
+                continue
+            r = rest // (p * u)
+            for patches in sorted({p, 2 * p}) if p > 1 else (None,):
+                kwargs = dict(ulysses_degree=u, ring_degree=r, pipefusion_degree=p, cfg_parallel=cfg == 2)
+                out.append(ParallelConfig(**kwargs, num_patches=patches))
+    if world > 1:
+        if spec.heads % world == 0:
+            out.append(ParallelConfig(tp_degree=world))
+        out.append(ParallelConfig(distrifusion_degree=world))
+    return out
+
+
+def train_candidates(spec: TransformerSpec, world: int) -> list[TrainCandidate]:
+    return [
+        TrainCandidate(dp=world // tp, tp=tp, zero=zero, activation_checkpointing=ckpt)
+        for tp in divisors(world)
+        if spec.heads % tp == 0
+        for zero in (0, 1, 2, 3)
+        if world // tp > 1 or zero == 0
+        for ckpt in (False, True)
+    ]
+
+
+@dataclass(frozen=True)
+class Ranked:
+    fits: list  # predictions that fit, fastest first
+    dropped: list  # predictions over the memory budget
+
+
+def _rank(predictions, budget: float) -> Ranked:
+    fits = sorted((p for p in predictions if p.memory_bytes_per_rank <= budget), key=lambda p: p.seconds)
+    return Ranked(fits, [p for p in predictions if p.memory_bytes_per_rank > budget])
+
+
+def search_generate(
+    spec: TransformerSpec, world: int, hw: Hardware, *, steps: int, guidance: bool = True, batch: int = 1
+) -> Ranked:
+    preds: list[GeneratePrediction] = [
+        predict_generate(spec, c, hw, steps=steps, guidance=guidance, batch=batch)
+        for c in generate_configs(spec, world, guidance)
+    ]
+    return _rank(preds, hw.device.memory_bytes)
+
+
+def search_train(spec: TransformerSpec, world: int, hw: Hardware, *, global_batch: int, seq: int) -> Ranked:
+    preds: list[TrainPrediction] = [
+        predict_train(spec, c, hw, global_batch=global_batch, seq=seq)
+        for c in train_candidates(spec, world)
+        if global_batch % c.dp == 0
+    ]
+    return _rank(preds, hw.device.memory_bytes)
+
+
+def generate_flags(config: ParallelConfig) -> str:
+    parts = [f"--nproc {config.world_size}"]
+    for axis, flag in (("pipefusion", "--pipefusion"), ("ulysses", "--ulysses"), ("ring", "--ring")):
+        if config.degree(axis) > 1:
+            parts.append(f"{flag} {config.degree(axis)}")
+    if config.method == "pipefusion":
+        parts.append(f"--patches {config.patches} --warmup-steps {config.warmup_steps}")
+    if config.cfg_parallel:
+        parts.append("--cfg-parallel")
+    if config.tp_degree > 1:
+        parts.append(f"--tp {config.tp_degree}")
+    if config.distrifusion_degree > 1:
+        parts.append(f"--distrifusion {config.distrifusion_degree} --warmup-steps {config.warmup_steps}")
+    return " ".join(parts)

@@ -1,0 +1,150 @@
+"""The planner's pieces: the simulator on hand-computed schedules, the training memory and
+byte formulas against a real boost run's counted state and ledger, the DiT byte formulas
+as the simulator reports them, and the search and command line."""
+
+import pytest
+import torch
+
+from tessera.cli import main
+from tessera.diffusion.layout import ParallelConfig
+from tessera.plan.check import calibrate
+from tessera.plan.devices import DeviceProfile, device_named
+from tessera.plan.hardware import Hardware
+from tessera.plan.inference import predict_generate
+from tessera.plan.model_spec import PRESETS, gpt2_spec, model_spec
+from tessera.plan.published import TABLES
+from tessera.plan.search import generate_configs, generate_flags, search_generate
+from tessera.plan.simulate import Schedule, simulate
+from tessera.plan.training import TrainCandidate, comm_bytes_per_rank, model_state_bytes
+from tessera.runtime import spawn
+from tessera.runtime.link import Link, link_named
+
+UNIT = DeviceProfile(
+    name="unit", fp32_flops=1.0, bf16_flops=1.0, memory_bandwidth=1.0, memory_bytes=2**40, source="test"
+)
+
+
+def test_simulator_hand_computed_schedules():
+    s = Schedule(ranks=2)
+    a0, a1 = s.compute(0, 1.0), s.compute(1, 3.0)
+    sync = s.transfer([0, 1], 2.0, after=(a0, a1))  # starts when the slower rank is done: 3
+    s.compute(0, 1.0, after=(sync,))  # 5 -> 6
+    s.compute(1, 4.0)  # overlaps the collective: rank 1's compute is free at 3 -> 7
+    t = simulate(s)
+    assert t.start[sync] == 3.0 and t.end[sync] == 5.0
+    assert t.end == (1.0, 3.0, 5.0, 6.0, 7.0) and t.makespan == 7.0
+    s = Schedule(ranks=2)
+    first = s.p2p(0, 1, 2.0)
+    s.p2p(0, 1, 1.0)  # same sender: after the first send (issue order)
+    s.p2p(1, 0, 1.5)  # the other direction: full duplex, runs at once
+    assert simulate(s).end == (2.0, 3.0, 1.5) and first == 0
+    with pytest.raises(ValueError, match="ranks"):
+        Schedule(ranks=2).compute(2, 1.0)
+    with pytest.raises(ValueError, match="not yet added"):
+        Schedule(ranks=1).compute(0, 1.0, after=(3,))
+
+
+def test_generate_simulation_small_cases():
+    """Serial time is FLOPs / rate; a Ulysses pair halves compute and adds exactly its
+    all-to-alls (link: 1 B/s, no latency); PipeFusion's bytes are the ledger formula's."""
+    spec = PRESETS["bench-dit"].with_tokens(64)
+    hw = Hardware(device=UNIT, link=Link(name="l", bandwidth=1e12, latency=0.0), dtype="fp32", efficiency=1.0)
+    serial = predict_generate(spec, ParallelConfig(), hw, steps=3, guidance=False)
+    assert serial.seconds == pytest.approx(3 * spec.layers * spec.layer_flops(), rel=1e-9)
+    u = predict_generate(spec, ParallelConfig(ulysses_degree=2), hw, steps=3, guidance=False)
+    a2a = 3 * spec.layers * 2 * hw.comm_seconds("all_to_all", 2 * 64 * spec.hidden * 4 / 2, [0, 1])
+    assert u.seconds == pytest.approx(serial.seconds / 2 + a2a, rel=1e-6)
+    # A PipeFusion pipeline of 2 stages, 4 patches, no warm-up: one stage's work per patch
+    # plus the fill of one patch (links free), i.e. (steps * 4 + 1) patch-stages.
+    pf = ParallelConfig(pipefusion_degree=2, num_patches=4, warmup_steps=0)
+    pred = predict_generate(spec, pf, hw, steps=3, guidance=False)
+    per_patch_stage = (spec.linear_flops(16) + spec.attention_flops(16, 64)) * spec.layers / 2
+    assert pred.seconds == pytest.approx((3 * 4 + 1) * per_patch_stage, rel=1e-3)
+    assert pred.params_bytes_per_rank == pytest.approx(serial.params_bytes_per_rank / 2)
+
+
+def _boost_rank() -> list[dict]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import tessera
+    from tessera.bench.train import _local, _optimizer_tensors, state_bytes
+    from tessera.runtime import Mesh
+    from tessera.train.losses import causal_lm_loss
+
+    out = []
+    for zero in range(4):
+        torch.manual_seed(0)
+        config = GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=16, bos_token_id=0, eos_token_id=0
+        )
+        mesh = Mesh(dp=2)
+        model = GPT2LMHeadModel(config)
+        plan = tessera.Plan(dp=2, zero=zero, block_chunks=True)
+        model, opt = tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan, mesh)
+        opt.train_step(torch.randint(0, 128, (2, 16)), causal_lm_loss)
+        mesh.comm.ledger.reset()  # a steady-state step: the second
+        opt.train_step(torch.randint(0, 128, (2, 16)), causal_lm_loss)
+        params = list(model.parameters())
+        roots = {
+            "params": [_local(p) for p in params] + opt.engine.shards,
+            "grads": [p.grad for p in params] + [s.grad for s in opt.engine.shards],
+            "optimizer": _optimizer_tensors(opt.inner),
+        }
+        ledger = {k: v["bytes"] for k, v in mesh.comm.ledger.snapshot().items() if v["bytes"] and k.endswith("@dp")}
+        out.append({"state": state_bytes(roots), "ledger": ledger, "stepped": len(opt.inner.state)})
+    return out
+
+
+def test_training_formulas_equal_a_boost_runs_counted_state_and_bytes():
+    """Model state and bytes moved per rank, ZeRO 0-3 on 2 ranks, one step: formula = count
+    exactly (block chunks of even sizes, so no shard padding) but for Adam's step counters (a
+    4-byte scalar per stepped tensor, which the formula leaves out as noise at any real size).
+    Beside the gradients, boost all-reduces bookkeeping on dp: the loss average and which
+    parameters got a gradient (a flag per parameter tensor): at most 4 bytes per tensor + 8."""
+    spec = gpt2_spec("tiny", 2, 32, 4, tokens=16, positions=16, vocab=128)
+    for zero, got in enumerate(spawn(_boost_rank, 2)[0]):
+        c = TrainCandidate(dp=2, zero=zero)
+        state = {k: int(v) for k, v in model_state_bytes(spec, c).items()}
+        state["optimizer"] += 4 * got["stepped"]
+        assert got["state"] == state, zero
+        expected = {k: int(v) for k, v in comm_bytes_per_rank(spec, c, 1, 16, 4).items()}
+        tensors = 2 * 12 + 4  # GPT-2: 12 per block, wte, wpe, ln_f weight and bias
+        extra = got["ledger"].get("all_reduce@dp", 0) - expected.get("all_reduce@dp", 0)
+        assert 0 < extra <= 4 * tensors + 8, (zero, extra)
+        assert {k: v for k, v in got["ledger"].items() if k != "all_reduce@dp"} == {
+            k: v for k, v in expected.items() if k != "all_reduce@dp"
+        }, zero
+
+
+def test_search_and_calibration():
+    spec = model_spec("flux-dev")
+    configs = generate_configs(spec, 4, guidance=False)
+    assert all(c.world_size == 4 for c in configs) and len({c.describe() for c in configs}) == len(configs)
+    hw = Hardware(device=device_named("h100"), link=link_named("nvlink4"), efficiency=0.4)
+    ranked = search_generate(spec, 4, hw, steps=4, guidance=False)
+    assert [p.seconds for p in ranked.fits] == sorted(p.seconds for p in ranked.fits)
+    assert generate_flags(ParallelConfig(pipefusion_degree=2, ulysses_degree=2)).startswith(
+        "--nproc 4 --pipefusion 2"
+    )
+    table = TABLES[0]
+    serial = ParallelConfig()
+    cal = calibrate(
+        lambda h: predict_generate(spec, serial, h, steps=table.steps, guidance=False).seconds, hw, 6.71
+    )
+    assert predict_generate(spec, serial, cal, steps=table.steps, guidance=False).seconds == pytest.approx(
+        6.71, rel=1e-4
+    )
+
+
+def test_plan_cli(capsys):
+    assert (
+        main(["plan", "generate", "--model", "bench-dit", "--devices", "2", "--steps", "4", "--top", "3"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "choice: tessera generate --nproc 2" in out
+    assert main(["plan", "train", "--model", "gpt2", "--devices", "2", "--device-profile", "a100"]) == 0
+    assert "choice: tessera train --nproc 2" in capsys.readouterr().out
+    assert main(["plan", "train", "--model", "nope", "--devices", "2"]) == 2
+    assert "unknown model 'nope'" in capsys.readouterr().err
+    assert main(["plan", "generate", "--model", "gpt2", "--devices", "4", "--nodes", "3"]) == 2
