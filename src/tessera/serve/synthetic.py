@@ -109,4 +109,17 @@ def build_encoder(directory: str | Path, spec: EncoderSpec = EncoderSpec()) -> P
     directory = Path(directory)
     model.save_pretrained(directory)
     word_tokenizer(spec.vocab_size, spec.max_length).save_pretrained(directory)
+    _portable_tokenizer_class(directory / "tokenizer_config.json")
     return directory
+
+
+def _portable_tokenizer_class(path: Path) -> None:
+    """transformers 5 names the class of a tokenizer made from a `tokenizers` object
+    ``TokenizersBackend``, which transformers 4 (what infinity-emb runs) cannot load;
+    ``PreTrainedTokenizerFast`` is the same class to both, read from tokenizer.json."""
+    import json
+
+    config = json.loads(path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.pop("backend", None)
+    path.write_text(json.dumps(config, indent=2) + "\n")

@@ -87,8 +87,10 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
 def _per_request(q, k, v, offsets, scaling) -> torch.Tensor:
     parts = []
     for a, b in zip(offsets[:-1], offsets[1:], strict=True):
-        piece = (t[a:b].transpose(0, 1) for t in (q, k, v))  # (H, n, D)
-        parts.append(F.scaled_dot_product_attention(*piece, scale=scaling).transpose(0, 1))
+        # (1, H, n, D): CPU's fused (flash) kernel takes 4-D inputs only; 3-D falls back to
+        # the unfused math path (bmm, softmax, bmm), measured 1.5x slower on MiniLM.
+        piece = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
+        parts.append(F.scaled_dot_product_attention(*piece, scale=scaling)[0].transpose(0, 1))
     return torch.cat(parts)
 
 
