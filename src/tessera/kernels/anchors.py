@@ -127,19 +127,34 @@ def _tvm_conv_module(s: Conv2dShape):
     return te.create_prim_func([x, w, y]), [s.input_shape, s.weight_shape], s.output_shape
 
 
-def tvm_runner(kind: str, spec, threads: int, trials: int, work_dir: str | None = None):
-    """Tune with MetaSchedule (``trials`` measured candidates) and build; returns (call,
-    tuning seconds). TVM's own thread pool is sized to ``threads``."""
+def _tvm_target(threads: int):
+    import tvm
+
+    from tessera.kernels.machine import cpu_isas
+
+    mcpu = "skylake-avx512" if "avx512" in cpu_isas() else "core-avx2"  # the widest ISA we use too
+    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": threads})
+
+
+def _tvm_tune_and_time(kind: str, spec, threads: int, trials: int, repeats: int) -> dict:
+    """In a child process: tune with MetaSchedule (``trials`` measured candidates), build the
+    best, time it (median of ``repeats`` after a warm-up)."""
+    import statistics
+
+    os.environ["TVM_NUM_THREADS"] = str(threads)
     import tvm
     from tvm.s_tir import meta_schedule as ms
 
-    os.environ["TVM_NUM_THREADS"] = str(threads)
     func, in_shapes, out_shape = _tvm_gemm_module(*spec) if kind == "gemm" else _tvm_conv_module(spec)
-    target = tvm.target.Target({"kind": "llvm", "mcpu": "core-avx2", "num-cores": threads})
+    target = _tvm_target(threads)
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        database = ms.tune_tir(mod=func, target=target, work_dir=work_dir or tmp,
-                               max_trials_global=trials, num_trials_per_iter=min(16, trials))
+        # generous build/run timeouts: on a loaded 2-core machine a worker's start alone can pass 30 s
+        database = ms.tune_tir(
+            mod=func, target=target, work_dir=tmp, max_trials_global=trials, num_trials_per_iter=min(16, trials),
+            builder=ms.builder.LocalBuilder(timeout_sec=300), runner=ms.runner.LocalRunner(timeout_sec=120),
+            num_tuning_cores=threads,
+        )
         sch = ms.tir_integration.compile_tir(database, func, target)
     tuning = time.perf_counter() - began
     lib = tvm.compile(sch.mod if sch is not None else func, target=target)
@@ -147,8 +162,23 @@ def tvm_runner(kind: str, spec, threads: int, trials: int, work_dir: str | None 
     args = [tvm.runtime.tensor(x, dev) for x in _rng_inputs(*in_shapes)]
     args.append(tvm.runtime.tensor(np.empty(out_shape, np.float32), dev))
     fn = lib["main"]
-
-    def call():
+    fn(*args)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
         fn(*args)
+        times.append(time.perf_counter() - t0)
+    return {"seconds": statistics.median(times), "tuning_s": tuning, "tuned": sch is not None}
 
-    return call, tuning, sch is not None
+
+def tvm_measure(kind: str, spec, threads: int, trials: int, repeats: int = 5) -> dict:
+    """TVM's tuned time of one operator, run in a fresh child process (TVM's thread pool and
+    its crashes stay out of ours); {"error": why} when it fails."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    try:
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            return pool.submit(_tvm_tune_and_time, kind, spec, threads, trials, repeats).result()
+    except Exception as exc:  # a failing optional anchor is reported in the results, not raised
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]}

@@ -108,10 +108,21 @@ def random_inputs(op: Operator, seed: int = 0) -> list[np.ndarray]:
     return [rng.standard_normal(t.shape, dtype=np.float32) for t in op.inputs]
 
 
-def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int) -> None:
-    first = kernel.time(*inputs, threads=threads, repeats=1, warmup=1)[0]
-    reps = max(3, min(repeats, int(1.0 / max(first, 1e-6))))  # about a second per candidate at most
-    trial.times = [first, *kernel.time(*inputs, threads=threads, repeats=reps - 1, warmup=0)]
+REJECT_FACTOR = 1.5  # a first run this much slower than the best median so far ends the candidate ...
+REJECT_AFTER_S = 0.05  # ... when it took this long (cold-call costs are then a small part of it)
+
+
+def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int, best: float) -> None:
+    """Median of up to ``repeats`` timed runs (about a second per candidate at most) after
+    a timed warm-up run. A candidate whose long warm-up run is already far slower than the
+    best median found keeps that one time (its cold cost, a few per cent above a warm one at
+    that length): the rank stays right, and large shapes tune in a fraction of the time."""
+    first = kernel.time(*inputs, threads=threads, repeats=1, warmup=0)[0]
+    if first > REJECT_AFTER_S and first > REJECT_FACTOR * best:
+        trial.times, trial.measured = [first], first
+        return
+    reps = max(3, min(repeats, int(1.0 / max(first, 1e-6))))
+    trial.times = kernel.time(*inputs, threads=threads, repeats=reps, warmup=0)
     trial.measured = statistics.median(trial.times)
 
 
@@ -133,9 +144,11 @@ def tune(
     compile_seconds = time.perf_counter() - t0
     inputs = random_inputs(op)
     t0 = time.perf_counter()
+    best_so_far = float("inf")
     for trial, kernel in zip(picked, kernels, strict=True):
         trial.compile_seconds = kernel.compiled.compile_seconds
-        _measure(trial, kernel, inputs, threads, repeats)
+        _measure(trial, kernel, inputs, threads, repeats, best_so_far)
+        best_so_far = min(best_so_far, trial.measured)
     measure_seconds = time.perf_counter() - t0
     best = min(picked, key=lambda t: t.measured).schedule
     tuned = Tuned(op, threads, best, picked, len(trials), model_seconds, compile_seconds, measure_seconds,

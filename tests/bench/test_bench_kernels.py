@@ -1,0 +1,26 @@
+"""`tessera bench kernels --quick` end to end: the machine is measured, every case is tuned
+and timed beside torch and numpy (TVM when installed, its absence said otherwise), the
+headline has its figures, and the JSON, markdown and roofline PNG are written."""
+
+import json
+
+from tessera.bench.harness import write_results
+from tessera.bench.kernels import QUICK, plot_kernels, run_kernels_bench
+
+
+def test_quick_kernels_bench(tmp_path, monkeypatch):
+    monkeypatch.setenv("TESSERA_KERNEL_CACHE", str(tmp_path / "cache"))
+    result = run_kernels_bench(QUICK, progress=False)
+    assert {(r["kind"], r["threads"]) for r in result.rows} == {(k, t) for k in ("gemm", "conv") for t in (1, 2)}
+    for row in result.rows:
+        assert row["gflops"] > 0 and row["torch_gflops"] > 0 and row["numpy_gflops"] > 0
+        assert row["measured_candidates"] >= QUICK.top_k and row["tuning_s"] > 0
+    h = result.headline
+    assert 0 < h["sgemm_256_fraction_of_peak_1_thread"] < 1.2
+    assert 0 <= h["win_fraction_vs_best_anchor"] <= 1 and h["shapes"] == len(result.rows)
+    assert "tvm" in h or h["tvm_shapes"] >= 1  # either measured or why not stated
+    assert result.extra["training"]["max_abs_gap"] < 1e-3
+    paths = write_results(result, tmp_path, plot_kernels)
+    data = json.loads(paths[0].read_text())
+    assert data["headline"] == h and data["machine_parameters"]["isa"] == h["isa"]
+    assert "## Machine" in paths[1].read_text() and paths[2].stat().st_size > 10_000
