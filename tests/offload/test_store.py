@@ -58,7 +58,9 @@ def test_a_request_past_the_budget_names_tier_request_and_budget(tmp_path):
     store = _store(tmp_path, 1536, StaticPolicy())
     _chunks(store, 1)
     store.use("c0")  # in use: cannot move
-    with pytest.raises(TierFull, match=r"host tier: chunk c1 .* needs 1024 bytes, 1024 of the budget of 1536"):
+    with pytest.raises(
+        TierFull, match=r"host tier: chunk c1 .* needs 1024 bytes, 1024 of the budget of 1536"
+    ):
         store.register("c1", ChunkKind.GRAD, torch.zeros(256))
     store.close()
 

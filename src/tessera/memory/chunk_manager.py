@@ -34,6 +34,7 @@ class ParamChunk:
     def __init__(self, chunk: Chunk, params: list[nn.Parameter], group_index: int, tp_sharded: bool):
         self.chunk, self.params, self.group_index, self.tp_sharded = chunk, params, group_index, tp_sharded
         self.resident = True
+        self.state = ChunkState.FREE  # stage 3 moves it (ZeroEngine.gather / _release)
 
     def slot_of(self, p: nn.Parameter) -> Slot:
         return self.chunk.slots[next(i for i, q in enumerate(self.params) if q is p)]

@@ -123,8 +123,10 @@ class TieredStore:
         return [
             k
             for k, c in self.chunks.items()
-            if c.tier == tier and c is not keep and c.state is not ChunkState.COMPUTE and c.pending is None
-            and c.state is not ChunkState.RELEASED
+            if c.tier == tier
+            and c is not keep
+            and c.state not in (ChunkState.COMPUTE, ChunkState.RELEASED)
+            and (c.pending is None or c.pending.done())  # a read in flight cannot be undone
         ]
 
     def _make_room(self, tier: int, nbytes: int, *, keep, what: str, before: float | None = None) -> bool:
@@ -147,11 +149,14 @@ class TieredStore:
         written only where the slow copy is stale."""
         if chunk.state is ChunkState.COMPUTE or chunk.tier == len(self.tiers) - 1:
             return
+        if chunk.pending is not None:  # a finished prefetch, not used after all
+            chunk.pending.result()
+            chunk.pending = None
         down = chunk.tier + 1
         if self.tiers[down] is not self.disk:  # CUDA: device -> pinned host memory
             self._make_room(down, chunk.nbytes, keep=chunk, what=repr(chunk))
             self.tiers[down].reserve(chunk.nbytes, repr(chunk))
-            chunk.host = torch.empty(chunk.tensor.shape, dtype=chunk.tensor.dtype, pin_memory=True)
+            chunk.host = _host_like(chunk.tensor)
             chunk.host.copy_(chunk.tensor)
         else:
             data = chunk.host if chunk.host is not None else chunk.tensor
@@ -188,9 +193,9 @@ class TieredStore:
         self.moves.read += chunk.nbytes
         self.moves.fetches += 1
         if chunk.host is None:  # on disk
-            if chunk.tensor.device.type == "cpu":
+            if chunk.tensor.device.type != "cuda":
                 return self.pool.submit(self.disk.read_into, chunk.key, chunk.tensor)
-            chunk.host = torch.empty(chunk.tensor.shape, dtype=chunk.tensor.dtype, pin_memory=True)
+            chunk.host = _host_like(chunk.tensor)
             self.disk.read_into(chunk.key, chunk.host)
         else:  # in host memory (CUDA), which it now leaves
             self.tiers[source].release(chunk.nbytes)
@@ -229,20 +234,32 @@ class TieredStore:
     def all_resident(self):
         """Every chunk on the compute tier, budget suspended (saving, loading); evicted
         back to the budget after."""
-        budget = self.tiers[0].budget
-        self.tiers[0].budget = None
-        keys = list(self.chunks)
-        states = {k: self.chunks[k].state for k in keys}
-        for k in keys:
-            self.use(k, write=True)
+        states = {k: c.state for k, c in self.chunks.items()}
+        with self.unbounded():
+            for k in list(self.chunks):
+                self.use(k, write=True)
+            try:
+                yield
+            finally:
+                for k, c in list(self.chunks.items()):
+                    if c.state is ChunkState.COMPUTE:  # also chunks made meanwhile (a loaded state)
+                        before = states.get(k, ChunkState.HOLD)
+                        self.done(k, ChunkState.HOLD if before is ChunkState.FREE else before)
+        self.settle()
+
+    @contextlib.contextmanager
+    def unbounded(self):
+        """The compute tier's budget suspended meanwhile (whole-model access)."""
+        budget, self.tiers[0].budget = self.tiers[0].budget, None
         try:
             yield
         finally:
-            for k in keys:
-                if k in self.chunks:
-                    self.done(k, states[k] if states[k] is not ChunkState.FREE else ChunkState.HOLD)
             self.tiers[0].budget = budget
-            self._make_room(0, 0, keep=None, what="the chunks held while saving or loading")
+
+    def settle(self) -> None:
+        """Evict what may move until the compute tier is within its budget again."""
+        while self.tiers[0].room() < 0 and (movable := self._movable(0, None)):
+            self._evict(self.chunks[self.policy.victim(movable)])
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
@@ -253,7 +270,10 @@ class TieredStore:
     def _nonmodel(self) -> int:
         """Bytes on the compute tier that are not chunks (activations, temporaries, runtime)."""
         device = self.tiers[0].device
-        total = torch.cuda.memory_allocated(device) if device.type == "cuda" else resident_bytes()
+        if device.type == "cuda":
+            total = torch.cuda.memory_allocated(device) if torch.cuda.is_available() else 0
+        else:
+            total = resident_bytes()
         return max(0, total - self.tiers[0].used)
 
     @staticmethod
@@ -263,6 +283,13 @@ class TieredStore:
     @staticmethod
     def _restore_storage(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(t.numel() * t.element_size())
+
+
+def _host_like(t: torch.Tensor) -> torch.Tensor:
+    """Room in host memory for ``t`` (pinned, for asynchronous copies; meta in a dry run)."""
+    if t.device.type == "meta":
+        return torch.empty_like(t)
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
 __all__ = ["TieredChunk", "TieredStore", "TierFull", "Moves"]

@@ -61,7 +61,9 @@ def check_dir(path: str | os.PathLike, need: int) -> Path:
         with tempfile.NamedTemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise ValueError(f"Plan.offload_dir={str(path)!r} is not a writable directory ({e.strerror})") from None
+        raise ValueError(
+            f"Plan.offload_dir={str(path)!r} is not a writable directory ({e.strerror})"
+        ) from None
     free = shutil.disk_usage(path).free
     if free < need:
         raise ValueError(

@@ -44,6 +44,7 @@ import math
 import torch
 from torch import nn
 
+from tessera.memory.chunk import ChunkState
 from tessera.memory.chunk_manager import ChunkManager, ParamChunk
 from tessera.memory.chunk_manager import local as _local
 from tessera.runtime import Mesh
@@ -65,6 +66,7 @@ class ZeroEngine:
         max_grad_norm: float | None = None,
         tp_axis: str | None = None,
         segment_of: dict[nn.Parameter, int] | None = None,
+        offload: dict | None = None,
     ):
         self.model, self.zero, self.mesh, self.axis = model, zero, mesh, axis
         self.tp_axis = tp_axis if tp_axis is not None and mesh.size(tp_axis) > 1 else None
@@ -80,6 +82,7 @@ class ZeroEngine:
         self.groups: list[ParamChunk] = self.manager.chunks
         self.owner = self.manager.owner
         self.pending = {cg: len(cg.params) for cg in self.groups}
+        self.expected = {cg: len(cg.params) for cg in self.groups}  # gradients a step brings
         self.reduced = {cg: False for cg in self.groups}
         self.grad_shard: dict[ParamChunk, torch.Tensor | None] = {}
         self.seen: set[nn.Parameter] = set()
@@ -97,10 +100,13 @@ class ZeroEngine:
                 group.pop("param_names", None)  # they named the parameters, not the shards
             optimizer.state.clear()  # any state it held is loaded again by tessera.boost
         self.optimizer = optimizer
+        self.offload = None  # tessera.memory.offload.ShardOffload, when chunks are tiered
         if zero == 3:
             for cg in self.groups:
                 cg.bind()
                 cg.free()
+            if offload is not None:
+                self._start_offload(offload)
             self._install_stage3_hooks()
         elif zero == 0:
             for cg in self.groups:
@@ -111,7 +117,14 @@ class ZeroEngine:
     # ---- gradients -------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside accumulate gradients locally (earlier micro-batches)."""
+        """Backward passes inside accumulate gradients locally (earlier micro-batches).
+        Offloaded, each micro-batch is reduced into the gradient chunks instead: whole
+        local gradients of every parameter would not fit a budget below the model."""
+        if self.offload is not None:
+            yield
+            self.finish_backward()
+            self._new_round()
+            return
         self.sync = False
         try:
             yield
@@ -154,6 +167,16 @@ class ZeroEngine:
             self.comm.all_reduce(flat, self.axis, op="avg")
             cg.write_grads(flat, [bool(h) for h in had])
             self.grad_shard[cg] = flat[lo:hi].clone()
+        elif self.offload is not None:
+
+            def reduce(out):
+                self.comm.reduce_scatter_into(out, flat, self.axis)
+                out.div_(self.dp)
+
+            self.offload.reduced_into(self.groups.index(cg), reduce)
+            for p in cg.params:
+                p.grad = None
+            self._release(cg)
         else:
             shard = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
             self.comm.reduce_scatter_into(shard, flat, self.axis)
@@ -161,17 +184,34 @@ class ZeroEngine:
             for p in cg.params:
                 p.grad = None
             if self.zero == 3:
-                cg.free()
+                self._release(cg)
         self.reduced[cg] = True
 
-    def gather(self, cg: ParamChunk, shard: torch.Tensor) -> None:
-        """Stage 3: refill ``cg``'s buffer from every rank's shard (autograd's saved views of
-        it stay valid: their version counter is left as it was)."""
+    def gather(
+        self, cg: ParamChunk, shard: torch.Tensor, after: ChunkState = ChunkState.HOLD_AFTER_FWD
+    ) -> None:
+        """Stage 3: refill ``cg``'s buffer from every rank's shard (autograd's saved views stay
+        valid: their version counter is kept). Offloaded: the shard is fetched, left ``after``."""
         if cg.resident:
             return
+        i = self.groups.index(cg)
+        source = contextlib.nullcontext(shard)
+        if self.offload is not None:
+            self.offload.store.reserve_compute(_nbytes(cg.chunk.buffer), f"whole chunk {i} for compute")
+            source = self.offload.master(i, after)
         buffer = cg.restore()
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
+        self.manager.transition(cg, ChunkState.COMPUTE)
+        with source as shard, torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
             self.comm.all_gather_into(buffer, shard, self.axis)
+
+    def _release(self, cg: ParamChunk) -> None:
+        """Stage 3: empty a whole chunk after its last use."""
+        if not cg.resident:
+            return
+        cg.free()
+        self.manager.transition(cg, ChunkState.RELEASED)
+        if self.offload is not None:
+            self.offload.store.release_compute(_nbytes(cg.chunk.buffer))
 
     def finish_backward(self) -> None:
         """Reduce chunks some of whose parameters got no gradient this step (unused ones)."""
@@ -212,6 +252,8 @@ class ZeroEngine:
         LossScaler``) unscale and agree on overflow, clip, and step unless skipped.
         Returns (gradient norm if clipping, whether the step was skipped)."""
         self.finish_backward()
+        if self.offload is not None:
+            return self._offloaded_step(), False
         found_inf = None
         if loss_scaler is not None:
             found_inf = loss_scaler.unscale_(self.reduced_grads())
@@ -223,13 +265,37 @@ class ZeroEngine:
         if not skipped:
             norm = self._clip()
             self._optimizer_step()
-        for cg in self.groups:
-            self.pending[cg], self.reduced[cg] = len(cg.params), False
+        self._new_round()
         self.grad_shard.clear()
-        self.seen.clear()
         if loss_scaler is not None:
             loss_scaler.update(found_inf)
         return norm, skipped
+
+    def _new_round(self) -> None:
+        for cg in self.groups:
+            self.pending[cg], self.reduced[cg] = self.expected[cg], False
+        self.seen.clear()
+
+    def _offloaded_step(self) -> float | None:
+        try:
+            return self.offload.step(self.comm, self.axis, self.max_grad_norm, self.mesh.device)
+        finally:
+            self._new_round()
+
+    def _start_offload(self, settings: dict) -> None:
+        from tessera.memory.offload import ShardOffload
+
+        whole = [cg.chunk.buffer for cg in self.groups]
+        device, rank = self.mesh.device, self.mesh.rank(self.axis)
+        self.offload = ShardOffload.create(
+            self.manager, self.optimizer, self.shards, whole, device=device, rank=rank, **settings
+        )
+
+    @contextlib.contextmanager
+    def resident(self):
+        """Offloaded: every chunk in fast memory meanwhile (checkpoint save and load)."""
+        with self.offload.resident() if self.offload is not None else contextlib.nullcontext():
+            yield
 
     def _clip(self) -> float | None:
         if self.max_grad_norm is None:
@@ -314,9 +380,9 @@ class ZeroEngine:
         order: list[nn.Module] = []
         last_user: dict[ParamChunk, nn.Module] = {}
 
-        def gather(groups):
+        def gather(groups, after=ChunkState.HOLD_AFTER_FWD):
             for cg in groups:
-                self.gather(cg, shard_of[cg].detach())
+                self.gather(cg, shard_of[cg].detach(), after)
 
         def pre_forward(module, args):
             if not last_user:
@@ -337,27 +403,45 @@ class ZeroEngine:
                 ]
                 if tensors:
                     torch.autograd.graph.register_multi_grad_hook(
-                        tensors, lambda grads: gather(groups), mode="any"
+                        tensors, lambda grads: gather(groups, ChunkState.HOLD_AFTER_BWD), mode="any"
                     )
             for cg in groups:
                 if last_user.get(cg, module) is module:
-                    cg.free()
+                    self._release(cg)
 
         def end_of_forward(module, args, output):
             if not last_user and order:
                 for m in order:
                     for cg in by_module[m]:
                         last_user[cg] = m
+                # parameters of modules that never ran get no gradient: a chunk waits only
+                # for the others (else an unused module would keep every chunk whole
+                # through backward, as reduction goes in chunk order)
+                ran = {p for m in order for p in m.parameters(recurse=False)}
+                for cg in self.groups:
+                    self.expected[cg] = self.pending[cg] = sum(p in ran for p in cg.params)
 
+        def start_of_forward(module, args):
+            if self.offload is not None:  # chunks left whole (gather_all) go back within budget
+                for cg in self.groups:
+                    self._release(cg)
+
+        self.model.register_forward_pre_hook(start_of_forward)
         for module in by_module:
             module.register_forward_pre_hook(pre_forward)
             module.register_forward_hook(post_forward)
         self.model.register_forward_hook(end_of_forward)
 
     def gather_all(self) -> None:
-        """Stage 3: make every parameter whole (for evaluation or saving)."""
-        for cg, shard in zip(self.groups, self.shards, strict=True):
-            self.gather(cg, shard.detach())
+        """Stage 3: every parameter whole (evaluation, saving); offloaded, past the budget
+        until the next forward empties them (``start_of_forward``)."""
+        with self.offload.store.unbounded() if self.offload is not None else contextlib.nullcontext():
+            for cg, shard in zip(self.groups, self.shards, strict=True):
+                self.gather(cg, shard.detach())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _scalar(value) -> torch.Tensor:

@@ -34,7 +34,7 @@ from tessera.runtime.mesh import world_size
 from tessera.train.blocks import blocks_or_error, checkpoint_blocks
 from tessera.train.full_optim_state import load_optimizer_state_dict, optimizer_state_dict
 from tessera.train.loss_scale import LossScaler
-from tessera.train.plan import Plan
+from tessera.train.plan import Plan, check_chunk_size
 
 # ZeRO 1-3 step each chunk's flat shard as one tensor: right for updates that treat every
 # element on its own (with per-group scalars such as Adam's step), wrong for ones that look
@@ -104,11 +104,13 @@ class BoostedOptimizer:
     def state_dict(self) -> dict:
         """The whole optimizer state as the user's torch optimizer would give it on one
         process (a collective: every rank calls it); see ``tessera.train.full_optim_state``."""
-        return optimizer_state_dict(self)
+        with self.engine.resident():  # offloaded chunks come back for the gather
+            return optimizer_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state from ``state_dict()`` under any plan, or from a plain torch optimizer."""
-        load_optimizer_state_dict(self, state_dict)
+        with self.engine.resident():
+            load_optimizer_state_dict(self, state_dict)
 
     def step(self) -> bool:
         """One optimizer step over the reduced gradients; True if it was skipped (fp16 overflow)."""
@@ -268,6 +270,7 @@ def boost(
         max_grad_norm=plan.max_grad_norm,
         tp_axis="tp" if has_tp else None,
         segment_of=segment_of,
+        offload=_offload_settings(model, plan),
     )
     if plan.activation_checkpointing:
         checkpoint_blocks(
@@ -277,6 +280,20 @@ def boost(
     if loaded is not None:
         boosted.load_state_dict(loaded)
     return model, boosted
+
+
+def _offload_settings(model: nn.Module, plan: Plan) -> dict | None:
+    """The store's settings from the plan; a chunk size below the largest parameter is
+    refused under offload (that parameter's chunk would be larger than the budgets assume)."""
+    if plan.offload is None:
+        return None
+    check_chunk_size(model, plan)
+    return dict(
+        policy=plan.offload,
+        device_memory=plan.device_memory,
+        host_memory=plan.host_memory,
+        offload_dir=plan.offload_dir,
+    )
 
 
 def _same_start(model: nn.Module, mesh: Mesh) -> None:

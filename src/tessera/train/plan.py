@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import asdict, dataclass
 
@@ -80,9 +81,13 @@ class Plan:
         if self.offload_dir is not None and not isinstance(self.offload_dir, str | os.PathLike):
             raise ValueError(f"Plan.offload_dir must be a directory path or None, got {self.offload_dir!r}")
         if self.offload is None:
-            given = [n for n in ("device_memory", "host_memory", "offload_dir") if getattr(self, n) is not None]
+            given = [
+                n for n in ("device_memory", "host_memory", "offload_dir") if getattr(self, n) is not None
+            ]
             if given:
-                raise ValueError(f"Plan.{given[0]} is set but Plan.offload is None; set offload='auto' or 'static'")
+                raise ValueError(
+                    f"Plan.{given[0]} is set but Plan.offload is None; set offload='auto' or 'static'"
+                )
             return
         if self.zero != 3:
             raise ValueError(
@@ -93,7 +98,9 @@ class Plan:
                 f"Plan(offload={self.offload!r}) with fp16 loss scaling is not supported yet; use precision='bf16'"
             )
         if self.tp != 1:
-            raise ValueError(f"Plan(offload={self.offload!r}) does not combine with tp={self.tp} yet; use tp=1")
+            raise ValueError(
+                f"Plan(offload={self.offload!r}) does not combine with tp={self.tp} yet; use tp=1"
+            )
         if self.host_memory is not None and self.offload_dir is None:
             raise ValueError(
                 f"Plan.host_memory={self.host_memory} bounds host memory, so chunks beyond it need a disk tier: "
@@ -113,3 +120,102 @@ class Plan:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def check_chunk_size(model, plan: Plan) -> None:
+    """Under offload a chunk is the unit of every budget: a parameter larger than the chunk
+    size (which would get a chunk of its own, larger than planned) is refused."""
+    elems = max(1, math.ceil(plan.chunk_mib * 2**20 / 4))
+    name, big = max(((n, p.numel()) for n, p in model.named_parameters()), key=lambda x: x[1])
+    if big > elems:
+        raise ValueError(
+            f"Plan.chunk_mib={plan.chunk_mib} holds {elems} fp32 elements, below the largest parameter {name} "
+            f"({big} elements, {big * 4 / 2**20:.3f} MiB); raise chunk_mib to at least that"
+        )
+
+
+def memory_report(model, plan: Plan, *, state_tensors: int = 2, nonmodel: int = 0, device: str | None = None):
+    """The dry run of an offloaded ``plan`` for ``model`` (a model on the ``meta`` device
+    will do): bytes per tier, bytes moved per step and the predicted peak of one rank
+    (``tessera.memory.dry_run``); a ValueError with the numbers if nothing fits."""
+    import torch
+
+    from tessera.memory.dry_run import dry_run
+    from tessera.parallel.zero import chunk_elems_for
+
+    check_chunk_size(model, plan)
+    if plan.offload is None:
+        raise ValueError("memory_report plans offloaded chunks: give a Plan with offload='auto' or 'static'")
+    segment_of = None
+    if plan.block_chunks:
+        from tessera.train.blocks import blocks_or_error
+
+        blocks = blocks_or_error(model, "block_chunks")
+        segment_of = {p: i for i, block in enumerate(blocks) for p in block.parameters()}
+    return dry_run(
+        [{"params": list(model.parameters())}],
+        dp=plan.dp,
+        chunk_elems=chunk_elems_for(plan.chunk_mib),
+        policy=plan.offload,
+        device=torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")),
+        device_memory=plan.device_memory,
+        host_memory=plan.host_memory,
+        offload_dir=plan.offload_dir,
+        clip=plan.max_grad_norm is not None,
+        state_tensors=state_tensors,
+        nonmodel=nonmodel,
+        segment_of=segment_of,
+    )
+
+
+def gpt2_memory_report(
+    *,
+    layers: int,
+    width: int,
+    heads: int,
+    vocab: int,
+    seq: int,
+    batch: int,
+    plan: Plan,
+    device: str | None = None,
+):
+    """``memory_report`` for a GPT-2 of that shape (built on the meta device: no memory),
+    with its fp32 activations estimated (``estimate_gpt2_activations``) for ``batch`` x
+    ``seq`` tokens per rank."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tessera.memory.dry_run import estimate_gpt2_activations
+
+    cfg = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=seq)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(cfg)
+    acts = estimate_gpt2_activations(
+        layers=layers, width=width, heads=heads, vocab=vocab, batch=batch, seq=seq
+    )
+    return memory_report(model, plan, nonmodel=acts, device=device)
+
+
+def parse_bytes(text: str) -> int:
+    """ "512MiB", "2GiB", "1.5GB", "4096" -> bytes (a one-line ValueError otherwise)."""
+    units = {
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "b": 1,
+    }
+    t = text.strip().lower()
+    for unit, scale in units.items():
+        if t.endswith(unit):
+            t, factor = t[: -len(unit)], scale
+            break
+    else:
+        factor = 1
+    try:
+        return int(float(t) * factor)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: write e.g. 512MiB, 2GiB or a number of bytes") from None

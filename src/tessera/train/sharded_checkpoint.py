@@ -127,6 +127,13 @@ def _pieces(optimizer):
     return out
 
 
+def _resident_pieces(optimizer):
+    """``_pieces``, copied while offloaded chunks are in fast memory."""
+    with optimizer.engine.resident():
+        for name, kind, flat, *rest in _pieces(optimizer):
+            yield (name, kind, flat.detach().contiguous().cpu().clone(), *rest)
+
+
 def _per_element(value, like: torch.Tensor) -> bool:
     local = like.to_local() if hasattr(like, "to_local") else like
     return isinstance(value, torch.Tensor) and value.numel() == local.numel() and value.dim() > 0
@@ -157,7 +164,7 @@ def save_sharded(
     params = dict(model.named_parameters())
     tensors, index = rng_state()
     tensors, pieces = dict(tensors), []
-    for j, (name, kind, flat, start, stop, local_shape) in enumerate(_pieces(optimizer)):
+    for j, (name, kind, flat, start, stop, local_shape) in enumerate(_resident_pieces(optimizer)):
         dim, tp_rank, tp_size = tp_layout(params[name], mesh)
         key = f"{j}"
         tensors[key] = flat.detach().contiguous().cpu().clone()
@@ -296,18 +303,19 @@ def load_sharded(model: nn.Module, optimizer, path: str | Path, *, scheduler=Non
     saved_degree, new_degree = meta["gpt2_tp_degree"], getattr(model, "_tessera_gpt2_tp_degree", None)
     engine, mesh = optimizer.engine, optimizer.mesh
     kinds = sorted({kind for _, kind in pieces})
-    for name, p in model.named_parameters():
-        for kind in kinds:
-            if (name, kind) not in pieces:
-                continue
-            full = _assemble(pieces[(name, kind)], handles)
-            if saved_degree is not None:
-                full = gpt2_tensor_layout(name, full, saved_degree, to_hf=True)
-            if new_degree is not None:
-                full = gpt2_tensor_layout(name, full, new_degree, to_hf=False)
-            dim, tp_rank, tp_size = tp_layout(p, mesh)
-            local = full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
-            engine.load_local(p, kind, local.to(_device(p)).contiguous(), meta["scalars"])
+    with engine.resident():  # offloaded chunks are in fast memory while loading
+        for name, p in model.named_parameters():
+            for kind in kinds:
+                if (name, kind) not in pieces:
+                    continue
+                full = _assemble(pieces[(name, kind)], handles)
+                if saved_degree is not None:
+                    full = gpt2_tensor_layout(name, full, saved_degree, to_hf=True)
+                if new_degree is not None:
+                    full = gpt2_tensor_layout(name, full, new_degree, to_hf=False)
+                dim, tp_rank, tp_size = tp_layout(p, mesh)
+                local = full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
+                engine.load_local(p, kind, local.to(_device(p)).contiguous(), meta["scalars"])
     restore_train_meta(meta.get("train", {}), optimizer, scheduler)
     rank, world = _rank_world()
     meta["rng_restored"] = world == meta["world"] and indexes[rank].get("rng") is not None

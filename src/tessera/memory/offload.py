@@ -1,0 +1,192 @@
+"""A ZeRO-3 rank's model data in tiered chunks: what ``tessera.parallel.zero`` asks of the
+store when it offloads (PatrickStar on the ZeRO chunk core).
+
+Per chunk ``i`` of the rank's ZeRO-3 layout there are:
+
+- ``p{i}``: the fp32 master shard (kind PARAM). Used to all-gather the whole chunk before
+  a module's forward (then HOLD_AFTER_FWD) and backward (then HOLD_AFTER_BWD), and written
+  by the optimizer step (then HOLD).
+- ``g{i}``: the reduced gradient shard (GRAD), made by backward's reduce-scatter, read by
+  clipping and the step, then RELEASED (no copy kept anywhere).
+- ``s{i}.<name>``: each per-element optimizer state of that shard (OPTIM; Adam's
+  ``exp_avg`` and ``exp_avg_sq`` are two chunks), adopted when the optimizer creates it.
+
+The optimizer step runs chunk by chunk where the chunk's data is brought: the user's own
+optimizer steps one shard at a time (the others have no gradient, so torch skips them).
+The arithmetic is the one the whole-model step does, element by element, so training
+with offload is bit-exact with training without it. On the CPU that step is torch's
+AdamW as the user built it: the default single-tensor loop, or ``foreach=True``, or
+``fused=True`` (torch's vectorised CPU kernel, ZeRO-Offload's "CPU Adam" in all but
+name): Tessera does not substitute its own, so results stay those of the user's optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import torch
+
+from tessera.memory.chunk import ChunkKind, ChunkState
+from tessera.memory.placement import StaticPolicy, TracePolicy
+from tessera.memory.store import TieredStore
+from tessera.memory.tiers import DiskTier, Tier
+
+
+def build_store(
+    manager,
+    *,
+    policy: str,
+    device: torch.device,
+    device_memory: int | None,
+    host_memory: int | None,
+    offload_dir: str | os.PathLike | None,
+    rank: int,
+    disk_need: int,
+) -> TieredStore:
+    """Tiers fastest first: CUDA device (``device_memory``), host (``host_memory``; pinned
+    on CUDA), disk under ``offload_dir/rank<r>`` (the last tier: where everything else goes)."""
+    if device.type != "cuda" and device_memory is not None:
+        raise ValueError(
+            f"Plan.device_memory={device_memory} is for a CUDA device; this mesh computes on {device.type}: "
+            "use Plan.host_memory"
+        )
+    tiers = [Tier("device", device_memory, device)] if device.type == "cuda" else []
+    tiers.append(Tier("host", host_memory, torch.device("cpu")))
+    if offload_dir is not None:
+        tiers.append(DiskTier(Path(offload_dir) / f"rank{rank}", disk_need))
+    return TieredStore(tiers, TracePolicy() if policy == "auto" else StaticPolicy(), manager)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class ShardOffload:
+    def __init__(self, store: TieredStore, optimizer: torch.optim.Optimizer, shards: list):
+        self.store, self.optimizer, self.shards = store, optimizer, shards
+        self.state_keys: list[dict[str, str]] = [{} for _ in shards]
+        for i, shard in enumerate(shards):
+            store.register(f"p{i}", ChunkKind.PARAM, shard.data)
+            store.done(f"p{i}", ChunkState.HOLD)
+
+    # ---- forward and backward ---------------------------------------------------------------
+    @contextlib.contextmanager
+    def master(self, i: int, after: ChunkState):
+        """Chunk ``i``'s master shard on the compute tier for an all-gather."""
+        yield self.store.use(f"p{i}")
+        self.store.done(f"p{i}", after)
+
+    def reduced_into(self, i: int, reduce) -> None:
+        """``reduce(out)`` writes the rank's gradient shard of chunk ``i`` into ``out``; a
+        second micro-batch of the step adds to the first's (gradient accumulation)."""
+        key = f"g{i}"
+        shard = self.shards[i]
+        if key in self.store.chunks:
+            held = self.store.use(key, write=True)
+            part = torch.empty_like(held)
+            reduce(part)
+            held.add_(part)
+        else:
+            grad = torch.empty(shard.shape, dtype=torch.float32, device=shard.device)
+            self.store.register(key, ChunkKind.GRAD, grad)
+            reduce(grad)
+        self.store.done(key, ChunkState.HOLD_AFTER_BWD)
+
+    # ---- the optimizer step, chunk by chunk -------------------------------------------------
+    def grad_sq_sum(self, i: int) -> torch.Tensor:
+        """Chunk ``i``'s squared gradient norm in float64 (as the in-memory step sums it)."""
+        g = self.store.use(f"g{i}")
+        part = g.double().pow(2).sum()
+        self.store.done(f"g{i}", ChunkState.HOLD_AFTER_BWD)
+        return part
+
+    def scale_grad(self, i: int, scale: float) -> None:
+        g = self.store.use(f"g{i}", write=True)
+        g.mul_(scale)
+        self.store.done(f"g{i}", ChunkState.HOLD_AFTER_BWD)
+
+    def step_chunk(self, i: int) -> None:
+        shard = self.shards[i]
+        self.store.use(f"p{i}", write=True)
+        grad = self.store.use(f"g{i}")
+        for key in self.state_keys[i].values():
+            self.store.use(key, write=True)
+        shard.grad = grad
+        self.optimizer.step()  # only this shard has a gradient: torch skips the others
+        shard.grad = None
+        self.adopt_states(i)
+        self.store.done(f"p{i}", ChunkState.HOLD)
+        self.store.done(f"g{i}", ChunkState.RELEASED)
+        for key in self.state_keys[i].values():
+            self.store.done(key, ChunkState.HOLD)
+
+    def adopt_states(self, i: int) -> None:
+        """Each per-element state tensor of shard ``i`` becomes (or stays) a chunk of its
+        own; one the optimizer replaced (a loaded state) takes its chunk's place. Chunks
+        are left in use (COMPUTE)."""
+        shard = self.shards[i]
+        keys = self.state_keys[i]
+        for name, value in self.optimizer.state.get(shard, {}).items():
+            if not isinstance(value, torch.Tensor) or value.shape != shard.shape:
+                continue  # a scalar (Adam's step) stays where it is
+            key = keys.get(name)
+            if key is not None and self.store.chunks[key].tensor is value:
+                continue
+            if key is not None:
+                self.store.done(key, ChunkState.RELEASED)
+            keys[name] = f"s{i}.{name}"
+            self.store.register(keys[name], ChunkKind.OPTIM, value)
+
+    @contextlib.contextmanager
+    def resident(self):
+        """Every chunk on the compute tier, budget suspended (checkpoint save and load)."""
+        with self.store.all_resident():
+            yield
+            for i in range(len(self.shards)):
+                self.adopt_states(i)  # left in use: all_resident puts them back
+
+    @classmethod
+    def create(cls, manager, optimizer, shards, whole: list[torch.Tensor], *, device, rank, **settings):
+        """Tier a rank's ``shards`` (``whole``: each chunk's full buffer); refuse, with the
+        numbers, a compute-tier budget below what one chunk's use needs: its whole chunk
+        and its shard (the all-gather), or its shard's master, gradient and two moments."""
+        shard_bytes = [_nbytes(s) for s in shards]
+        need = max(
+            max(_nbytes(w) + b for w, b in zip(whole, shard_bytes, strict=True)),
+            4 * max(shard_bytes),
+        )
+        name = "device_memory" if device.type == "cuda" else "host_memory"
+        fast = settings[name]
+        if fast is not None and fast < need:
+            raise ValueError(
+                f"Plan.{name}={fast} bytes is below what the largest chunk needs on the compute tier "
+                f"({need} bytes: its whole chunk and shard, or its shard's master, gradient and two moments); "
+                "raise it or lower Plan.chunk_mib"
+            )
+        store = build_store(manager, device=device, rank=rank, disk_need=4 * sum(shard_bytes), **settings)
+        return cls(store, optimizer, shards)
+
+    def step(self, comm, axis: str, max_grad_norm: float | None, device) -> float | None:
+        """Clip and step chunk by chunk, each where the store brings it: the arithmetic and
+        order of ``ZeroEngine``'s ``grad_norm``, ``_clip`` and whole-model step."""
+        norm = None
+        n = len(self.shards)
+        if max_grad_norm is not None:
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            for i in range(n):
+                total += self.grad_sq_sum(i)
+            comm.all_reduce(total, axis)
+            norm = float(total.sqrt())
+            scale = max_grad_norm / (norm + 1e-6)
+            if scale < 1:
+                for i in range(n):
+                    self.scale_grad(i, scale)
+        for i in range(n):
+            self.step_chunk(i)
+        self.store.end_step()
+        return norm
+
+    def moved(self) -> dict:
+        return self.store.moves.snapshot()
