@@ -1,7 +1,11 @@
 """The three detectors compared: telemetry-only (physics residuals + isolation forest),
-sound-only (heard vs reported kills) and both fused. Each is a logistic regression on its
-inputs (and their causal running means, so evidence that builds over intervals counts),
-trained on attacked nights kept apart from the nights it is scored on.
+sound-only (heard vs reported kills) and both fused.
+
+Telemetry-only and sound-only are unsupervised: each input (and the causal running mean of
+the slow ones, so evidence that builds over intervals counts) is turned into a tail score
+against clean intervals, and the detector's score is the largest. Fusion is a logistic
+regression on the two scores, trained on attacked nights kept apart from the nights it is
+scored on.
 """
 
 from __future__ import annotations
@@ -11,15 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 from sklearn.linear_model import LogisticRegression
 from sklearn.metrics import roc_auc_score
-from sklearn.pipeline import make_pipeline
-from sklearn.preprocessing import StandardScaler
 
 from tessera.apps.sil_fdia.attacks import Attack, apply_attack
 from tessera.apps.sil_fdia.simulate import Deployment
 from tessera.apps.sil_fdia.sound import SOUND_NAMES, Listening, SoundCalibration, ewma, sound_features
 from tessera.apps.sil_fdia.telemetry_detect import FEATURE_NAMES, Calibration, telemetry_features
 
-SMOOTHED = ("grid_z", "grid_abs_z", "profile_z", "isolation")
+SMOOTHED = ("grid_z", "grid_abs_z", "share_z", "isolation")
 DETECTORS = ("telemetry", "sound", "fused")
 GUARD_INTERVALS = (
     6  # an hour after an attack ends is neither attacked nor clean (running means still remember it)
@@ -88,38 +90,69 @@ def scenario(ctx: Context, attack: Attack, span: slice) -> dict:
     return {"attack": attack, "x": x, "y": y, "span": span}
 
 
-def _learner():
-    import os
+class TailScore:
+    """How surprising each input is against its clean distribution, the largest over inputs.
 
-    if os.environ.get("FDIA_FUSER") == "hgb":
-        from sklearn.ensemble import HistGradientBoostingClassifier
+    Per input: -log10 of the share of clean values at least as large (add-one smoothed),
+    continued past the largest clean value by how many clean inter-quantile ranges
+    (median to 99th percentile) it lies beyond, capped at 3 more decades. Signed inputs are
+    taken both ways. No attack is seen in fitting: only clean intervals.
+    """
 
-        return HistGradientBoostingClassifier(
-            max_iter=200,
-            max_depth=3,
-            learning_rate=0.05,
-            l2_regularization=1.0,
-            class_weight="balanced",
-            random_state=0,
+    def __init__(self, signed: list[bool]):
+        self.signed = np.asarray(signed)
+
+    def _both_ways(self, x: np.ndarray) -> np.ndarray:
+        return np.concatenate([x, -x[:, self.signed]], axis=1)
+
+    def fit(self, clean: np.ndarray) -> TailScore:
+        x = self._both_ways(clean)
+        self.sorted = np.sort(x, axis=0)
+        self.top = self.sorted[-1]
+        self.scale = np.maximum(np.quantile(x, 0.99, axis=0) - np.median(x, axis=0), 1e-3)
+        return self
+
+    def per_input(self, x: np.ndarray) -> np.ndarray:
+        x = self._both_ways(x)
+        n = self.sorted.shape[0]
+        at_least = np.stack(
+            [n - np.searchsorted(self.sorted[:, j], x[:, j], side="left") for j in range(x.shape[1])], axis=1
         )
-    return make_pipeline(StandardScaler(), LogisticRegression(C=1.0, class_weight="balanced", max_iter=2000))
+        beyond = np.clip((x - self.top) / self.scale, 0.0, 3.0)
+        return -np.log10((1 + at_least) / (n + 1)) + beyond
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.per_input(x).max(axis=1)
 
 
-def fit_detectors(scenarios: list[dict]) -> dict:
+SIGNED = {"grid_z", "share_z", "sound_z", "sound_z_ewma", "grid_z_ewma", "share_z_ewma"}
+
+
+def fit_detectors(clean: dict[str, np.ndarray], scenarios: list[dict]) -> dict:
+    """Telemetry-only and sound-only: tail scores fitted on ``clean`` (detector -> (N, F));
+    fused: a logistic regression on the two scores, trained on attacked ``scenarios``."""
     models = {}
-    for name in DETECTORS:
-        xs = np.concatenate([s["x"][name][s["y"] >= 0] for s in scenarios])
-        ys = np.concatenate([s["y"][s["y"] >= 0] for s in scenarios])
-        models[name] = _learner().fit(xs, ys)
+    for name in ("telemetry", "sound"):
+        signed = [n in SIGNED for n in feature_names(name)]
+        models[name] = TailScore(signed).fit(clean[name])
+    xs = np.concatenate([_pair(models, sc["x"])[sc["y"] >= 0] for sc in scenarios])
+    ys = np.concatenate([sc["y"][sc["y"] >= 0] for sc in scenarios])
+    models["fused"] = LogisticRegression(C=1.0, class_weight="balanced", max_iter=1000).fit(xs, ys)
     return models
 
 
-def score(models: dict, s: dict) -> dict[str, np.ndarray]:
-    """Detector -> (lamps, intervals) decision scores."""
-    return {
-        n: models[n].decision_function(s["x"][n].reshape(-1, s["x"][n].shape[-1])).reshape(s["y"].shape)
-        for n in DETECTORS
-    }
+def _pair(models: dict, x: dict[str, np.ndarray]) -> np.ndarray:
+    shape = x["telemetry"].shape[:2]
+    t = models["telemetry"](x["telemetry"].reshape(-1, x["telemetry"].shape[-1]))
+    s = models["sound"](x["sound"].reshape(-1, x["sound"].shape[-1]))
+    return np.stack([t, s], axis=-1).reshape(*shape, 2)
+
+
+def score(models: dict, sc: dict) -> dict[str, np.ndarray]:
+    """Detector -> (lamps, intervals) scores, higher meaning more likely attacked."""
+    pair = _pair(models, sc["x"])
+    fused = models["fused"].decision_function(pair.reshape(-1, 2)).reshape(pair.shape[:2])
+    return {"telemetry": pair[..., 0], "sound": pair[..., 1], "fused": fused}
 
 
 def auc(scores: list[np.ndarray], ys: list[np.ndarray]) -> float:

@@ -19,6 +19,7 @@ from tessera.apps.sil_fdia.detectors import (
     auc,
     delays_min,
     fit_detectors,
+    inputs,
     scenario,
     score,
     threshold,
@@ -39,6 +40,7 @@ class ExperimentPlan:
     test_days: int = 2  # attacked: the reported AUCs and delays
     seed: int = 0
     snr_db: float = 15.0
+    insects_per_night: float = 400.0
     listen_night_s: float = 240.0
     listen_day_s: float = 20.0
     scenarios_per_kind: int = 3
@@ -81,7 +83,11 @@ def random_attack(
 
 def build_context(plan: ExperimentPlan, progress: bool = False) -> Context:
     days = plan.train_days + plan.fusion_days + plan.test_days
-    dep = simulate(SimConfig(num_lamps=plan.num_lamps, num_days=days, seed=plan.seed))
+    dep = simulate(
+        SimConfig(
+            num_lamps=plan.num_lamps, num_days=days, seed=plan.seed, insects_per_night=plan.insects_per_night
+        )
+    )
     calib = fit_calibration(dep, dep.telemetry, slice(0, plan.train_days))
     audio = AudioConfig(snr_db=plan.snr_db, listen_s=plan.listen_night_s, seed=plan.seed)
     listen = listening(dep, audio, plan.listen_day_s)
@@ -107,7 +113,12 @@ def run_experiment(plan: ExperimentPlan, progress: bool = True) -> dict:
         for kind in KINDS
         for i in range(plan.scenarios_per_kind)
     ]
-    models = fit_detectors(train)
+    clean_x = {k: v.reshape(-1, v.shape[-1]) for k, v in inputs(ctx, ctx.dep.telemetry).items()}
+    clean_x = {
+        k: v.reshape(plan.num_lamps, -1, v.shape[-1])[:, fusion_span].reshape(-1, v.shape[-1])
+        for k, v in clean_x.items()
+    }
+    models = fit_detectors(clean_x, train)
     train_scores = [score(models, s) for s in train]
     thresholds = {
         n: threshold([sc[n] for sc in train_scores], [s["y"] for s in train], plan.false_alarm_rate)

@@ -43,8 +43,10 @@ def interval_weather(dep: Deployment, lamp: int, interval: int) -> Weather:
     )
 
 
-def interval_audio(dep: Deployment, lamp: int, interval: int, audio: AudioConfig, seconds: float):
-    """(audio, true zap times) of the first ``seconds`` of one interval at one lamp."""
+def interval_audio(
+    dep: Deployment, lamp: int, interval: int, audio: AudioConfig, seconds: float, offset_s: float = 0.0
+):
+    """(audio, true zap times) of ``seconds`` of one interval at one lamp, from ``offset_s`` into it."""
     from tessera.apps.sil_fdia.attacks import check_lamps
 
     check_lamps(dep, [lamp])
@@ -52,9 +54,19 @@ def interval_audio(dep: Deployment, lamp: int, interval: int, audio: AudioConfig
         raise ValueError(
             f"interval {interval} is outside the simulated period 0..{dep.config.num_intervals - 1}"
         )
-    times = dep.kill_times[lamp][interval]
-    times = times[times < seconds - 0.03]  # a zap cut off by the recording's end is not counted
-    seed = int(np.random.SeedSequence([audio.seed, dep.config.seed, lamp, interval]).generate_state(1)[0])
+    if not 0 <= offset_s and offset_s + seconds <= dep.config.interval_s:
+        raise ValueError(
+            f"audio window {offset_s} s + {seconds} s does not fit in a {dep.config.interval_s} s interval"
+        )
+    times = dep.kill_times[lamp][interval] - offset_s
+    times = times[
+        (times >= 0) & (times < seconds - 0.03)
+    ]  # a zap cut off by the recording's end is not counted
+    seed = int(
+        np.random.SeedSequence([audio.seed, dep.config.seed, lamp, interval, int(offset_s)]).generate_state(
+            1
+        )[0]
+    )
     clip = synthesize(
         seconds, times, interval_weather(dep, lamp, interval), audio.snr_db, seed, audio.sample_rate
     )

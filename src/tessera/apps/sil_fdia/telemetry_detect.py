@@ -5,7 +5,8 @@ Physics (the operator knows the hardware, ``LampConfig``, and fits a few per-lam
 on clean days): kills only when on; on only in the dark; the grid's mean voltage falls by a
 fixed amount per discharge and its minimum dips whenever there was one; the battery's state
 of charge read from its voltage (OCV 11.8 V + 1 V x SoC, plus I x R) moves as the reported
-current integrates; the battery current equals panel input minus the lamp's load.
+current integrates; the battery current equals panel input minus the lamp's load; a lamp's share of all
+the lamps' kills stays near its site's (the weather is common to the field).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from sklearn.ensemble import IsolationForest
 from tessera.apps.sil_fdia.simulate import Deployment
 
 PHYSICS_NAMES = ("off_kills", "day_on", "grid_z", "grid_abs_z", "no_dip", "fake_dip", "energy_z1",
-                 "energy_z6", "energy_z18", "curtailed_not_full", "load_z", "profile_z")  # fmt: skip
+                 "energy_z6", "energy_z18", "curtailed_not_full", "load_z", "share_z")  # fmt: skip
 FEATURE_NAMES = (*PHYSICS_NAMES, "isolation")
 
 
@@ -27,7 +28,7 @@ class Calibration:
     grid_v0: np.ndarray  # per lamp: mean grid kV with no kill
     grid_slope: np.ndarray  # per lamp: kV per kill
     grid_sd: np.ndarray
-    slot_mean: np.ndarray  # (lamps, intervals_per_day): mean reported kills at this time of day
+    kill_share: np.ndarray  # per lamp: its share of all lamps' kills (its site; the weather is shared)
     energy_sd: np.ndarray  # (3,) for windows 1, 6, 18
     load_sd: float
     forest: IsolationForest | None = None
@@ -75,9 +76,9 @@ def fit_calibration(dep: Deployment, tel: dict, days: slice) -> Calibration:
         x, y = tel["kills"][lamp, span][on], tel["grid_kv_mean"][lamp, span][on]
         slope[lamp], v0[lamp] = np.polyfit(x, y, 1)
         sd[lamp] = _robust_sd(y - (v0[lamp] + slope[lamp] * x))
-    slot = tel["kills"][:, span].reshape(lamps, -1, per_day).mean(axis=1)
+    share = tel["kills"][:, span].sum(axis=1) / max(tel["kills"][:, span].sum(), 1.0)
     energy_sd = np.array([_robust_sd(_energy_residual(dep, tel, w)[:, span][:, 18:]) for w in (1, 6, 18)])
-    calib = Calibration(v0, slope, sd, slot, energy_sd, _robust_sd(_load_residual(dep, tel)[:, span]))
+    calib = Calibration(v0, slope, sd, share, energy_sd, _robust_sd(_load_residual(dep, tel)[:, span]))
     feats = physics_features(dep, tel, calib)[:, span].reshape(-1, len(PHYSICS_NAMES))
     calib.forest = IsolationForest(n_estimators=200, random_state=0).fit(_forest_input(dep, tel, feats, span))
     return calib
@@ -98,8 +99,9 @@ def physics_features(dep: Deployment, tel: dict, calib: Calibration) -> np.ndarr
     v0, slope = calib.grid_v0[:, None], calib.grid_slope[:, None]
     grid_z = np.where(on, (tel["grid_kv_mean"] - (v0 + slope * kills)) / calib.grid_sd[:, None], 0.0)
     dipped = tel["grid_kv_min"] < 0.9 * v0
-    per_day = dep.config.intervals_per_day
-    slot = calib.slot_mean[:, np.arange(kills.shape[1]) % per_day]
+    # the night's weather moves every lamp's count together; a lamp's share of the total does not
+    share = calib.kill_share[:, None]
+    expected = share * kills.sum(axis=0, keepdims=True)
     energy = [np.abs(_energy_residual(dep, tel, w)) / calib.energy_sd[i] for i, w in enumerate((1, 6, 18))]
     soc = _soc_from_voltage(dep, tel)
     feats = [
@@ -112,7 +114,7 @@ def physics_features(dep: Deployment, tel: dict, calib: Calibration) -> np.ndarr
         *energy,
         (tel["panel_v"] > 20.0) * np.clip(0.97 - soc, 0.0, None) / calib.energy_sd[0],
         np.abs(_load_residual(dep, tel)) / calib.load_sd,
-        (kills - slot) / np.sqrt(slot + 1.0),
+        (kills - expected) / np.sqrt(expected * (1.0 - share) + 1.0),
     ]
     return np.stack(feats, axis=-1)
 

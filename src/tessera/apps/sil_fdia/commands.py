@@ -1,0 +1,161 @@
+"""`tessera fdia simulate | detect | bench`: what the command line calls (it only parses)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tessera.apps.sil_fdia.attacks import Attack, apply_attack, check_lamps
+from tessera.apps.sil_fdia.audio import read_wav, write_wav
+from tessera.apps.sil_fdia.config import AudioConfig, SimConfig
+from tessera.apps.sil_fdia.simulate import FIELDS, simulate
+from tessera.apps.sil_fdia.sound import interval_audio
+from tessera.apps.sil_fdia.zaps import detect_zaps, f1_score
+
+
+def parse_lamps(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(
+            f"unknown lamp id in {text!r}; give lamp numbers separated by commas, e.g. 0,2"
+        ) from None
+
+
+def _attack(args, dep) -> tuple[dict, np.ndarray, Attack | None]:
+    if not args.attack:
+        return dep.telemetry, np.zeros(dep.true_kills.shape, dtype=bool), None
+    attack = Attack(kind=args.attack, start_h=args.start_h, end_h=args.end_h, lamps=parse_lamps(args.targets),
+                    magnitude=args.magnitude, seed=args.seed)  # fmt: skip
+    tel, changed = apply_attack(dep, attack)
+    return tel, changed, attack
+
+
+def write_csv(path: Path, dep, tel: dict, changed: np.ndarray) -> None:
+    hours = np.arange(dep.config.num_intervals) * dep.config.interval_s / 3600.0
+    with open(path, "w", newline="") as out:
+        writer = csv.writer(out)
+        writer.writerow(["lamp", "interval", "hours", *FIELDS, "true_kills", "attacked"])
+        for lamp in range(dep.config.num_lamps):
+            for k in range(dep.config.num_intervals):
+                values = [f"{tel[f][lamp, k]:.4f}" for f in FIELDS]
+                writer.writerow(
+                    [lamp, k, f"{hours[k]:.3f}", *values, dep.true_kills[lamp, k], int(changed[lamp, k])]
+                )
+
+
+def busiest_interval(dep, lamp: int) -> int:
+    return int(np.argmax(dep.true_kills[lamp]))
+
+
+def _busiest_window(times: np.ndarray, seconds: float, interval_s: float) -> float:
+    """The whole-second offset at which a ``seconds`` long clip holds the most zaps."""
+    if seconds >= interval_s:
+        return 0.0
+    starts = np.arange(0.0, interval_s - seconds + 1e-9, 1.0)
+    counts = [np.sum((times >= t) & (times < t + seconds - 0.03)) for t in starts]
+    return float(starts[int(np.argmax(counts))])
+
+
+def simulate_command(args) -> str:
+    from tessera.apps.sil_fdia.plots import plot_spectrogram, plot_telemetry
+
+    dep = simulate(SimConfig(num_lamps=args.lamps, num_days=args.days, seed=args.seed))
+    tel, changed, attack = _attack(args, dep)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(out / "telemetry.csv", dep, tel, changed)
+    lamp = attack.lamps[0] if attack else 0
+    window = (attack.start_h, attack.end_h) if attack else None
+    plot_telemetry(dep, tel, changed, lamp, out / "telemetry.png", window=window)
+    interval = busiest_interval(dep, lamp)
+    audio = AudioConfig(snr_db=args.snr_db, seed=args.seed)
+    offset = _busiest_window(dep.kill_times[lamp][interval], args.audio_seconds, dep.config.interval_s)
+    clip, true_s = interval_audio(dep, lamp, interval, audio, args.audio_seconds, offset)
+    write_wav(out / "zaps.wav", clip, audio.sample_rate)
+    found = detect_zaps(clip, audio.sample_rate)
+    plot_spectrogram(clip, audio.sample_rate, found, out / "spectrogram.png", true_s,
+                     title=f"lamp {lamp}, interval {interval}, {args.snr_db:g} dB")  # fmt: skip
+    (out / "attack.json").write_text(json.dumps(attack.__dict__ if attack else None) + "\n")
+    f1 = f1_score(found, true_s)["f1"]
+    return (
+        f"simulated {args.lamps} lamps x {args.days} days ({dep.true_kills.sum()} kills); "
+        f"{int(changed.sum())} reports changed by {attack.kind if attack else 'no attack'}; "
+        f"{args.audio_seconds:g} s of audio at lamp {lamp} (interval {interval}, from {offset:g} s): {true_s.size} zaps, {found.size} detected (F1 {f1:.2f}); "
+        f"wrote {out}/telemetry.csv, telemetry.png, zaps.wav, spectrogram.png"
+    )
+
+
+def detect_audio(path: str, plot: str | None) -> str:
+    from tessera.apps.sil_fdia.plots import plot_spectrogram
+
+    audio, rate = read_wav(path)
+    found = detect_zaps(audio, rate)
+    if plot:
+        plot_spectrogram(audio, rate, found, plot, title=f"{path}: {found.size} zaps detected")
+    times = ", ".join(f"{t:.3f}" for t in found[:20]) + (" ..." if found.size > 20 else "")
+    return f"{found.size} zaps in {audio.size / rate:.1f} s of {path}: at {times or '-'} s" + (
+        f"; wrote {plot}" if plot else ""
+    )
+
+
+def detect_command(args) -> str:
+    """Train the detectors on a small deployment and score the given attack on its test days."""
+    if args.audio:
+        return detect_audio(args.audio, args.plot)
+    from tessera.apps.sil_fdia.detectors import (
+        DETECTORS,
+        auc,
+        delays_min,
+        fit_detectors,
+        inputs,
+        scenario,
+        score,
+    )
+    from tessera.apps.sil_fdia.experiment import ExperimentPlan, build_context, random_attack
+    from tessera.apps.sil_fdia.plots import plot_telemetry
+
+    if not args.attack:
+        raise ValueError("fdia detect needs --attack KIND (or --audio FILE.wav)")
+    plan = ExperimentPlan(num_lamps=args.lamps, train_days=2, fusion_days=1, test_days=1, seed=args.seed,
+                          snr_db=args.snr_db, listen_night_s=args.listen_s, listen_day_s=10.0, scenarios_per_kind=1,
+                          targets=1, workers=1)  # fmt: skip
+    test_h = (24.0 * 3, 24.0 * 4)
+    if not (test_h[0] <= args.start_h < args.end_h <= test_h[1]):
+        raise ValueError(
+            f"attack window {args.start_h} h to {args.end_h} h is outside the test day {test_h[0]:g} h to {test_h[1]:g} h "
+            "(days 0-1 are clean training, day 2 trains the fusion)"
+        )
+    ctx = build_context(plan)
+    check_lamps(ctx.dep, parse_lamps(args.targets))
+    per_day = ctx.dep.config.intervals_per_day
+    rng = np.random.default_rng(args.seed)
+    from tessera.apps.sil_fdia.attacks import KINDS
+
+    fusion_span, test_span = slice(2 * per_day, 3 * per_day), slice(3 * per_day, 4 * per_day)
+    train = [
+        scenario(ctx, random_attack(k, range(2, 3), plan.num_lamps, 1, rng, 7), fusion_span) for k in KINDS
+    ]
+    clean = {k: v[:, fusion_span].reshape(-1, v.shape[-1]) for k, v in inputs(ctx, ctx.dep.telemetry).items()}
+    models = fit_detectors(clean, train)
+    attack = Attack(kind=args.attack, start_h=args.start_h, end_h=args.end_h, lamps=parse_lamps(args.targets),
+                    magnitude=args.magnitude, seed=args.seed)  # fmt: skip
+    sc = scenario(ctx, attack, slice(0, ctx.dep.config.num_intervals))
+    scores = score(models, sc)
+    thr = {n: float(np.quantile(score(models, train[0])[n][train[0]["y"] == 0], 0.99)) for n in DETECTORS}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tel, changed = apply_attack(ctx.dep, attack)
+    window = (attack.start_h, attack.end_h)
+    plot_telemetry(ctx.dep, tel, changed, attack.lamps[0], out / "detect.png", scores, window)
+    parts = []
+    for n in DETECTORS:
+        y = sc["y"][:, test_span]
+        delay = delays_min(sc, scores[n], thr[n], ctx.dep.config.interval_s)
+        parts.append(
+            f"{n} AUC {auc([scores[n][:, test_span]], [y]):.3f}, first alarm after {delay[0] if delay else float('nan'):g} min"
+        )
+    return f"{attack.kind} on lamps {attack.lamps}: " + "; ".join(parts) + f"; wrote {out / 'detect.png'}"
