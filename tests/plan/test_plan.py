@@ -38,6 +38,11 @@ def test_simulator_hand_computed_schedules():
     s.p2p(0, 1, 1.0)  # same sender: after the first send (issue order)
     s.p2p(1, 0, 1.5)  # the other direction: full duplex, runs at once
     assert simulate(s).end == (2.0, 3.0, 1.5) and first == 0
+    s = Schedule(ranks=2)
+    late = s.p2p(0, 1, 1.0, after=(s.compute(0, 5.0),))  # posted first, its data ready at 5
+    early = s.p2p(0, 1, 1.0)  # posted after it, ready at once: it does not queue behind
+    t = simulate(s)
+    assert (t.start[late], t.start[early]) == (5.0, 0.0)
     with pytest.raises(ValueError, match="ranks"):
         Schedule(ranks=2).compute(2, 1.0)
     with pytest.raises(ValueError, match="not yet added"):
@@ -90,7 +95,9 @@ def _boost_rank() -> list[dict]:
             "grads": [p.grad for p in params] + [s.grad for s in opt.engine.shards],
             "optimizer": _optimizer_tensors(opt.inner),
         }
-        ledger = {k: v["bytes"] for k, v in mesh.comm.ledger.snapshot().items() if v["bytes"] and k.endswith("@dp")}
+        ledger = {
+            k: v["bytes"] for k, v in mesh.comm.ledger.snapshot().items() if v["bytes"] and k.endswith("@dp")
+        }
         out.append({"state": state_bytes(roots), "ledger": ledger, "stepped": len(opt.inner.state)})
     return out
 
@@ -148,3 +155,51 @@ def test_plan_cli(capsys):
     assert main(["plan", "train", "--model", "nope", "--devices", "2"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
     assert main(["plan", "generate", "--model", "gpt2", "--devices", "4", "--nodes", "3"]) == 2
+
+
+def test_pipeline_1f1b_makespan_is_the_textbook_one():
+    """Uniform stages, free links: a 1F1B step takes (m + pp - 1) (t_f + t_b) with t_b = 2 t_f
+    (Narayanan et al. 2021); the bubble is in the schedule's dependencies, not in a formula."""
+    from tessera.plan.model_spec import TransformerSpec
+    from tessera.plan.pipeline import one_f_one_b
+    from tessera.plan.training import predict_train
+
+    spec = TransformerSpec(name="u", layers=4, hidden=8, heads=2, ffn=32, tokens=4)
+    fast = DeviceProfile(
+        name="u", fp32_flops=1.0, bf16_flops=1.0, memory_bandwidth=1e30, memory_bytes=2**40, source="t"
+    )
+    hw = Hardware(
+        device=fast, link=Link(name="free", bandwidth=1e30, latency=0.0), dtype="fp32", efficiency=1.0
+    )
+    for pp, m in ((2, 4), (4, 4), (4, 8)):
+        c = TrainCandidate(dp=1, pp=pp, micro_batches=m)
+        t_f = (spec.layers // pp) * spec.layer_flops(4)  # one sample per micro-batch
+        got = predict_train(spec, c, hw, global_batch=m, seq=4).seconds
+        assert got == pytest.approx((m + pp - 1) * 3 * t_f, rel=1e-9), (pp, m)
+    order = one_f_one_b(0, 4, 6)
+    assert [k for k, _ in order[:4]] == ["F"] * 4 and sorted(order) == sorted(
+        [(k, i) for k in "FB" for i in range(6)]
+    )
+    assert TrainCandidate(dp=2, pp=2).flags() is None  # not runnable by `tessera train` yet
+
+
+def test_measured_profiles_are_read_and_bad_ones_refused(tmp_path, monkeypatch):
+    from tessera.plan.devices import load_profile, save_profile
+
+    monkeypatch.setenv("TESSERA_PROFILE_DIR", str(tmp_path))
+    mine = DeviceProfile(
+        name="this-cpu",
+        fp32_flops=1e11,
+        bf16_flops=1e11,
+        memory_bandwidth=2e10,
+        memory_bytes=2**34,
+        source="t",
+    )
+    save_profile(mine)
+    assert device_named("this-cpu") == mine and load_profile(tmp_path / "this-cpu.json") == mine
+    (tmp_path / "broken.json").write_text("{")
+    with pytest.raises(ValueError, match="broken.json: not a device profile"):
+        device_named("this-cpu")
+    (tmp_path / "broken.json").unlink()
+    with pytest.raises(ValueError, match="unknown device profile 'tpu'"):
+        device_named("tpu")

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import torch
 from tessera.bench.harness import BenchResult, matmul_peak_flops
 from tessera.diffusion.layout import ParallelConfig
 from tessera.plan.check import calibrate, check_generate_rows, check_published, compare
-from tessera.plan.devices import DeviceProfile
+from tessera.plan.devices import DeviceProfile, save_profile
 from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import PRESETS, gpt2_spec
 from tessera.plan.published import TABLES
@@ -84,7 +85,7 @@ def measure_cpu(threads: int = 1) -> DeviceProfile:
         fp32_flops=flops,
         bf16_flops=flops,
         memory_bandwidth=2 * a.numel() * 4 / best,
-        memory_bytes=0,
+        memory_bytes=os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"),
         source=f"measured here, {threads} thread(s)",
     )
 
@@ -157,12 +158,14 @@ def run_plan_bench(results_dir: str | Path = RESULTS, quick: bool = False) -> Be
     cpu = measure_cpu()
     loopback = measure_loopback(reps=2 if quick else 5)
     hw = Hardware(device=cpu, link=loopback, dtype="fp32", devices_per_node=2)
+    saved = save_profile(cpu)  # `tessera plan ... --device-profile this-cpu` plans for this machine
     checks: list[dict] = []
     notes = [
         f"this CPU: {cpu.fp32_flops / 1e9:.1f} GFLOP/s fp32 matmul per thread, {cpu.memory_bandwidth / 1e9:.1f} GB/s copy",
         f"loopback (2 gloo ranks): {loopback.bandwidth / 1e9:.2f} GB/s, {loopback.latency * 1e6:.0f} us per hop",
         "each table calibrates one number, the achieved fraction of peak (efficiency), on its first row; "
         "every other row is predicted; errors and Kendall's tau are over the predicted rows",
+        f"this CPU's profile saved to {saved} (--device-profile this-cpu)",
     ]
     for name, build in (
         ("dit.json", lambda d: _dit_checks(d, hw)),

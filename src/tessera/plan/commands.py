@@ -84,8 +84,7 @@ def cmd_plan_train(args) -> None:
     rows = [
         [
             i + 1,
-            f"dp={p.candidate.dp} tp={p.candidate.tp} zero={p.candidate.zero}"
-            + (" ckpt" if p.candidate.activation_checkpointing else ""),
+            p.candidate.describe(),
             f"{p.seconds:.3f}",
             f"{p.tokens_per_s:,.0f}",
             f"{p.memory_bytes_per_rank / GIB:.1f}",
@@ -105,7 +104,13 @@ def cmd_plan_train(args) -> None:
         raise ValueError(
             f"no plan fits {hw.device.memory_bytes / GIB:.0f} GiB per device on {args.devices} devices"
         )
-    print(f"choice: tessera train {ranked.fits[0].candidate.flags()}")
+    runnable = [p for p in ranked.fits if p.candidate.flags()]
+    if ranked.fits[0].candidate.pp > 1:
+        print(
+            f"best predicted: {ranked.fits[0].candidate.describe()} (pipeline training is not in `tessera train` yet)"
+        )
+    if runnable:
+        print(f"choice: tessera train {runnable[0].candidate.flags()}")
 
 
 def add_plan_parsers(plan_sub) -> None:

@@ -9,11 +9,20 @@ halved). Used to scale emulated links to the balance a GPU would see, and by cos
     h100       67             989                            3350          80           NVIDIA H100 datasheet (SXM)
     h200       67             989                            4800          141          NVIDIA H200 datasheet (SXM)
     rtx4090    82.6           165.2                          1008          24           NVIDIA Ada GPU architecture whitepaper
+
+Beside the datasheets, profiles measured on a machine: ``benchmarks/gpu/calibrate_device.py``
+(on a GPU) and ``tessera.bench.plan.measure_cpu`` (here) write ``NAME.json`` files into a
+profile folder, ``$TESSERA_PROFILE_DIR`` or ``~/.cache/tessera/devices``, which
+``device_named`` looks in first (a measured profile of a datasheet name replaces it).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 TERA, GB, GIB = 1e12, 1e9, 2**30
 
@@ -83,7 +92,45 @@ DEVICES: dict[str, DeviceProfile] = {
 }
 
 
+def profile_dir() -> Path:
+    return Path(os.environ.get("TESSERA_PROFILE_DIR", Path.home() / ".cache" / "tessera" / "devices"))
+
+
+def save_profile(profile: DeviceProfile, folder: str | Path | None = None) -> Path:
+    """Write ``profile`` as NAME.json (atomically: a crash leaves the old file whole)."""
+    folder = Path(folder) if folder else profile_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{profile.name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        return DeviceProfile(**{f.name: data[f.name] for f in dataclasses.fields(DeviceProfile)})
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f"{path}: not a device profile ({exc}); rerun the calibration that wrote it"
+        ) from None
+
+
+def measured_profiles() -> dict[str, DeviceProfile]:
+    folder = profile_dir()
+    return {p.stem: load_profile(p) for p in sorted(folder.glob("*.json"))} if folder.is_dir() else {}
+
+
 def device_named(name: str) -> DeviceProfile:
-    if name not in DEVICES:
-        raise ValueError(f"unknown device profile {name!r}; choose one of {', '.join(DEVICES)}")
-    return DEVICES[name]
+    """A measured profile (see module doc) or a datasheet one; a path to a profile JSON too."""
+    measured = measured_profiles()
+    if name in measured:
+        return measured[name]
+    if name in DEVICES:
+        return DEVICES[name]
+    if name.endswith(".json") and Path(name).is_file():
+        return load_profile(name)
+    known = ", ".join([*DEVICES, *measured])
+    raise ValueError(f"unknown device profile {name!r}; choose one of {known} or give a profile .json")

@@ -39,8 +39,10 @@ def generate_configs(spec: TransformerSpec, world: int, guidance: bool) -> list[
     return out
 
 
-def train_candidates(spec: TransformerSpec, world: int) -> list[TrainCandidate]:
-    return [
+def train_candidates(spec: TransformerSpec, world: int, global_batch: int) -> list[TrainCandidate]:
+    """dp x tp with ZeRO 0-3 and checkpointing on or off, and dp x pp (1F1B, ZeRO 0) with as
+    many micro-batches as the batch allows, up to 4 per stage."""
+    flat = [
         TrainCandidate(dp=world // tp, tp=tp, zero=zero, activation_checkpointing=ckpt)
         for tp in divisors(world)
         if spec.heads % tp == 0
@@ -48,6 +50,17 @@ def train_candidates(spec: TransformerSpec, world: int) -> list[TrainCandidate]:
         if world // tp > 1 or zero == 0
         for ckpt in (False, True)
     ]
+    piped = []
+    for pp in divisors(world)[1:]:
+        dp = world // pp
+        if spec.layers < pp or global_batch % dp:
+            continue
+        micro = max(m for m in divisors(global_batch // dp) if m <= 4 * pp)
+        piped += [
+            TrainCandidate(dp=dp, pp=pp, micro_batches=micro, activation_checkpointing=ck)
+            for ck in (False, True)
+        ]
+    return flat + piped
 
 
 @dataclass(frozen=True)
@@ -74,7 +87,7 @@ def search_generate(
 def search_train(spec: TransformerSpec, world: int, hw: Hardware, *, global_batch: int, seq: int) -> Ranked:
     preds: list[TrainPrediction] = [
         predict_train(spec, c, hw, global_batch=global_batch, seq=seq)
-        for c in train_candidates(spec, world)
+        for c in train_candidates(spec, world, global_batch)
         if global_batch % c.dp == 0
     ]
     return _rank(preds, hw.device.memory_bytes)

@@ -3,16 +3,19 @@ dependencies the implementation has.
 
 Every rank has four resources, ``compute``, ``send``, ``recv`` (point-to-point links are
 full duplex) and ``collective`` (collectives run on their own communicator, as xDiT and
-Tessera put PipeFusion's sends and the sequence-parallel collectives on different groups);
-each runs its operations one at a time in the order they were added (issue order, as a
-CUDA stream or a gloo queue does). A point-to-point transfer holds the sender's ``send``
-and the receiver's ``recv``; a collective holds ``collective`` on every participant: it
-starts when all of them are free and its dependencies are done, and ends for all together. Compute and
-links are separate, so a transfer overlaps compute exactly where no dependency forbids it:
-a synchronous collective is written as "the next compute depends on it", an overlapped one
-is not waited for until its result is read.
+Tessera put PipeFusion's sends and the sequence-parallel collectives on different groups).
+Compute and collectives run one at a time in the order they were added (issue order, as a
+CUDA stream or one communicator does): a collective holds ``collective`` on every
+participant, starts when all of them are free and its dependencies are done, and ends for
+all together. A point-to-point transfer holds the sender's ``send`` and the receiver's
+``recv`` for its duration, in the earliest gap both have once its dependencies are done
+(posted non-blocking sends and receives complete as their data is ready, not in the order
+they were posted). Compute and links are separate, so a transfer overlaps compute exactly
+where no dependency forbids it: a synchronous collective is written as "the next compute
+depends on it", an overlapped one is not waited for until its result is read.
 
-    start(op) = max(end of its dependencies, free time of each resource it uses)
+    start(op) = the earliest time >= the end of its dependencies at which every resource it
+                uses is free (after the resource's last op, for compute and collectives)
     end(op)   = start(op) + seconds(op)
 """
 
@@ -82,18 +85,38 @@ def simulate(schedule: Schedule) -> Timeline:
     free: dict[tuple[int, str], float] = {}
     busy: dict[tuple[int, str], float] = {}
     start, end = [], []
+    held: dict[tuple[int, str], list[tuple[float, float]]] = {}  # p2p resources' busy intervals
     for op in schedule.ops:
-        if op.resource == "compute":
-            keys = [(op.ranks[0], "compute")]
-        elif op.resource == "p2p":
+        ready = max((end[a] for a in op.after), default=0.0)
+        if op.resource == "p2p":
             keys = [(op.ranks[0], "send"), (op.ranks[1], "recv")]
-        else:  # collectives run on a stream of their own, as on their own communicator
-            keys = [(r, "collective") for r in op.ranks]
-        t0 = max([end[a] for a in op.after] + [free.get(k, 0.0) for k in keys], default=0.0)
+            t0 = _earliest_gap([held.setdefault(k, []) for k in keys], ready, op.seconds)
+            for k in keys:
+                held[k].append((t0, t0 + op.seconds))
+        else:  # compute, or a collective on its communicator's stream: issue order
+            keys = (
+                [(op.ranks[0], "compute")]
+                if op.resource == "compute"
+                else [(r, "collective") for r in op.ranks]
+            )
+            t0 = max([ready] + [free.get(k, 0.0) for k in keys])
         t1 = t0 + op.seconds
         for k in keys:
-            free[k] = t1
+            free[k] = max(free.get(k, 0.0), t1)
             busy[k] = busy.get(k, 0.0) + op.seconds
         start.append(t0)
         end.append(t1)
     return Timeline(tuple(start), tuple(end), max(end, default=0.0), busy)
+
+
+def _earliest_gap(intervals: list[list[tuple[float, float]]], ready: float, seconds: float) -> float:
+    """The earliest t >= ready with [t, t + seconds) free in every list of busy intervals."""
+    t = ready
+    moved = True
+    while moved and seconds > 0:
+        moved = False
+        for busy in intervals:
+            for lo, hi in busy:
+                if lo < t + seconds and t < hi:
+                    t, moved = hi, True
+    return t

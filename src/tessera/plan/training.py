@@ -41,12 +41,23 @@ class TrainCandidate:
     tp: int = 1
     zero: int = 0
     activation_checkpointing: bool = False
+    pp: int = 1  # pipeline stages (tessera.plan.pipeline); `tessera train` cannot run pp > 1 yet
+    micro_batches: int = 1  # per replica and step, with pp > 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.tp * self.pp
 
-    def flags(self) -> str:
+    def describe(self) -> str:
+        text = f"dp={self.dp} tp={self.tp}" + (
+            f" pp={self.pp} (1F1B, {self.micro_batches} micro)" if self.pp > 1 else ""
+        )
+        return text + f" zero={self.zero}" + (" ckpt" if self.activation_checkpointing else "")
+
+    def flags(self) -> str | None:
+        """The `tessera train` flags, or None where it cannot run the plan (pp > 1)."""
+        if self.pp > 1:
+            return None
         text = f"--nproc {self.world_size} --dp {self.dp} --tp {self.tp} --zero {self.zero} --block-chunks"
         return text + (" --activation-checkpointing" if self.activation_checkpointing else "")
 
@@ -112,6 +123,12 @@ def predict_train(
     seq: int,
     overlap: bool = False,
 ) -> TrainPrediction:
+    if c.pp > 1:
+        from tessera.plan.pipeline import predict_pipeline  # it builds on this module
+
+        return predict_pipeline(
+            spec, c, hw, global_batch=global_batch, seq=seq, micro_batches=c.micro_batches
+        )
     if global_batch % c.dp:
         raise ValueError(f"global batch {global_batch} is not divisible by dp {c.dp}")
     b, e = global_batch // c.dp, hw.element_bytes
