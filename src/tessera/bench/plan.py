@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from tessera.bench.dit import LAYOUTS  # the layouts bench dit measured, by name
 from tessera.bench.harness import BenchResult, matmul_peak_flops
-from tessera.diffusion.layout import ParallelConfig
 from tessera.plan.check import calibrate, check_generate_rows, check_published, compare
 from tessera.plan.devices import DeviceProfile, save_profile
 from tessera.plan.hardware import Hardware
@@ -30,15 +30,6 @@ from tessera.runtime import spawn
 from tessera.runtime.link import Link, link_named
 
 RESULTS = Path("benchmarks/results")
-DIT_LAYOUTS = {  # bench dit's layout names (tessera.bench.dit.LAYOUTS)
-    "serial": ParallelConfig(),
-    "pipefusion": ParallelConfig(pipefusion_degree=2, num_patches=4, warmup_steps=1),
-    "ulysses": ParallelConfig(ulysses_degree=2),
-    "ring": ParallelConfig(ring_degree=2),
-    "distrifusion": ParallelConfig(distrifusion_degree=2, warmup_steps=1),
-    "tensor_parallel": ParallelConfig(tp_degree=2),
-    "cfg_parallel": ParallelConfig(cfg_parallel=True),
-}
 
 
 def _loopback_rank(sizes: list[int], reps: int) -> dict:
@@ -96,7 +87,7 @@ def _dit_checks(dit: dict, hw: Hardware) -> list[dict]:
     for size in dit["plan"]["sizes"]:
         rows = {r["method"]: r["seconds"] for r in dit["rows"] if r["size"] == f"{size}x{size}"}
         spec = PRESETS["bench-dit"].with_tokens((size // 2) ** 2)
-        table = [(DIT_LAYOUTS[m], rows[m]) for m in DIT_LAYOUTS if m in rows]
+        table = [(LAYOUTS[m], rows[m]) for m in LAYOUTS if m in rows]
         out.append(
             {"table": f"bench dit {size}x{size}, loopback, {steps} steps"}
             | check_generate_rows(spec, hw, table, steps=steps, guidance=True)
@@ -105,7 +96,7 @@ def _dit_checks(dit: dict, hw: Hardware) -> list[dict]:
     spec = PRESETS["bench-dit"].with_tokens(dit["model"]["image_size"] ** 2 // 4)
     for name in dit["plan"]["links"]:
         rows = {r["method"]: r["seconds"] for r in dit["link_rows"] if r["link"] == name}
-        table = [(DIT_LAYOUTS[m], rows[m]) for m in DIT_LAYOUTS if m in rows]
+        table = [(LAYOUTS[m], rows[m]) for m in LAYOUTS if m in rows]
         linked = Hardware(
             device=hw.device, link=link_named(name).scaled(scale), dtype="fp32", devices_per_node=2
         )

@@ -47,6 +47,14 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def _check_fits(ranked, hw: Hardware, devices: int) -> None:
+    budget = hw.device.memory_bytes / GIB
+    if ranked.dropped:
+        print(f"{len(ranked.dropped)} plan(s) dropped: over {budget:.0f} GiB per device")
+    if not ranked.fits:
+        raise ValueError(f"no plan fits {budget:.0f} GiB per device on {devices} devices")
+
+
 def cmd_plan_generate(args) -> None:
     hw = _hardware(args)
     tokens = (args.height // 16) * (args.width // 16) if args.height and args.width else None
@@ -66,14 +74,7 @@ def cmd_plan_generate(args) -> None:
         f"{spec.name}: {spec.tokens} tokens, {args.steps} steps on {args.devices} x {hw.device.name} ({hw.link.name})"
     )
     print(_table(["rank", "plan", "seconds", "GiB/rank", "GiB moved"], rows))
-    if ranked.dropped:
-        print(
-            f"{len(ranked.dropped)} plan(s) dropped: over {hw.device.memory_bytes / GIB:.0f} GiB per device"
-        )
-    if not ranked.fits:
-        raise ValueError(
-            f"no plan fits {hw.device.memory_bytes / GIB:.0f} GiB per device on {args.devices} devices"
-        )
+    _check_fits(ranked, hw, args.devices)
     print(f"choice: tessera generate {generate_flags(ranked.fits[0].config)}")
 
 
@@ -96,14 +97,7 @@ def cmd_plan_train(args) -> None:
         f"on {args.devices} x {hw.device.name} ({hw.link.name})"
     )
     print(_table(["rank", "plan", "step s", "tokens/s", "GiB/rank"], rows))
-    if ranked.dropped:
-        print(
-            f"{len(ranked.dropped)} plan(s) dropped: over {hw.device.memory_bytes / GIB:.0f} GiB per device"
-        )
-    if not ranked.fits:
-        raise ValueError(
-            f"no plan fits {hw.device.memory_bytes / GIB:.0f} GiB per device on {args.devices} devices"
-        )
+    _check_fits(ranked, hw, args.devices)
     runnable = [p for p in ranked.fits if p.candidate.flags()]
     if ranked.fits[0].candidate.pp > 1:
         print(
