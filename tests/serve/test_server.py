@@ -143,6 +143,18 @@ def test_a_full_queue_answers_429_with_retry_after(server):
     assert metric(client, "tessera_requests_total", route="/embed", outcome="overloaded") >= 1
 
 
+def test_overload_status_503_when_configured(model_dir):
+    config = ServeConfig(
+        model=str(model_dir), port=0, scheduler="fifo_padded", max_queue=2, overload_status=503
+    )
+    with thread_server(config) as (url, _), httpx.Client(base_url=url) as client:
+        got = client.post("/v1/embeddings", json={"input": ["w1", "w2", "w3"]})  # 3 inputs, the queue holds 2
+        assert got.status_code == 503 and got.json()["error"]["type"] == "overloaded_error"
+        assert int(got.headers["Retry-After"]) >= 1 and float(got.headers["retry-after-ms"]) >= 1
+        assert metric(client, "tessera_requests_total", route="/v1/embeddings", outcome="overloaded") == 1
+        assert client.post("/v1/embeddings", json={"input": ["w1", "w2"]}).status_code == 200
+
+
 def test_predict_on_a_classifier(tmp_path):
     spec = EncoderSpec(
         family="roberta", layers=2, hidden=32, heads=4, vocab_size=300, max_length=64, num_labels=3

@@ -171,7 +171,7 @@ def _count(metrics, route: str, outcome: str) -> None:
 
 def _fail(metrics, route, outcome, status, message, headers=None) -> Response:
     _count(metrics, route, outcome)
-    return error_response(route, status, message, headers)
+    return error_response(route, status, message, headers, "Overloaded" if outcome == "overloaded" else None)
 
 
 def _encode(row, encoding_format: str):

@@ -18,8 +18,10 @@ from starlette.responses import JSONResponse
 ERROR_TYPES = {413: "Validation", 422: "Validation", 429: "Overloaded", 503: "Unhealthy", 500: "Backend"}
 
 
-def error_response(path: str, status: int, message: str, headers: dict | None = None) -> JSONResponse:
-    kind = ERROR_TYPES.get(status, "Backend")
+def error_response(
+    path: str, status: int, message: str, headers: dict | None = None, kind: str | None = None
+) -> JSONResponse:
+    kind = kind or ERROR_TYPES.get(status, "Backend")  # a full queue is Overloaded at 429 or 503
     if path.startswith("/v1/"):
         body = {"error": {"message": message, "type": kind.lower() + "_error", "param": None, "code": status}}
     else:
