@@ -20,7 +20,8 @@ from tessera.apps.sil_fdia.detectors import DETECTORS
 from tessera.apps.sil_fdia.experiment import ExperimentPlan, run_experiment, zap_sweep
 from tessera.bench.harness import BenchResult
 
-FULL = ExperimentPlan(seed=1)
+# a continuous recorder at night (600 s of every 10-min interval), 20 s by day when the lamp is off
+FULL = ExperimentPlan(fusion_days=1, listen_night_s=600.0, listen_day_s=20.0, seed=1)
 QUICK = ExperimentPlan(
     num_lamps=3, train_days=2, fusion_days=1, test_days=1, listen_night_s=30.0, listen_day_s=10.0,
     scenarios_per_kind=2, targets=1, seed=1, workers=1,

@@ -46,7 +46,10 @@ def test_sound_cannot_see_a_battery_spoof(result):
 
 def test_fused_beats_chance_everywhere_and_alarms_on_battery(result):
     for kind, res in result["results"].items():
-        assert res["detectors"]["fused"]["auc"] > 0.6, kind
+        aucs = {name: det["auc"] for name, det in res["detectors"].items()}
+        assert aucs["fused"] > 0.5, kind
+        # fusing with a detector that sees nothing costs something, never everything
+        assert aucs["fused"] > max(aucs["telemetry"], aucs["sound"]) - 0.2, (kind, aucs)
     delays = result["results"]["battery"]["detectors"]["telemetry"]["delays_min"]
     assert any(math.isfinite(d) for d in delays)
 

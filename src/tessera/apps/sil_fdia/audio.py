@@ -130,11 +130,11 @@ def background(
         shares["rain"] = 0.8 * weather.rain
         parts["rain"] = _rain(n, weather.rain, rng, sample_rate)
     total = sum(shares.values())
-    gain = 10 ** (-snr_db / 20)
     mix = np.zeros(n, dtype=np.float32)
     for key, part in parts.items():
-        mix += np.float32(gain * np.sqrt(shares[key] / total)) * _unit_power(part)
-    return mix
+        mix += np.float32(np.sqrt(shares[key] / total)) * _unit_power(part)
+    # the parts are independent but not exactly orthogonal over a short clip: scale the sum itself
+    return _unit_power(mix) * np.float32(10 ** (-snr_db / 20))
 
 
 def synthesize(

@@ -23,9 +23,8 @@ from tessera.apps.sil_fdia.telemetry_detect import FEATURE_NAMES, Calibration, t
 
 SMOOTHED = ("grid_z", "grid_abs_z", "share_z", "isolation")
 DETECTORS = ("telemetry", "sound", "fused")
-GUARD_INTERVALS = (
-    6  # an hour after an attack ends is neither attacked nor clean (running means still remember it)
-)
+# an hour after an attack ends is neither attacked nor clean (running means still remember it)
+GUARD_INTERVALS = 6
 COUNT_KINDS = ("scale", "additive", "constant", "zero", "stealthy")
 
 
@@ -41,19 +40,17 @@ class Context:
 
 
 def inputs(ctx: Context, tel: dict) -> dict[str, np.ndarray]:
-    """Detector name -> (lamps, intervals, features)."""
+    """Source ("telemetry", "sound") -> (lamps, intervals, features)."""
     t = telemetry_features(ctx.dep, tel, ctx.calib)
     smooth = np.stack([ewma(t[..., FEATURE_NAMES.index(n)]) for n in SMOOTHED], axis=-1)
     telemetry = np.concatenate([t, smooth], axis=-1)
     sound = sound_features(ctx.dep, tel, ctx.heard, ctx.listen, ctx.sound)
-    return {"telemetry": telemetry, "sound": sound, "fused": np.concatenate([telemetry, sound], axis=-1)}
+    return {"telemetry": telemetry, "sound": sound}
 
 
 def feature_names(detector: str) -> list[str]:
     telemetry = [*FEATURE_NAMES, *(f"{n}_ewma" for n in SMOOTHED)]
-    return {"telemetry": telemetry, "sound": list(SOUND_NAMES), "fused": telemetry + list(SOUND_NAMES)}[
-        detector
-    ]
+    return {"telemetry": telemetry, "sound": list(SOUND_NAMES)}[detector]
 
 
 def eligible(kind: str, clean_tel: dict, night: np.ndarray) -> np.ndarray:
@@ -129,30 +126,40 @@ SIGNED = {"grid_z", "share_z", "sound_z", "sound_z_ewma", "grid_z_ewma", "share_
 
 
 def fit_detectors(clean: dict[str, np.ndarray], scenarios: list[dict]) -> dict:
-    """Telemetry-only and sound-only: tail scores fitted on ``clean`` (detector -> (N, F));
-    fused: a logistic regression on the two scores, trained on attacked ``scenarios``."""
+    """Telemetry-only and sound-only: tail scores fitted on ``clean`` (source -> (N, F));
+    fused: a logistic regression on the two scores, each first re-expressed as its own
+    tail score against the same clean intervals (so both speak in -log10 p and a noisy
+    wide-ranged score does not drown a quiet one), trained on attacked ``scenarios``."""
     models = {}
     for name in ("telemetry", "sound"):
         signed = [n in SIGNED for n in feature_names(name)]
         models[name] = TailScore(signed).fit(clean[name])
+        models[f"{name}_p"] = TailScore([False]).fit(models[name](clean[name])[:, None])
     xs = np.concatenate([_pair(models, sc["x"])[sc["y"] >= 0] for sc in scenarios])
     ys = np.concatenate([sc["y"][sc["y"] >= 0] for sc in scenarios])
     models["fused"] = LogisticRegression(C=1.0, class_weight="balanced", max_iter=1000).fit(xs, ys)
     return models
 
 
+def _raw(models: dict, x: dict[str, np.ndarray], name: str) -> np.ndarray:
+    return models[name](x[name].reshape(-1, x[name].shape[-1])).reshape(x[name].shape[:2])
+
+
 def _pair(models: dict, x: dict[str, np.ndarray]) -> np.ndarray:
-    shape = x["telemetry"].shape[:2]
-    t = models["telemetry"](x["telemetry"].reshape(-1, x["telemetry"].shape[-1]))
-    s = models["sound"](x["sound"].reshape(-1, x["sound"].shape[-1]))
-    return np.stack([t, s], axis=-1).reshape(*shape, 2)
+    """(lamps, intervals, 2): each detector's score as a tail score against clean intervals."""
+    cols = [models[f"{n}_p"](_raw(models, x, n).reshape(-1, 1)) for n in ("telemetry", "sound")]
+    return np.stack(cols, axis=-1).reshape(*x["telemetry"].shape[:2], 2)
 
 
 def score(models: dict, sc: dict) -> dict[str, np.ndarray]:
     """Detector -> (lamps, intervals) scores, higher meaning more likely attacked."""
     pair = _pair(models, sc["x"])
     fused = models["fused"].decision_function(pair.reshape(-1, 2)).reshape(pair.shape[:2])
-    return {"telemetry": pair[..., 0], "sound": pair[..., 1], "fused": fused}
+    return {
+        "telemetry": _raw(models, sc["x"], "telemetry"),
+        "sound": _raw(models, sc["x"], "sound"),
+        "fused": fused,
+    }
 
 
 def auc(scores: list[np.ndarray], ys: list[np.ndarray]) -> float:

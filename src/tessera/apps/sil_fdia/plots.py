@@ -1,5 +1,5 @@
 """Pictures: telemetry with the injected spans shaded, a spectrogram with the zaps the
-detector found marked, ROC curves per attack type."""
+detector found marked (the ROC curves per attack type are drawn by `tessera.bench.fdia`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.metrics import roc_curve  # noqa: E402
 
 COLORS = {"telemetry": "tab:blue", "sound": "tab:green", "fused": "tab:red"}
 
@@ -87,37 +86,6 @@ def plot_spectrogram(
     ax.set_ylabel("Hz")
     ax.set_title(title or "zaps in the audio")
     ax.legend(fontsize=7, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def roc_panels(axes, results: dict) -> None:
-    """One ROC panel per attack kind, one curve per detector (pooled over its scenarios)."""
-    for ax, (kind, res) in zip(axes, results.items(), strict=False):
-        for name in COLORS:
-            ys = np.concatenate([s["y"][s["y"] >= 0] for s in res["runs"]])
-            sc = np.concatenate(
-                [score[name][s["y"] >= 0] for s, score in zip(res["runs"], res["scores"], strict=True)]
-            )
-            if 0 < ys.sum() < ys.size:
-                fpr, tpr, _ = roc_curve(ys, sc)
-                ax.plot(
-                    fpr, tpr, color=COLORS[name], lw=1.2, label=f"{name} {res['detectors'][name]['auc']:.2f}"
-                )
-        ax.plot([0, 1], [0, 1], color="0.7", lw=0.8, ls="--")
-        ax.set_title(kind, fontsize=9)
-        ax.legend(fontsize=6, loc="lower right")
-        ax.tick_params(labelsize=7)
-
-
-def plot_roc(results: dict, path: str | Path) -> None:
-    cols = 4
-    rows = -(-len(results) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.0 * rows))
-    roc_panels(np.ravel(axes), results)
-    fig.supxlabel("false positive rate")
-    fig.supylabel("true positive rate")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
