@@ -161,8 +161,7 @@ def test_pipeline_1f1b_makespan_is_the_textbook_one():
     """Uniform stages, free links: a 1F1B step takes (m + pp - 1) (t_f + t_b) with t_b = 2 t_f
     (Narayanan et al. 2021); the bubble is in the schedule's dependencies, not in a formula."""
     from tessera.plan.model_spec import TransformerSpec
-    from tessera.plan.pipeline import one_f_one_b
-    from tessera.plan.training import predict_train
+    from tessera.plan.pipeline import one_f_one_b, predict_pipeline
 
     spec = TransformerSpec(name="u", layers=4, hidden=8, heads=2, ffn=32, tokens=4)
     fast = DeviceProfile(
@@ -174,7 +173,7 @@ def test_pipeline_1f1b_makespan_is_the_textbook_one():
     for pp, m in ((2, 4), (4, 4), (4, 8)):
         c = TrainCandidate(dp=1, pp=pp, micro_batches=m)
         t_f = (spec.layers // pp) * spec.layer_flops(4)  # one sample per micro-batch
-        got = predict_train(spec, c, hw, global_batch=m, seq=4).seconds
+        got = predict_pipeline(spec, c, hw, global_batch=m, seq=4, micro_batches=m).seconds
         assert got == pytest.approx((m + pp - 1) * 3 * t_f, rel=1e-9), (pp, m)
     order = one_f_one_b(0, 4, 6)
     assert [k for k, _ in order[:4]] == ["F"] * 4 and sorted(order) == sorted(

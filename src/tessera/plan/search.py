@@ -10,6 +10,7 @@ from tessera.diffusion.layout import ParallelConfig
 from tessera.plan.hardware import Hardware
 from tessera.plan.inference import GeneratePrediction, predict_generate
 from tessera.plan.model_spec import TransformerSpec
+from tessera.plan.pipeline import predict_pipeline
 from tessera.plan.training import TrainCandidate, TrainPrediction, predict_train
 
 
@@ -86,7 +87,9 @@ def search_generate(
 
 def search_train(spec: TransformerSpec, world: int, hw: Hardware, *, global_batch: int, seq: int) -> Ranked:
     preds: list[TrainPrediction] = [
-        predict_train(spec, c, hw, global_batch=global_batch, seq=seq)
+        predict_pipeline(spec, c, hw, global_batch=global_batch, seq=seq, micro_batches=c.micro_batches)
+        if c.pp > 1
+        else predict_train(spec, c, hw, global_batch=global_batch, seq=seq)
         for c in train_candidates(spec, world, global_batch)
         if global_batch % c.dp == 0
     ]

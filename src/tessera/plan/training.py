@@ -124,10 +124,8 @@ def predict_train(
     overlap: bool = False,
 ) -> TrainPrediction:
     if c.pp > 1:
-        from tessera.plan.pipeline import predict_pipeline  # it builds on this module
-
-        return predict_pipeline(
-            spec, c, hw, global_batch=global_batch, seq=seq, micro_batches=c.micro_batches
+        raise ValueError(
+            f"{c.describe()}: pipeline plans are predicted by tessera.plan.pipeline.predict_pipeline"
         )
     if global_batch % c.dp:
         raise ValueError(f"global batch {global_batch} is not divisible by dp {c.dp}")
