@@ -202,3 +202,30 @@ def test_measured_profiles_are_read_and_bad_ones_refused(tmp_path, monkeypatch):
     (tmp_path / "broken.json").unlink()
     with pytest.raises(ValueError, match="unknown device profile 'tpu'"):
         device_named("tpu")
+
+
+def test_diffusers_pipeline_folders_are_read(tmp_path, capsys):
+    """PixArt (cross-attention), SD3 (joint attention, text tokens added) and Flux (double
+    blocks counted as two streams) transformers, from the folders a user saved."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "diffusion"))
+    from tiny_pipelines import build_flux_pipeline, build_pixart_pipeline, build_sd3_pipeline
+
+    seen = {}
+    for name, build in (
+        ("pixart", build_pixart_pipeline),
+        ("sd3", build_sd3_pipeline),
+        ("flux", build_flux_pipeline),
+    ):
+        folder = build(tmp_path / name)
+        seen[name] = model_spec(str(folder), 64)
+        assert seen[name].hidden == 32 and seen[name].heads == 4, name
+    assert (seen["pixart"].tokens, seen["sd3"].tokens, seen["flux"].tokens) == (64, 64 + 333, 64 + 512)
+    assert seen["pixart"].extra_token_params > 0 and seen["sd3"].extra_token_params == 0
+    flux = json.loads((tmp_path / "flux" / "transformer" / "config.json").read_text())
+    assert seen["flux"].layers == 2 * flux["num_layers"] + flux["num_single_layers"]
+    assert main(["plan", "generate", "--model", str(tmp_path / "sd3"), "--devices", "2", "--steps", "2"]) == 0
+    assert "choice: tessera generate --nproc 2" in capsys.readouterr().out

@@ -238,11 +238,50 @@ def spec_from_config(path: str | Path, tokens: int | None = None) -> Transformer
     )
 
 
+def spec_from_diffusers(folder: Path, image_tokens: int | None = None) -> TransformerSpec:
+    """The transformer of a diffusers pipeline folder (PixArt, SD3, Flux configs): layers
+    (Flux: double blocks count twice, as two streams), width, heads, tokens at the config's
+    sample size or ``image_tokens``, plus the text tokens of joint attention."""
+    file = folder / "transformer" / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{folder}: a diffusers pipeline folder needs transformer/config.json")
+    cfg = json.loads(file.read_text())
+    try:
+        heads, head_dim, patch = (
+            cfg["num_attention_heads"],
+            cfg["attention_head_dim"],
+            cfg.get("patch_size", 2),
+        )
+        layers = cfg["num_layers"] * (2 if "num_single_layers" in cfg else 1) + cfg.get(
+            "num_single_layers", 0
+        )
+    except KeyError as exc:
+        raise ValueError(f"{file}: no {exc.args[0]!r}; not a PixArt/SD3/Flux transformer config") from None
+    joint = "joint_attention_dim" in cfg
+    # joint attention's text tokens at the pipelines' defaults: Flux's T5 512; SD3's CLIP 77 + T5 256
+    text = (512 if "num_single_layers" in cfg else 333) if joint else 0
+    tokens = image_tokens or (cfg.get("sample_size", 128) // patch) ** 2
+    return dit_spec(
+        cfg.get("_class_name", folder.name),
+        latent=1,
+        patch=1,
+        layers=layers,
+        hidden=heads * head_dim,
+        heads=heads,
+        cross_attention=not joint,
+        adaln_single=not joint,
+        source=str(file),
+    ).with_tokens(tokens + text)
+
+
 def model_spec(name: str, tokens: int | None = None) -> TransformerSpec:
-    """A preset by name, or a model folder / config.json path."""
+    """A preset by name, a diffusers pipeline folder, or a transformers model folder /
+    config.json path. ``tokens``: the sequence (for a DiT, the image tokens)."""
     if name in PRESETS:
         spec = PRESETS[name]
         return spec.with_tokens(tokens) if tokens else spec
+    if (Path(name) / "model_index.json").is_file():
+        return spec_from_diffusers(Path(name), tokens)
     if Path(name).exists():
         return spec_from_config(name, tokens)
     raise ValueError(
