@@ -1,0 +1,2 @@
+"""ROCBERT (robust Chinese BERT): multimodal character features, adversarial synthesis and
+contrastive pretraining on transformers' RoCBert classes, trained with tessera.boost."""
