@@ -9,7 +9,7 @@ from tessera.apps.rocbert import corpus  # noqa: E402
 from tessera.apps.rocbert.features import build_features, corpus_chars, gb2312_level1  # noqa: E402
 
 # chars the tests' own sentences use, so none of them falls out of the small vocabulary
-EXTRA = "这个手机很好用我觉得东西不错质量差服务态度太糟糕了喜欢推荐妈妈明天晴睛清请情休体本木林森人们"
+EXTRA = "这个手机很好用我觉得东西不错质量差服务态度太糟糕了喜欢推荐妈妈明天晴睛清请情休体本木林森人们一"
 
 
 @pytest.fixture(scope="session")
