@@ -55,8 +55,14 @@ def cmd_train(args: argparse.Namespace) -> None:
 
     if args.recipe == gpt2_text.RECIPE_NAME:
         return _train_with_plan(args)
+    if args.recipe == "rocbert-sentiment":
+        from tessera.apps.rocbert.commands import train_command
+
+        return print(train_command(args))
     if args.recipe != RECIPE_NAME:
-        raise UserError(f"unknown recipe {args.recipe!r}; available: {RECIPE_NAME}, {gpt2_text.RECIPE_NAME}")
+        raise UserError(
+            f"unknown recipe {args.recipe!r}; available: {RECIPE_NAME}, {gpt2_text.RECIPE_NAME}, rocbert-sentiment"
+        )
     plan_flags = (
         args.dp,
         args.tp,
@@ -345,6 +351,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from tessera.bench.serve import plot_serve, run_serve_bench
 
         result, plot = run_serve_bench(quick=args.quick), plot_serve
+    elif args.name == "robust":
+        from tessera.bench.robust import plot_robust, run_robust_bench
+
+        result, plot = run_robust_bench(quick=args.quick), plot_robust
     elif args.name in ("kernels", "machine"):
         if args.name == "machine":
             from tessera.bench.machine import plot_machine, run_machine_bench
@@ -356,7 +366,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             result, plot = run_kernels_bench(QUICK if args.quick else FULL), plot_kernels
     else:
         raise UserError(
-            f"unknown benchmark {args.name!r}; available: dit, dap, autochunk, train, serve, fdia, kernels, machine"
+            f"unknown benchmark {args.name!r}; available: dit, dap, autochunk, train, serve, fdia, kernels, machine, robust"
         )
     paths = write_results(result, args.out, plot)
     print("headline: " + ", ".join(f"{k}={v}" for k, v in result.headline.items()))
@@ -419,6 +429,27 @@ def _add_fdia_parser(sub) -> None:
     q.add_argument("--quick", action="store_true", help="small version, under two minutes on 2 cores")
     q.add_argument("--out", default="benchmarks/results", help="folder for fdia.json / .md / .png")
     q.set_defaults(handler=cmd_fdia)
+
+
+# ---- robust (ROCBERT) --------------------------------------------------------------------
+
+
+def cmd_robust(args: argparse.Namespace) -> None:
+    from tessera.apps.rocbert.commands import attack_command
+
+    print(attack_command(args))
+
+
+def _add_robust_parser(sub) -> None:
+    p = sub.add_parser("robust", help="ROCBERT robust Chinese classification: attack a trained model")
+    robust = p.add_subparsers(dest="robust_command", required=True)
+    q = robust.add_parser("attack", help="show synthetic attacks of --text and the model's predictions")
+    q.add_argument("--model", required=True, help="folder from `tessera train --recipe rocbert-sentiment`")
+    q.add_argument("--text", action="append", required=True, help="a Chinese text (repeatable)")
+    q.add_argument("--variants", type=_positive_int, default=5, help="synthetic attacked copies per text")
+    q.add_argument("--query-budget", type=_positive_int, default=200, help="greedy black-box attack's queries")
+    q.add_argument("--seed", type=int, default=0)
+    q.set_defaults(handler=cmd_robust)
 
 
 # ---- serve -------------------------------------------------------------------------------
@@ -508,7 +539,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a recipe with data parallel processes")
-    p.add_argument("--recipe", required=True, help="recipe name (digits-dit, gpt2-text)")
+    p.add_argument("--recipe", required=True, help="recipe name (digits-dit, gpt2-text, rocbert-sentiment)")
     p.add_argument("--nproc", type=_positive_int, default=1, help="local processes (ranks)")
     p.add_argument("--out", default="runs/digits-dit", help="checkpoint folder")
     p.add_argument("--steps", type=_positive_int, help="total optimizer steps")
@@ -569,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_generate)
 
     p = sub.add_parser("bench", help="run a benchmark (baseline and Tessera in one run)")
-    p.add_argument("name", help="benchmark: dit, dap, autochunk, train, serve, fdia, kernels or machine")
+    p.add_argument("name", help="benchmark: dit, dap, autochunk, train, serve, fdia, kernels, machine or robust")
     p.add_argument("--quick", action="store_true", help="small version, under two minutes on 2 cores")
     p.add_argument("--out", default="benchmarks/results", help="folder for NAME.json / .md / .png")
     p.add_argument(
@@ -634,6 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_memory(plan_sub)
 
     _add_fdia_parser(sub)
+    _add_robust_parser(sub)
 
     p = sub.add_parser("launch", help="run a script under torchrun (other flags pass through to torchrun)")
     p.add_argument("-n", "--nproc", type=_positive_int, required=True, help="processes per node")

@@ -1,0 +1,94 @@
+"""The rocbert-sentiment recipe on a tiny RoCBert (seconds): losses fall, the export loads with
+transformers' own classes, and dp=2 over two processes takes the same steps as one process.
+
+Parity reference: one process with grad_accum=2 sees exactly the micro-batches the two ranks
+see (boost splits a global batch into contiguous halves either way), which matters because the
+contrastive term uses the other rows of its micro-batch as negatives. Tolerances: the ranks
+average gradients with an all-reduce instead of summing two micro-batches in one process, so
+they differ by fp32 rounding (~1e-7 relative per step); AdamW divides by sqrt(v), which can lift
+a rounding difference on a near-zero gradient (eps 1e-8 here), so after 3 + 3 steps parameters
+are compared at rtol 1e-4 / atol 1e-5 and the logged losses at rtol 1e-5.
+"""
+
+import json
+
+import pytest
+import torch
+
+import tessera
+from tessera.apps.rocbert.model import RocbertSize
+from tessera.apps.rocbert.recipe import RocbertRecipe, finetune, pretrain, train_rank
+from tessera.runtime import Mesh, spawn
+
+TINY = RocbertSize(hidden=32, layers=1, heads=2, intermediate=64, max_len=32, pronunciation_dim=8, dropout=0.0)
+
+
+def _tiny(**kw):
+    base = dict(size=TINY, batch_size=8, news_sentences=300, eval_size=32, pretrain_lr=3e-3, finetune_lr=3e-3)
+    return RocbertRecipe(**{**base, **kw})
+
+
+def _run(recipe, plan, root):
+    from tessera.apps.rocbert.features import load_features
+    from tessera.train.export import full_state_dict
+
+    mesh, features = Mesh(dp=plan.dp), load_features(root)
+    model, opt, pre = pretrain(recipe, plan, mesh, features)
+    model, opt, fine = finetune(recipe, plan, mesh, features, full_state_dict(model, opt))
+    return [e["loss"] for e in pre], [e["loss"] for e in fine], full_state_dict(model, opt)
+
+
+def test_tiny_run_learns_and_exports(features, tmp_path):
+    from transformers import RoCBertForSequenceClassification, RoCBertTokenizer
+
+    recipe = _tiny(pretrain_steps=16, finetune_steps=16)
+    out = train_rank(recipe, tessera.Plan(dp=1), str(tmp_path), str(features.root))
+    pre, fine = out["pretrain_loss"], out["finetune_loss"]
+    assert sum(pre[-4:]) < 0.9 * sum(pre[:4]), pre
+    assert sum(fine[-4:]) < sum(fine[:4]), fine
+    assert 0 <= out["attacked_accuracy"] <= 1 and out["eval_size"] == 32
+    model = RoCBertForSequenceClassification.from_pretrained(tmp_path / "model")
+    tok = RoCBertTokenizer.from_pretrained(tmp_path / "model")
+    enc = tok(["这个手机很好用"], return_tensors="pt")
+    assert model(**enc).logits.shape == (1, 2)
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert log["recipe"]["contrastive"] and len(log["finetune_loss"]) == 16
+
+
+def test_dp2_matches_one_process(features):
+    recipe = _tiny(pretrain_steps=3, finetune_steps=3)
+    root = str(features.root)
+    ref_pre, ref_fine, ref_state = _run(recipe, tessera.Plan(dp=1, grad_accum=2), root)
+    pre, fine, state = spawn(_run, 2, recipe, tessera.Plan(dp=2), root)[0]
+    torch.testing.assert_close(pre, ref_pre, rtol=1e-5, atol=0)
+    torch.testing.assert_close(fine, ref_fine, rtol=1e-5, atol=0)
+    assert state.keys() == ref_state.keys()
+    for name, t in ref_state.items():
+        torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-5, msg=name)
+    # and the run did move the weights, so the comparison can fail
+    fresh = _run(_tiny(pretrain_steps=1, finetune_steps=1), tessera.Plan(dp=1), root)[2]
+    assert not torch.allclose(fresh["classifier.weight"], ref_state["classifier.weight"])
+
+
+def test_recipe_is_validated():
+    with pytest.raises(ValueError, match="batch_size=7 must be even"):
+        RocbertRecipe(batch_size=7)
+    with pytest.raises(ValueError, match="pretrain_steps must be a positive integer"):
+        RocbertRecipe(pretrain_steps=0)
+    with pytest.raises(ValueError, match="not divisible by heads"):
+        RocbertSize(hidden=30, heads=4)
+
+
+def test_cli_train_and_attack(tmp_path, capsys):
+    from tessera.cli import main
+
+    out = tmp_path / "run"
+    argv = ["train", "--recipe", "rocbert-sentiment", "--out", str(out), "--steps", "2", "--batch-size", "4"]
+    assert main(argv) == 0
+    assert "held-out accuracy clean" in capsys.readouterr().out
+    assert main(["robust", "attack", "--model", str(out), "--text", "这个手机很好用，推荐", "--variants", "2"]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[0] == "这个手机很好用，推荐" and shown[1].startswith("  model: ")
+    assert len(shown) == 5 and "greedy (" in shown[-1]
+    assert main(["train", "--recipe", "rocbert-sentiment", "--out", str(out), "--tp", "2", "--nproc", "2"]) == 2
+    assert "--tp, --resume" in capsys.readouterr().err
