@@ -8,7 +8,7 @@ import pytest
 from tessera.kernels import ops
 from tessera.kernels.machine import cache_sizes, cpu_isas, load_machine
 from tessera.kernels.model import predict
-from tessera.kernels.schedule import GemmSchedule, LoopSchedule
+from tessera.kernels.schedule import REGISTER_TILES, GemmSchedule, LoopSchedule
 from tessera.kernels.space import schedule_space
 from tessera.kernels.tuner import best_schedule, rank, spearman, tune
 
@@ -20,6 +20,11 @@ def test_machine_parameters(machine):
     assert machine.peak(1) > 1e9  # a core does more than a GFLOP/s
     assert machine.bandwidth("L1", 1) > machine.bandwidth("DRAM", 1) > 1e8
     assert load_machine(measure_if_missing=False).fingerprint == machine.fingerprint  # saved
+    for isa in cpu_isas():  # every register tile's micro-kernel, both inner orders, every depth
+        tiles = machine.ukernel_flops[isa]
+        assert len(tiles) == 2 * len(REGISTER_TILES[isa])
+        # a 50 ms measurement on a shared machine: above a tenth of the peak, below it (+ turbo slack)
+        assert all(0.1 * machine.peak(1, isa) < r < 1.3 * machine.peak(1, isa) for t in tiles.values() for r in t.values())
 
 
 def test_model_prefers_blocked_packed_schedules(machine):

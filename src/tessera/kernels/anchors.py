@@ -96,7 +96,7 @@ def numpy_conv(s: Conv2dShape, threads: int) -> Callable[[], object]:
 def tvm_status() -> str | None:
     """None when TVM is importable, else why not (the benchmark reports it)."""
     if importlib.util.find_spec("tvm") is None:
-        return "apache-tvm is not installed (pip install -c constraints.txt 'tessera[tvm]')"
+        return "apache-tvm is not installed (pip install -c constraints.txt -e '.[tvm]')"
     try:
         import tvm  # noqa: F401
         from tvm.s_tir import meta_schedule  # noqa: F401

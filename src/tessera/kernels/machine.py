@@ -3,7 +3,8 @@
 Cache sizes come from the OS (/sys/devices/system/cpu/cpu0/cache); the vector ISAs from
 the CPU flags the kernel reports; peak FP32 FMA throughput and the streaming bandwidth of
 each level (L1, L2, L3, DRAM) from the bundled micro-benchmark ``csrc/machine_bench.c``,
-on 1 thread and on every core. The result is kept as JSON beside the kernel cache, keyed by
+on 1 thread and on every core; each register tile's micro-kernel rate at several block
+depths from ``csrc/ukernel_bench.c``. The result is kept as JSON beside the kernel cache, keyed by
 a fingerprint of the CPU, so the tuner measures a machine once.
 """
 
@@ -19,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tessera.kernels.compiler import CSRC, cache_dir, compile_source
-from tessera.kernels.schedule import ISAS
+from tessera.kernels.schedule import ISAS, REGISTER_TILES
 
 SYS_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
 LEVELS = ("L1", "L2", "L3", "DRAM")
@@ -90,6 +91,8 @@ class Machine:
     measured_seconds: float = 0.0
     fingerprint: str = ""
     isas: tuple[str, ...] = field(default=())
+    # ISA -> "MRxNR|inner order" -> kc -> FLOP/s of the micro-kernel in its inner loops, one thread
+    ukernel_flops: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
 
     def peak(self, threads: int, isa: str | None = None) -> float:
         table = self.peak_flops[isa or self.isa]
@@ -111,6 +114,10 @@ class Machine:
         data["read_bw"] = {lvl: {int(k): v for k, v in t.items()} for lvl, t in data["read_bw"].items()}
         data["write_bw"] = {int(k): v for k, v in data["write_bw"].items()}
         data["isas"] = tuple(data.get("isas", ()))
+        data["ukernel_flops"] = {
+            isa: {tile: {int(k): v for k, v in t.items()} for tile, t in tiles.items()}
+            for isa, tiles in data.get("ukernel_flops", {}).items()
+        }
         return Machine(**data)
 
 
@@ -129,6 +136,35 @@ def _bench_lib(isa: str) -> ctypes.CDLL:
         fn.restype = ctypes.c_double
         fn.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_double]
     return lib
+
+
+UKERNEL_KCS = (64, 128, 256, 512)
+
+
+def _ukernel_lib(isa: str, mr: int, nr: int) -> ctypes.CDLL:
+    defines = f"#define TK_VEC {256 if isa == 'avx2' else 512}\n#define TK_MR {mr}\n#define TK_NR {nr}\n#define TK_UNROLL 4\n"
+    source = defines + (CSRC / "ukernel_bench.c").read_text()
+    lib = ctypes.CDLL(str(compile_source(source, isa=isa, name=f"ukernel_{isa}_{mr}x{nr}").path))
+    lib.tk_ukernel_gflops.restype = ctypes.c_double
+    lib.tk_ukernel_gflops.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_double]
+    return lib
+
+
+def measure_ukernels(isas: list[str], seconds: float) -> dict[str, dict[str, dict[int, float]]]:
+    """Each register tile's micro-kernel rate in its inner loops (both orders), one thread, at
+    the block depths kc the space uses: the tensorized primitive measured, as swDNN measures
+    its building blocks. Key "MRxNR|inner"."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tiles = [(isa, mr, nr) for isa in isas for mr, nr in REGISTER_TILES[isa]]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # compiles only
+        libs = list(pool.map(lambda t: _ukernel_lib(*t), tiles))
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for (isa, mr, nr), lib in zip(tiles, libs, strict=True):
+        for inner, ir_outer in (("jr,ir", 0), ("ir,jr", 1)):
+            out.setdefault(isa, {})[f"{mr}x{nr}|{inner}"] = {
+                kc: lib.tk_ukernel_gflops(kc, ir_outer, seconds) * 1e9 for kc in UKERNEL_KCS}
+    return out
 
 
 def measure(*, isa: str | None = None, seconds: float = 0.3, threads: tuple[int, ...] | None = None) -> Machine:
@@ -157,17 +193,19 @@ def measure(*, isa: str | None = None, seconds: float = 0.3, threads: tuple[int,
             else:  # half the level, split among the threads that share it
                 per_thread = sizes[level] // 2 // max(1, min(t, shared[level]))
             read_bw[level][t] = lib.tk_read_gbps(per_thread, t, seconds) * 1e9
+    ukernels = measure_ukernels(isas, seconds / 8)
     dram = max(4 * sizes["L3"], 256 << 20)
     write_bw = {t: lib.tk_write_gbps(dram // t, t, seconds) * 1e9 for t in threads}
     return Machine(
         isa=isa, cores=cores, cache_bytes=sizes, cache_shared_by=shared, peak_flops=peak,
         read_bw=read_bw, write_bw=write_bw, cpu=platform.processor() or platform.machine(),
         measured_seconds=time.perf_counter() - began, fingerprint=fingerprint(), isas=tuple(isas),
+        ukernel_flops=ukernels,
     )
 
 
 def machine_path() -> Path:
-    return cache_dir() / f"machine-{fingerprint()}.json"
+    return cache_dir() / f"machine-v2-{fingerprint()}.json"  # v2: with the micro-kernel rates
 
 
 def load_machine(*, measure_if_missing: bool = True, seconds: float = 0.3) -> Machine:

@@ -4,15 +4,18 @@ sizes) and counts derived from the operator and the schedule alone.
 
 Micro-kernel schedules (BLIS's loops), per thread:
 
-    compute  = padded FMAs / (peak x issue x latency x call efficiency x balance)
+    compute  = padded FMAs / (peak x micro-kernel efficiency x balance)
     streams  = bytes each loop re-reads / bandwidth of the level that block lives in
                (A block per jr panel, B block per ic block, C per k block)
     packing  = elements packed x cycles per element + their bytes / source bandwidth
     time     = packing + max(compute, streams) + a fixed call cost
 
-issue: loads per k step (NR/VL vector loads + MR broadcasts, 2 a cycle) against MR x NR/VL
-FMAs (2 a cycle); latency: MR x NR/VL independent chains against 4 cycles x 2 pipes; call
-efficiency: the C tile's load/add/store against kc steps of FMAs; balance: the parallel
+micro-kernel efficiency: its measured rate at that block depth kc and inner loop order
+(``Machine.ukernel_flops``: the primitive timed over packed blocks, where its panels live
+and its C tile's load/add/store per call included) over the peak;
+without a measurement, an estimate from its issue (NR/VL vector loads + MR broadcasts, 2 a
+cycle, against MR x NR/VL FMAs, 2 a cycle), latency (MR x NR/VL independent chains against
+4 cycles x 2 pipes) and the C tile's cost per call; balance: the parallel
 loop's trip count over the threads (the busiest thread decides). A block "lives" in the
 smallest level it fits in (L1/L2 per core, L3 shared).
 
@@ -73,10 +76,33 @@ def _facts(op: Operator, fuse_n: bool):
     return con, a_plain, b_plain, kind
 
 
+def _estimated_efficiency(mr: int, nv: int, kc: int, tails: bool) -> float:
+    fmas = mr * nv
+    issue = fmas / max(fmas, (mr + nv) * FMA_PIPES / LOADS_PER_CYCLE)
+    latency = min(1.0, fmas / (FMA_LATENCY * FMA_PIPES))
+    k_cycles = fmas / FMA_PIPES
+    store_cycles = 3 * fmas + 12 + (mr * nv * 0.4 if tails else 0)
+    return issue * latency * kc * k_cycles / (kc * k_cycles + store_cycles)
+
+
+def ukernel_efficiency(m: Machine, isa: str, mr: int, nr: int, kc: int, mc: int, nc: int, inner: str) -> float:
+    """The micro-kernel's fraction of the FMA peak at block depth ``kc``: measured (linear in
+    log kc between the measured depths), else estimated from its loads, FMAs and latency."""
+    vl = 16 if isa == "avx512" else 8
+    table = m.ukernel_flops.get(isa, {}).get(f"{mr}x{nr}|{inner}")
+    if not table:
+        return _estimated_efficiency(mr, nr // vl, kc, mc % mr != 0 or nc % nr != 0)
+    kcs = sorted(table)
+    lo = max([k for k in kcs if k <= kc] or kcs[:1])
+    hi = min([k for k in kcs if k >= kc] or kcs[-1:])
+    w = 0.0 if hi == lo else (math.log(kc) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    rate = (1 - w) * table[lo] + w * table[hi]
+    return min(1.0, rate / m.peak(1, isa))
+
+
 def predict_gemm(op: Operator, s: GemmSchedule, m: Machine, threads: int) -> float:
     con, a_plain, b_plain, b_kind = _facts(op, s.fuse_n)
     BT, M, N, K = con.sizes
-    nv = s.nr // s.vector_length
     mr, nr = s.mr, s.nr
     mc, nc, kc = min(s.mc, -(-M // mr) * mr), min(s.nc, -(-N // nr) * nr), min(s.kc, K)
     pack_a, pack_b = s.pack_a or not a_plain, s.pack_b or not b_plain
@@ -87,16 +113,10 @@ def predict_gemm(op: Operator, s: GemmSchedule, m: Machine, threads: int) -> flo
     trips = {"none": 1, "batch": BT, "jc": n_blocks, "ic": m_blocks, "jr": -(-nc // nr), "ir": -(-mc // mr)}[par]
     speed = _balance(trips, threads) if par != "none" else 1.0
     t_eff = max(1, threads if par != "none" else 1)
-    # the micro-kernel
-    fmas = mr * nv
-    issue = fmas / max(fmas, (mr + nv) * FMA_PIPES / LOADS_PER_CYCLE)
-    latency = min(1.0, fmas / (FMA_LATENCY * FMA_PIPES))
-    k_cycles = fmas / FMA_PIPES
-    store_cycles = 3 * fmas + 12 + (0 if mc % mr == 0 and nc % nr == 0 else mr * nr * 0.05)
-    call = kc * k_cycles / (kc * k_cycles + store_cycles)
+    # the micro-kernel: its measured rate at this depth, else the issue / latency estimate
     flops = 2.0 * BT * mp * np_ * K
     per_core = m.peak(t_eff, s.isa) / t_eff
-    t_compute = flops / (per_core * issue * latency * call * speed)
+    t_compute = flops / (per_core * ukernel_efficiency(m, s.isa, mr, nr, kc, mc, nc, s.inner) * speed)
     # re-read streams (bytes per thread)
     a_block, b_block = 4 * mc * kc, 4 * kc * nc
     inner_jr = s.inner == "jr,ir"
@@ -123,13 +143,29 @@ def predict_gemm(op: Operator, s: GemmSchedule, m: Machine, threads: int) -> flo
     if pack_a:
         elems = BT * mp * K * a_times
         t_pack += elems * PACK_CYCLES["a"] * cycle + 4 * elems / _bw(m, a_src, t_eff)
-    else:
-        t_compute *= 1.0 + 0.1 * (mr > 4)  # strided broadcasts: more address registers, some spills
+    else:  # strided broadcasts: more address registers, some spills; rows may alias in cache
+        rows = con.scaled_flat(con.part(con.a, "m"), "m")
+        t_compute *= (1.0 + 0.1 * (mr > 4)) * _aliasing(rows, mr)
     if pack_b:
         elems = BT * np_ * K * b_times
         t_pack += elems * PACK_CYCLES[b_kind] * cycle + 4 * elems / _bw(m, b_src, t_eff)
+    else:  # the micro-panel's kc rows come from the matrix itself, a row stride apart
+        t_compute *= 1.1 * _aliasing(con.scaled_flat(con.part(con.b, "k"), "k"), kc)
     pack_par = threads if par != "none" else 1
     return CALL_SECONDS + t_pack / pack_par + max(t_compute, t_streams)
+
+
+ALIAS_BYTES = 4096  # rows this far apart map to the same L1 set (4K aliasing of loads, too)
+ALIAS_PENALTY = 2.0  # measured: unpacked operands of 1024- and 2048-wide matrices ran 1.5-4x slower
+
+
+def _aliasing(stride: int | None, rows: int) -> float:
+    """Slow-down of reading ``rows`` rows ``stride`` floats apart straight from a matrix: when the
+    stride is a multiple of 4 KiB every row falls in one cache set and more than the set's ways
+    evict each other (an estimate; packing is what avoids it)."""
+    if stride is None or rows <= 8:
+        return 1.0
+    return ALIAS_PENALTY if (4 * stride) % ALIAS_BYTES == 0 else 1.0
 
 
 def _runs(con) -> bool:

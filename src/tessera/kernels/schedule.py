@@ -23,6 +23,11 @@ ISAS: dict[str, tuple[int, int, tuple[str, ...]]] = {
     "avx2": (8, 16, ("-mavx2", "-mfma")),
     "avx512": (16, 32, ("-mavx2", "-mfma", "-mavx512f")),
 }
+# the register tiles (MR, NR) the space offers per ISA (each fits the ISA's vector registers)
+REGISTER_TILES = {
+    "avx2": ((6, 16), (4, 24), (8, 8), (4, 16), (12, 8), (5, 16)),
+    "avx512": ((14, 32), (12, 32), (8, 32), (6, 64), (28, 16), (4, 48), (8, 48)),
+}
 GEMM_PARALLEL = ("none", "batch", "jc", "ic", "jr", "ir")
 OUTER_ORDERS = ("jc,pc,ic", "ic,pc,jc")
 INNER_ORDERS = ("jr,ir", "ir,jr")

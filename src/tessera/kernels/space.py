@@ -11,12 +11,8 @@ from tessera.kernels.codegen_loops import parallel_safe_axes
 from tessera.kernels.contraction import NotTensorizable
 from tessera.kernels.ir import Operator, drop_unit_axes
 from tessera.kernels.model import _facts
-from tessera.kernels.schedule import GemmSchedule, LoopSchedule, Schedule
+from tessera.kernels.schedule import REGISTER_TILES, GemmSchedule, LoopSchedule, Schedule
 
-REGISTER_TILES = {
-    "avx2": ((6, 16), (4, 24), (8, 8), (4, 16), (12, 8), (5, 16)),
-    "avx512": ((14, 32), (12, 32), (8, 32), (6, 64), (28, 16), (4, 48), (8, 48)),
-}
 MC_TARGETS = (48, 96, 192, 384)
 NC_TARGETS = (256, 1024, 4096)
 KC_TARGETS = (128, 256, 512)
@@ -38,7 +34,9 @@ def gemm_space(op: Operator, *, threads: int, isas: tuple[str, ...], unrolls=(4,
     out = set()
     for (fuse, con, a_plain, b_plain, _), isa in itertools.product(variants, isas):
         BT, M, N, K = con.sizes
-        pars = ("none",) if threads == 1 else tuple(p for p in ("ic", "jc", "jr", "batch") if p != "batch" or BT > 1)
+        # one thread: "ic" rather than "none" (the same speed: the loop's `omp for` on one thread),
+        # so a binary tuned for one thread is the very binary a 2-thread tuning may pick (cache hit)
+        pars = ("ic",) if threads == 1 else tuple(p for p in ("ic", "jc", "jr", "batch") if p != "batch" or BT > 1)
         for mr, nr in REGISTER_TILES[isa]:
             mcs = {_round(t, mr, M) for t in MC_TARGETS}
             ncs = {_round(t, nr, N) for t in NC_TARGETS}

@@ -92,9 +92,22 @@ def rank(op: Operator, *, threads: int, machine: Machine) -> list[Trial]:
     return sorted(trials, key=lambda t: t.predicted)
 
 
-def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
-    """The ``top_k`` best predicted, plus the best of the other lowering (micro-kernel vs loops)."""
-    picked = trials[:top_k]
+def _family(s: Schedule) -> tuple:
+    return (s.isa, s.mr, s.nr) if isinstance(s, GemmSchedule) else ("loops",)
+
+
+def shortlist(trials: list[Trial], top_k: int, per_family: int = 2) -> list[Trial]:
+    """The ``top_k`` best predicted, at most ``per_family`` of one register tile (the model's
+    near-ties within a tile are where it is least sure, so the timed set spreads over tiles),
+    plus the best of the other lowering (micro-kernel vs loops)."""
+    picked, count = [], {}
+    for t in trials:
+        fam = _family(t.schedule)
+        if count.get(fam, 0) < per_family:
+            picked.append(t)
+            count[fam] = count.get(fam, 0) + 1
+        if len(picked) == top_k:
+            break
     kinds = {t.schedule.kind for t in picked}
     for t in trials[top_k:]:
         if t.schedule.kind not in kinds:
