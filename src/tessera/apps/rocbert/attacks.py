@@ -55,7 +55,9 @@ class AttackConfig:
                 raise ValueError(f"AttackConfig.{name} must be >= 1, got {getattr(self, name)}")
         unknown = [t for t in self.transforms if t not in TRANSFORMS]
         if unknown or not self.transforms:
-            raise ValueError(f"AttackConfig.transforms {unknown or '()'} unknown or empty; choose from {TRANSFORMS}")
+            raise ValueError(
+                f"AttackConfig.transforms {unknown or '()'} unknown or empty; choose from {TRANSFORMS}"
+            )
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,9 @@ class Synthesizer:
         rows = {t: i for i, t in enumerate(self.features.tokens)}
         idx = np.array([rows[c] for c in self._hanzi])
         g = self.features.glyphs[idx]
-        return g / np.maximum(np.linalg.norm(g, axis=1, keepdims=True), 1e-12), {c: i for i, c in enumerate(self._hanzi)}
+        return g / np.maximum(np.linalg.norm(g, axis=1, keepdims=True), 1e-12), {
+            c: i for i, c in enumerate(self._hanzi)
+        }
 
     def lookalikes(self, c: str) -> list[str]:
         """The ``lookalike_k`` vocabulary characters whose glyph vectors are nearest to c's (cosine)."""

@@ -50,7 +50,12 @@ def mask_tokens(enc: dict[str, torch.Tensor], tokenizer, g: torch.Generator) -> 
         "input_shape_ids": (tokenizer.word_shape["[MASK]"], random_ids),  # shape id = vocab id
         "input_pronunciation_ids": (
             tokenizer.word_pronunciation["[MASK]"],
-            torch.tensor([[tokenizer.word_pronunciation[tokenizer.ids_to_tokens[i]] for i in row] for row in random_ids.tolist()]),
+            torch.tensor(
+                [
+                    [tokenizer.word_pronunciation[tokenizer.ids_to_tokens[i]] for i in row]
+                    for row in random_ids.tolist()
+                ]
+            ),
         ),
     }
     for key, (masked, rnd) in views.items():
@@ -63,7 +68,9 @@ def step_generator(seed: int, step: int, stage: int) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + step) * 4 + stage)
 
 
-def pretrain_batch(texts, encoder: Encoder, syn: Synthesizer, g: torch.Generator, attack_seed: int, contrastive: bool):
+def pretrain_batch(
+    texts, encoder: Encoder, syn: Synthesizer, g: torch.Generator, attack_seed: int, contrastive: bool
+):
     clean_texts = [encoder.clip(t) for t in texts]
     clean = encoder(clean_texts)
     batch = mask_tokens(clean, encoder.tokenizer, g)

@@ -40,13 +40,19 @@ def train_command(args: argparse.Namespace) -> str:
         raise ValueError(
             f"batch size {recipe.batch_size} does not split into dp={plan.dp} x grad_accum={plan.grad_accum}"
         )
-    out = Path(DEFAULT_OUT if args.out == "runs/digits-dit" else args.out)  # the train parser's default is digits-dit's
+    out = Path(
+        DEFAULT_OUT if args.out == "runs/digits-dit" else args.out
+    )  # the train parser's default is digits-dit's
     if (out / "model").exists():
         raise ValueError(f"{out} already holds a trained model; choose another --out")
     began = time.perf_counter()
     features = recipe_features(out / "features")  # built once, before the ranks start
     call = (recipe, plan, str(out), str(features.root))
-    summary = train_rank(*call) if args.nproc == 1 else spawn(train_rank, args.nproc, *call, timeout_s=args.timeout)[0]
+    summary = (
+        train_rank(*call)
+        if args.nproc == 1
+        else spawn(train_rank, args.nproc, *call, timeout_s=args.timeout)[0]
+    )
     return (
         f"trained {RECIPE_NAME} ({recipe.pretrain_steps} pretraining + {recipe.finetune_steps} fine-tuning steps, "
         f"dp={plan.dp}) in {time.perf_counter() - began:.1f}s; final losses {summary['pretrain_loss'][-1]:.3f} / "
@@ -65,7 +71,9 @@ def load_model(folder: str | Path):
     root = Path(folder)
     root = root / "model" if (root / "model" / "config.json").exists() else root
     if not (root / "config.json").exists():
-        raise ValueError(f"{folder} holds no trained rocbert model (config.json); train one with tessera train --recipe rocbert-sentiment")
+        raise ValueError(
+            f"{folder} holds no trained rocbert model (config.json); train one with tessera train --recipe rocbert-sentiment"
+        )
     model = RoCBertForSequenceClassification.from_pretrained(root).eval()
     features = load_features(root)
     return model, features, Encoder(features.tokenizer(), model.config.max_position_embeddings)
@@ -76,7 +84,9 @@ def proba_fn(model, encoder):
 
     @torch.no_grad()
     def proba(texts: list[str]) -> torch.Tensor:
-        return torch.cat([model(**encoder(texts[i : i + 128])).logits.softmax(-1) for i in range(0, len(texts), 128)])
+        return torch.cat(
+            [model(**encoder(texts[i : i + 128])).logits.softmax(-1) for i in range(0, len(texts), 128)]
+        )
 
     return proba
 

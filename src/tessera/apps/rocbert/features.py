@@ -124,7 +124,9 @@ def render(tokens: list[str], px: int = 32) -> np.ndarray:
         if token in SPECIALS:
             continue  # no glyph: their shape rows stay zero
         image = Image.new("L", (px, px), 0)
-        ImageDraw.Draw(image).text((px / 2, px / 2), token.removeprefix("##"), fill=255, font=font, anchor="mm")
+        ImageDraw.Draw(image).text(
+            (px / 2, px / 2), token.removeprefix("##"), fill=255, font=font, anchor="mm"
+        )
         out[i] = np.asarray(image, dtype=np.float32).reshape(-1) / 255.0
     return out
 
@@ -136,7 +138,9 @@ def glyph_vectors(pixels: np.ndarray, shape_dim: int, seed: int = 0) -> np.ndarr
 
     drawn = pixels.any(axis=1)
     if shape_dim > int(drawn.sum()):
-        raise ValueError(f"shape_dim={shape_dim} exceeds the {int(drawn.sum())} drawn glyphs; use a smaller one")
+        raise ValueError(
+            f"shape_dim={shape_dim} exceeds the {int(drawn.sum())} drawn glyphs; use a smaller one"
+        )
     pca = PCA(n_components=shape_dim, random_state=seed).fit(pixels[drawn])
     vectors = np.zeros((len(pixels), shape_dim), dtype=np.float32)
     projected = pca.transform(pixels[drawn])
@@ -173,7 +177,9 @@ class Features:
         return max(self.pronunciation.values()) + 1
 
 
-def build_features(chars: Iterable[str], out_dir: str | Path, *, shape_dim: int = 32, px: int = 32) -> Features:
+def build_features(
+    chars: Iterable[str], out_dir: str | Path, *, shape_dim: int = 32, px: int = 32
+) -> Features:
     """Write vocab.txt, word_shape.json, word_pronunciation.json, glyphs.npy and pinyin.json."""
     if shape_dim < 1 or px < 8:
         raise ValueError(f"need shape_dim >= 1 and px >= 8, got shape_dim={shape_dim}, px={px}")

@@ -30,7 +30,11 @@ class GreedyResult:
 def candidates(syn: Synthesizer, c: str, rng: random.Random) -> list[tuple[str, str]]:
     """(transform, replacement) pairs the synthesiser offers for character c."""
     out = []
-    pools = {"homophone": syn.homophones(c), "lookalike": syn.lookalikes(c), "same_component": syn.same_component(c)}
+    pools = {
+        "homophone": syn.homophones(c),
+        "lookalike": syn.lookalikes(c),
+        "same_component": syn.same_component(c),
+    }
     for name in syn.config.transforms:
         if name in pools:
             out += [(name, r) for r in rng.sample(pools[name], min(PER_TRANSFORM, len(pools[name])))]

@@ -52,7 +52,9 @@ class RocbertRecipe:
             if f.type == "int" and (not isinstance(value, int) or value < (0 if f.name in ("seed",) else 1)):
                 raise ValueError(f"RocbertRecipe.{f.name} must be a positive integer, got {value!r}")
         if self.attacked_copies and self.batch_size % 2:
-            raise ValueError(f"batch_size={self.batch_size} must be even with attacked_copies (review + copy)")
+            raise ValueError(
+                f"batch_size={self.batch_size} must be even with attacked_copies (review + copy)"
+            )
 
 
 def recipe_features(out_dir: str | Path, *, min_count: int = 2, shape_dim: int = 32) -> Features:
@@ -132,7 +134,10 @@ def evaluate(model, features: Features, recipe: RocbertRecipe) -> dict:
         "clean_accuracy": float((clean_pred == labels).float().mean()),
         "attacked_accuracy": float((attacked_pred == labels).float().mean()),
         # of the reviews it got right, how many the attack turned (the success rate of the mix)
-        "attack_success_rate": float(((attacked_pred != labels) & (clean_pred == labels)).sum() / max(1, int((clean_pred == labels).sum()))),
+        "attack_success_rate": float(
+            ((attacked_pred != labels) & (clean_pred == labels)).sum()
+            / max(1, int((clean_pred == labels).sum()))
+        ),
         "eval_size": len(test),
     }
 
@@ -159,7 +164,13 @@ def train_rank(recipe: RocbertRecipe, plan, out: str | None, features_dir: str) 
     if out is not None:
         save_hf(model, opt, Path(out) / "model", is_writer=_rank0())
         if _rank0():
-            for name in ("vocab.txt", "word_shape.json", "word_pronunciation.json", "pinyin.json", "glyphs.npy"):
+            for name in (
+                "vocab.txt",
+                "word_shape.json",
+                "word_pronunciation.json",
+                "pinyin.json",
+                "glyphs.npy",
+            ):
                 shutil.copy(Path(features_dir) / name, Path(out) / "model" / name)
             (Path(out) / "train_log.json").write_text(
                 json.dumps({"recipe": asdict(recipe), "plan": plan.to_dict(), **summary}, indent=2)

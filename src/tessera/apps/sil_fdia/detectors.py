@@ -23,8 +23,9 @@ from tessera.apps.sil_fdia.telemetry_detect import FEATURE_NAMES, Calibration, t
 
 SMOOTHED = ("grid_z", "grid_abs_z", "share_z", "isolation")
 DETECTORS = ("telemetry", "sound", "fused")
-# an hour after an attack ends is neither attacked nor clean (running means still remember it)
-GUARD_INTERVALS = 6
+# the 4 h after an attack ends are neither attacked nor clean: the energy balance over 18
+# intervals (3 h) and the running means still remember it there
+GUARD_INTERVALS = 24
 COUNT_KINDS = ("scale", "additive", "constant", "zero", "stealthy")
 
 
