@@ -1,0 +1,180 @@
+"""Pipeline-parallel training of transformers causal LMs on torch.distributed.pipelining.
+
+The model is cut into stages by module path, without editing its code: stage s holds the
+embedding (first stage), the decoder layers [lo, hi) of ``<base>.<layers>`` and the final
+norm and LM head (last stage). A stage runs its layers as the base model's forward does
+(GPT-2: token + position embeddings; Llama-style: rotary position embeddings computed
+from the stage's input, causal attention without a mask). torch's pipelining runs the
+schedule (GPipe, 1F1B, interleaved 1F1B with virtual stages): its schedules and p2p are
+tested on CPU/gloo (../shared/TORCH_ON_CPU.md), so there is nothing to gain from writing
+them again. A head tied to the embedding (GPT-2) lives on the first and the last stage;
+their gradients are summed after each step, so the two copies stay equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from tessera.runtime import Mesh
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
+
+
+def stage_bounds(
+    num_layers: int, stages: int, counts: tuple[int, ...] | None = None
+) -> list[tuple[int, int]]:
+    """[first, last) layer of each stage: ``counts`` layers each, or as even as possible
+    (the first ``num_layers % stages`` stages get one more)."""
+    if counts is None:
+        if stages > num_layers:
+            raise ValueError(f"{num_layers} layers cannot fill {stages} pipeline stages")
+        base, extra = divmod(num_layers, stages)
+        counts = tuple(base + (i < extra) for i in range(stages))
+    if len(counts) != stages or min(counts) < 1 or sum(counts) != num_layers:
+        raise ValueError(
+            f"stage layer counts {tuple(counts)} must be {stages} positive numbers summing to {num_layers}"
+        )
+    bounds, start = [], 0
+    for count in counts:
+        bounds.append((start, start + count))
+        start += count
+    return bounds
+
+
+@dataclass(frozen=True)
+class _Paths:
+    layers: str
+    norm: str
+    embed: str
+    positions: str | None  # GPT-2's learned position embedding
+    rotary: str | None  # Llama-style rotary embedding
+
+
+def _paths(base: nn.Module) -> _Paths:
+    """Where a base model keeps its parts, by module path (GPT-2 or Llama-style)."""
+    if all(hasattr(base, n) for n in ("wte", "wpe", "h", "ln_f")):
+        return _Paths(layers="h", norm="ln_f", embed="wte", positions="wpe", rotary=None)
+    if all(hasattr(base, n) for n in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return _Paths(layers="layers", norm="norm", embed="embed_tokens", positions=None, rotary="rotary_emb")
+    raise ValueError(
+        f"{type(base).__name__}: pipeline stages need GPT-2 (wte, wpe, h, ln_f) or Llama-style "
+        "(embed_tokens, layers, norm, rotary_emb) module paths"
+    )
+
+
+class DecoderStage(nn.Module):
+    """Layers [lo, hi) of a causal LM, with the embedding if first and the head if last."""
+
+    def __init__(self, model: nn.Module, lo: int, hi: int, *, first: bool, last: bool):
+        super().__init__()
+        base = model.base_model
+        self.paths = p = _paths(base)
+        self.first, self.last = first, last
+        self.layers = nn.ModuleList(getattr(base, p.layers)[lo:hi])
+        self.embed = getattr(base, p.embed) if first else None
+        self.positions = getattr(base, p.positions) if first and p.positions else None
+        self.rotary = getattr(base, p.rotary) if p.rotary else None
+        self.norm = getattr(base, p.norm) if last else None
+        self.head = model.get_output_embeddings() if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            ids = x
+            x = self.embed(ids)
+            if self.positions is not None:
+                x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        kwargs = {}
+        if self.rotary is not None:
+            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            kwargs = {"position_ids": pos, "position_embeddings": self.rotary(x, pos)}
+        for layer in self.layers:
+            x = layer(x, **kwargs)
+            x = x[0] if isinstance(x, tuple) else x
+        if self.last:
+            x = self.head(self.norm(x))
+        return x
+
+
+class PipelineTrainer:
+    """One rank's stages and the schedule. ``model`` is built identically on every rank
+    (same seed); each rank keeps only its stages' modules."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: Mesh,
+        loss_fn,
+        *,
+        microbatches: int,
+        schedule: str = "1f1b",
+        virtual_stages: int = 1,
+        counts: tuple[int, ...] | None = None,
+        axis: str = "pp",
+    ):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if schedule != "interleaved" and virtual_stages != 1:
+            raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
+        pp, me = mesh.size(axis), mesh.rank(axis)
+        total = pp * virtual_stages
+        layers = len(getattr(model.base_model, _paths(model.base_model).layers))
+        bounds = stage_bounds(layers, total, counts)
+        ids = [me + pp * v for v in range(virtual_stages)]  # interleaved: stage i on rank i % pp
+        self.mesh, self.axis, self.pp = mesh, axis, pp
+        self.modules = [DecoderStage(model, *bounds[i], first=i == 0, last=i == total - 1) for i in ids]
+        group = mesh.group(axis)
+        stages = [
+            PipelineStage(m, i, total, mesh.device, group=group)
+            for m, i in zip(self.modules, ids, strict=True)
+        ]
+        kind = SCHEDULES[schedule]
+        self.schedule = kind(
+            stages if schedule == "interleaved" else stages[0], microbatches, loss_fn=loss_fn
+        )
+        self.tied = self._tied(model)
+
+    def _tied(self, model) -> bool:
+        head, embed = model.get_output_embeddings(), model.get_input_embeddings()
+        self.tied_shape = tuple(embed.weight.shape)
+        return head is not None and head.weight is embed.weight and self.pp > 1
+
+    def parameters(self):
+        seen = {}
+        for m in self.modules:
+            for p in m.parameters():
+                seen[id(p)] = p
+        return list(seen.values())
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one batch (gradients averaged over micro-batches);
+        the mean loss on the last stage's rank, None elsewhere."""
+        losses: list = []
+        first = any(m.first for m in self.modules)
+        last = any(m.last for m in self.modules)
+        args = (input_ids,) if first else ()
+        self.schedule.step(*args, target=labels if last else None, losses=losses)
+        if self.tied:
+            self._sum_tied_grads(first, last)
+        return torch.stack(losses).mean() if last else None
+
+    def _sum_tied_grads(self, first: bool, last: bool) -> None:
+        """The embedding's gradient on the first stage and the head's on the last are two
+        halves of one parameter's: every rank of the axis all-reduces (zeros in between)."""
+        weight = None
+        for m in self.modules:
+            if m.first and first:
+                weight = m.embed.weight
+            elif m.last and last:
+                weight = m.head.weight
+        if weight is None:
+            grad = torch.zeros(self.tied_shape, device=self.mesh.device)
+        else:
+            grad = weight.grad if weight.grad is not None else torch.zeros_like(weight)
+        total = grad.clone()
+        self.mesh.comm.all_reduce(total, self.axis)
+        if weight is not None:
+            weight.grad = total
