@@ -58,10 +58,10 @@ def _reference(family: str, layers: int) -> tuple[float, dict]:
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _rank_run(cases) -> list:
+def _rank_run(cases, dp: int = 1) -> list:
     from tessera.parallel.pipeline import PipelineTrainer
 
-    mesh = Mesh(pp=torch.distributed.get_world_size())
+    mesh = Mesh(dp=dp, pp=torch.distributed.get_world_size() // dp)
     out = []
     for family, layers, schedule, virtual in cases:
         model = _model(family, layers)
@@ -75,7 +75,10 @@ def _rank_run(cases) -> list:
             schedule=schedule,
             virtual_stages=virtual,
         )
-        loss = trainer.step(*_batch())
+        ids, labels = (t.chunk(dp)[mesh.rank("dp")] for t in _batch())  # this replica's share
+        loss = trainer.step(ids, labels)
+        if loss is not None and dp > 1:  # the mean over replicas is the full batch's loss
+            mesh.comm.all_reduce(loss, "dp", op="avg")
         grads = {names[id(p)]: p.grad.clone() for p in trainer.parameters()}
         out.append((None if loss is None else loss.item(), grads))
     return out
@@ -88,11 +91,14 @@ CASES_2 = [
     ("gpt2", 4, "interleaved", 2),
 ]
 CASES_4 = [("llama", 5, "1f1b", 1)]
+CASES_DP = [("gpt2", 4, "1f1b", 1)]
 
 
-@pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4)], ids=["2ranks", "4ranks"])
-def test_pipeline_training_equals_one_process(world, cases):
-    ranks = spawn(_rank_run, world, cases)
+@pytest.mark.parametrize(
+    "world,cases,dp", [(2, CASES_2, 1), (4, CASES_4, 1), (4, CASES_DP, 2)], ids=["pp2", "pp4", "pp2xdp2"]
+)
+def test_pipeline_training_equals_one_process(world, cases, dp):
+    ranks = spawn(_rank_run, world, cases, dp)
     for i, (family, layers, schedule, _) in enumerate(cases):
         ref_loss, ref_grads = _reference(family, layers)
         losses = [r[i][0] for r in ranks if r[i][0] is not None]

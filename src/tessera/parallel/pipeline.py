@@ -101,7 +101,9 @@ class DecoderStage(nn.Module):
 
 class PipelineTrainer:
     """One rank's stages and the schedule. ``model`` is built identically on every rank
-    (same seed); each rank keeps only its stages' modules."""
+    (same seed); each rank keeps only its stages' modules. With a ``dp`` axis on the mesh,
+    each replica pipelines its own share of the batch and the stages' gradients are
+    averaged over ``dp`` after the schedule (ZeRO stage 0)."""
 
     def __init__(
         self,
@@ -114,6 +116,7 @@ class PipelineTrainer:
         virtual_stages: int = 1,
         counts: tuple[int, ...] | None = None,
         axis: str = "pp",
+        dp_axis: str | None = "dp",
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -125,6 +128,7 @@ class PipelineTrainer:
         bounds = stage_bounds(layers, total, counts)
         ids = [me + pp * v for v in range(virtual_stages)]  # interleaved: stage i on rank i % pp
         self.mesh, self.axis, self.pp = mesh, axis, pp
+        self.dp_axis = dp_axis if dp_axis in mesh.names and mesh.size(dp_axis) > 1 else None
         self.modules = [DecoderStage(model, *bounds[i], first=i == 0, last=i == total - 1) for i in ids]
         group = mesh.group(axis)
         stages = [
@@ -159,7 +163,18 @@ class PipelineTrainer:
         self.schedule.step(*args, target=labels if last else None, losses=losses)
         if self.tied:
             self._sum_tied_grads(first, last)
+        if self.dp_axis is not None:
+            self._average_over_dp()
         return torch.stack(losses).mean() if last else None
+
+    def _average_over_dp(self) -> None:
+        """Each dp replica ran its share of the batch: average the stage's gradients over
+        ``dp`` in one flat all-reduce."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        self.mesh.comm.all_reduce(flat, self.dp_axis, op="avg")
+        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.grad.copy_(g.view_as(p.grad))
 
     def _sum_tied_grads(self, first: bool, last: bool) -> None:
         """The embedding's gradient on the first stage and the head's on the last are two
