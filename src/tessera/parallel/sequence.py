@@ -148,3 +148,103 @@ def ring_attention(q, k, v, comm: Comm, axis: str, *, causal: bool = False) -> t
     if comm.mesh.size(axis) == 1:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return _RingAttention.apply(q, k, v, comm, axis, causal)
+
+
+# ---- a transformers model trained sequence-parallel, from outside its code --------------
+
+IMPLEMENTATION = "tessera_sequence_parallel"
+_ACTIVE: list[tuple[Comm, str, str]] = []  # (comm, axis, method) of the model running now
+
+
+def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-function interface: (B, H, T, D) in, (B, T, H, D) out; K/V
+    heads repeated for grouped-query attention. Causal by construction (decoders)."""
+    comm, axis, method = _ACTIVE[-1]
+    if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-12:
+        raise ValueError(f"sequence-parallel attention uses 1/sqrt(head_dim); the model asks scale {scaling}")
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    fn = ring_attention if method == "ring" else ulysses_attention
+    out = fn(query, key, value, comm, axis, causal=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def sequence_shard(
+    ids: torch.Tensor, n: int, rank: int, method: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This rank's (input ids, labels, position ids) of a causal-LM batch (B, T): labels are
+    the next tokens, shifted before the split (-100 past the end), so no rank needs its
+    neighbour's tokens; Ring takes the zig-zag layout, Ulysses contiguous chunks."""
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    if method == "ring":
+        split = lambda t: zigzag_split(t, n, rank, dim=1)  # noqa: E731
+    else:
+        if ids.shape[1] % n:
+            raise ValueError(f"sequence of {ids.shape[1]} tokens does not split over {n} Ulysses ranks")
+        split = lambda t: t.chunk(n, dim=1)[rank]  # noqa: E731
+    return split(ids), split(labels), split(positions)
+
+
+class SequenceParallel:
+    """Runs a transformers causal LM with its sequence split over ``axis``: attention swapped
+    for Ring or Ulysses through transformers' AttentionInterface (the model code is not
+    touched), positions passed explicitly, the loss a sum over every rank's tokens divided
+    by their count, parameter gradients summed over the axis (each rank saw part of every
+    sequence)."""
+
+    def __init__(self, model, comm: Comm, axis: str = "sp", method: str = "ring"):
+        if method not in ("ring", "ulysses"):
+            raise ValueError(f"unknown sequence-parallel method {method!r}; choose 'ring' or 'ulysses'")
+        self.model, self.comm, self.axis, self.method = model, comm, axis, method
+
+    def loss(self, ids: torch.Tensor) -> torch.Tensor:
+        """Forward and the global mean next-token loss of the full batch ``ids`` (B, T)."""
+        n, me = self.comm.mesh.size(self.axis), self.comm.mesh.rank(self.axis)
+        local, labels, positions = sequence_shard(ids, n, me, self.method)
+        config = self.model.config
+        before = config._attn_implementation
+        config._attn_implementation = IMPLEMENTATION
+        _ACTIVE.append((self.comm, self.axis, self.method))
+        try:
+            logits = self.model(input_ids=local, position_ids=positions).logits
+        finally:
+            _ACTIVE.pop()
+            config._attn_implementation = before
+        total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+        count = torch.tensor(float((labels != -100).sum()), device=total.device)
+        self.comm.all_reduce(count, self.axis)
+        return _SumOverAxis.apply(total, self.comm, self.axis) / count
+
+    def reduce_gradients(self) -> None:
+        """Sum each parameter's gradient over the axis, in one flat all-reduce."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        self.comm.all_reduce(flat, self.axis)
+        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.grad.copy_(g.view_as(p.grad))
+
+
+class _SumOverAxis(torch.autograd.Function):
+    """The loss summed over the axis; backward passes the gradient through unchanged (each
+    rank's tokens only reach its own graph, and every rank's loss is the same sum)."""
+
+    @staticmethod
+    def forward(ctx, t, comm: Comm, axis: str):
+        out = t.detach().clone()
+        comm.all_reduce(out, axis)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(IMPLEMENTATION, _hf_attention)
+
+
+_register()
