@@ -335,10 +335,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from tessera.bench.train import plot_train, run_train_bench
 
         result, plot = run_train_bench(quick=args.quick), plot_train
+    elif args.name == "offload":
+        from tessera.bench.offload import plot_offload, run_offload_bench
+
+        result, plot = run_offload_bench(quick=args.quick), plot_offload
     elif args.name == "autochunk":
         from tessera.bench.autochunk import plot_autochunk, run_autochunk_bench
 
         result, plot = run_autochunk_bench(quick=args.quick), plot_autochunk
+    elif args.name == "pipeline":
+        from tessera.bench.pipeline import plot_pipeline, run_pipeline_bench
+
+        result, plot = run_pipeline_bench(quick=args.quick), plot_pipeline
     elif args.name == "plan":
         from tessera.bench.plan import plot_plan, run_plan_bench
 
@@ -366,7 +374,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
             result, plot = run_kernels_bench(QUICK if args.quick else FULL), plot_kernels
     else:
         raise UserError(
-            f"unknown benchmark {args.name!r}; available: dit, dap, autochunk, train, serve, fdia, kernels, machine, robust"
+            f"unknown benchmark {args.name!r}; available: dit, dap, autochunk, train, offload, serve, fdia, kernels, machine, robust"
         )
     paths = write_results(result, args.out, plot)
     print("headline: " + ", ".join(f"{k}={v}" for k, v in result.headline.items()))
@@ -600,7 +608,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_generate)
 
     p = sub.add_parser("bench", help="run a benchmark (baseline and Tessera in one run)")
-    p.add_argument("name", help="benchmark: dit, dap, autochunk, train, serve, fdia, kernels, machine or robust")
+    p.add_argument("name", help="benchmark: dit, dap, autochunk, train, offload, serve, fdia, kernels, machine or robust")
     p.add_argument("--quick", action="store_true", help="small version, under two minutes on 2 cores")
     p.add_argument("--out", default="benchmarks/results", help="folder for NAME.json / .md / .png")
     p.add_argument(
