@@ -1,4 +1,5 @@
-"""Pipeline-parallel training of transformers causal LMs on torch.distributed.pipelining.
+"""Pipeline-parallel training of transformers causal LMs and Tessera's DiT on
+torch.distributed.pipelining.
 
 The model is cut into stages by module path, without editing its code: stage s holds the
 embedding (first stage), the decoder layers [lo, hi) of ``<base>.<layers>`` and the final
@@ -13,6 +14,7 @@ their gradients are summed after each step, so the two copies stay equal.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -99,6 +101,52 @@ class DecoderStage(nn.Module):
         return x
 
 
+class DiTStage(nn.Module):
+    """Blocks [lo, hi) of Tessera's DiT. The conditioning vector c travels with the tokens
+    from stage to stage (every block's adaLN reads it; its gradient flows back the same way):
+    the first stage takes (latents, t, y), the others (tokens, c); the last returns the
+    model's output. The stage is a shallow copy of the DiT holding only its blocks (and
+    the embeddings / final layer where it is first / last), so the DiT's own methods run."""
+
+    def __init__(self, model: nn.Module, lo: int, hi: int, *, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last = first, last
+        dit = copy.copy(model)
+        dit._modules = dict(model._modules)  # its own table: the model's stays whole
+        dit.blocks = nn.ModuleList(model.blocks[lo:hi])
+        for name in ("patch_embed", "t_embed", "y_embed") if not first else ():
+            del dit._modules[name]
+        if not last:
+            del dit._modules["final"]
+        self.dit = dit
+        self.grid_width = model.config.image_size // model.config.patch_size
+
+    def forward(self, *inputs):
+        dit = self.dit
+        if self.first:
+            x, t, y = inputs
+            tokens, c = dit.embed(x), dit.condition(t, y)
+        else:
+            tokens, c = inputs
+        for block in dit.blocks:
+            tokens = block(tokens, c)
+        return dit.head(tokens, c, self.grid_width) if self.last else (tokens, c)
+
+
+def build_stage(model: nn.Module, lo: int, hi: int, *, first: bool, last: bool) -> nn.Module:
+    """The stage module for ``model``: a DiT (``blocks`` + ``condition``/``embed``/``head``)
+    or a transformers causal LM."""
+    if all(hasattr(model, n) for n in ("blocks", "condition", "embed", "head")):
+        return DiTStage(model, lo, hi, first=first, last=last)
+    return DecoderStage(model, lo, hi, first=first, last=last)
+
+
+def num_layers(model: nn.Module) -> int:
+    if hasattr(model, "blocks") and hasattr(model, "condition"):
+        return len(model.blocks)
+    return len(getattr(model.base_model, _paths(model.base_model).layers))
+
+
 class PipelineTrainer:
     """One rank's stages and the schedule. ``model`` is built identically on every rank
     (same seed); each rank keeps only its stages' modules. With a ``dp`` axis on the mesh,
@@ -124,12 +172,11 @@ class PipelineTrainer:
             raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
         pp, me = mesh.size(axis), mesh.rank(axis)
         total = pp * virtual_stages
-        layers = len(getattr(model.base_model, _paths(model.base_model).layers))
-        bounds = stage_bounds(layers, total, counts)
+        bounds = stage_bounds(num_layers(model), total, counts)
         ids = [me + pp * v for v in range(virtual_stages)]  # interleaved: stage i on rank i % pp
         self.mesh, self.axis, self.pp = mesh, axis, pp
         self.dp_axis = dp_axis if dp_axis in mesh.names and mesh.size(dp_axis) > 1 else None
-        self.modules = [DecoderStage(model, *bounds[i], first=i == 0, last=i == total - 1) for i in ids]
+        self.modules = [build_stage(model, *bounds[i], first=i == 0, last=i == total - 1) for i in ids]
         group = mesh.group(axis)
         stages = [
             PipelineStage(m, i, total, mesh.device, group=group)
@@ -142,6 +189,8 @@ class PipelineTrainer:
         self.tied = self._tied(model)
 
     def _tied(self, model) -> bool:
+        if not hasattr(model, "get_output_embeddings"):  # the DiT ties nothing
+            return False
         head, embed = model.get_output_embeddings(), model.get_input_embeddings()
         self.tied_shape = tuple(embed.weight.shape)
         return head is not None and head.weight is embed.weight and self.pp > 1
@@ -153,13 +202,14 @@ class PipelineTrainer:
                 seen[id(p)] = p
         return list(seen.values())
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        """Forward and backward of one batch (gradients averaged over micro-batches);
-        the mean loss on the last stage's rank, None elsewhere."""
+    def step(self, inputs, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward and backward of one batch (``inputs``: the model's input, or a tuple of
+        them: the DiT's (latents, t, y)), gradients averaged over micro-batches; the mean
+        loss on the last stage's rank, None elsewhere."""
         losses: list = []
         first = any(m.first for m in self.modules)
         last = any(m.last for m in self.modules)
-        args = (input_ids,) if first else ()
+        args = (inputs if isinstance(inputs, tuple) else (inputs,)) if first else ()
         self.schedule.step(*args, target=labels if last else None, losses=losses)
         if self.tied:
             self._sum_tied_grads(first, last)
