@@ -54,6 +54,9 @@ def test_bad_budgets_chunks_and_directories_are_refused_before_training(tmp_path
         r"transformer.wte.weight \(4096 elements",
     ):
         _boost(dataclasses.replace(_offload(PLAN, tmp_path), chunk_mib=0.001))
+    _, opt = _boost(_offload(PLAN, tmp_path))
+    with pytest.raises(ValueError, match=r"Plan.host_memory=1000 bytes is below"):
+        opt.engine.offload.set_budget(1000)  # a budget lowered between steps is checked alike
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")
     with pytest.raises(ValueError, match="is not a writable directory"):

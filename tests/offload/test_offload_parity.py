@@ -4,7 +4,7 @@ runs the user's AdamW on one shard at a time; torch's CPU AdamW treats each tens
 own). So the tolerance is zero, on 1 rank and on 2 (gloo), with a host budget (120 kB
 for 830 kB of model data) that evicts and re-fetches chunks of every kind every step;
 the moves are counted. Also: gradient accumulation, global-norm clipping, bf16 autocast,
-a tied embedding, an unused parameter, and the budget is kept (the host tier's peak).
+activation checkpointing, a tied embedding, an unused parameter, and the budget is kept (the host tier's peak).
 """
 
 import dataclasses
@@ -40,9 +40,9 @@ def _check_moves(moves, chunks):
         assert step["fetches"] >= chunks, per_step
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_one_rank_offload_is_bit_exact(tmp_path, precision):
-    plan = tessera.Plan(**BASE, precision=precision)
+@pytest.mark.parametrize("precision,recompute", [("fp32", False), ("bf16", False), ("fp32", True)])
+def test_one_rank_offload_is_bit_exact(tmp_path, precision, recompute):
+    plan = tessera.Plan(**BASE, precision=precision, activation_checkpointing=recompute)
     steps = batches()
     ref_losses, _, _, ref_opt = train(plan, steps)
     for kind in ("auto", "static"):

@@ -59,6 +59,15 @@ def build_store(
     return TieredStore(tiers, TracePolicy() if policy == "auto" else StaticPolicy(), manager)
 
 
+def _check_need(name: str, budget: int | None, need: int) -> None:
+    if budget is not None and budget < need:
+        raise ValueError(
+            f"Plan.{name}={budget} bytes is below what the largest chunk needs on the compute tier "
+            f"({need} bytes: its whole chunk and shard, or its shard's master, gradient and two moments); "
+            "raise it or lower Plan.chunk_mib"
+        )
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -67,6 +76,7 @@ class ShardOffload:
     def __init__(self, store: TieredStore, optimizer: torch.optim.Optimizer, shards: list):
         self.store, self.optimizer, self.shards = store, optimizer, shards
         self.state_keys: list[dict[str, str]] = [{} for _ in shards]
+        self.need, self.budget_name = 0, "host_memory"  # set by create()
         for i, shard in enumerate(shards):
             store.register(f"p{i}", ChunkKind.PARAM, shard.data)
             store.done(f"p{i}", ChunkState.HOLD)
@@ -158,15 +168,17 @@ class ShardOffload:
             4 * max(shard_bytes),
         )
         name = "device_memory" if device.type == "cuda" else "host_memory"
-        fast = settings[name]
-        if fast is not None and fast < need:
-            raise ValueError(
-                f"Plan.{name}={fast} bytes is below what the largest chunk needs on the compute tier "
-                f"({need} bytes: its whole chunk and shard, or its shard's master, gradient and two moments); "
-                "raise it or lower Plan.chunk_mib"
-            )
+        _check_need(name, settings[name], need)
         store = build_store(manager, device=device, rank=rank, disk_need=4 * sum(shard_bytes), **settings)
-        return cls(store, optimizer, shards)
+        offload = cls(store, optimizer, shards)
+        offload.need, offload.budget_name = need, name
+        return offload
+
+    def set_budget(self, nbytes: int) -> None:
+        """A new compute-tier budget between steps (e.g. once setup's leftovers are known),
+        refused like the plan's if it is below what the largest chunk's use needs."""
+        _check_need(self.budget_name, nbytes, self.need)
+        self.store.set_budget(nbytes)
 
     def step(self, comm, axis: str, max_grad_norm: float | None, device) -> float | None:
         """Clip and step chunk by chunk, each where the store brings it: the arithmetic and

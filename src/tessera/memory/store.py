@@ -256,6 +256,14 @@ class TieredStore:
         finally:
             self.tiers[0].budget = budget
 
+    def set_budget(self, nbytes: int) -> None:
+        """A new budget for the compute tier (e.g. once the warm-up measured what else lives
+        there); chunks that may move leave now, TierFull if the ones in use do not fit."""
+        self.tiers[0].budget = nbytes
+        self.settle()
+        if self.tiers[0].room() < 0:
+            self.tiers[0].reserve(0, "the chunks in use")
+
     def settle(self) -> None:
         """Evict what may move until the compute tier is within its budget again."""
         while self.tiers[0].room() < 0 and (movable := self._movable(0, None)):

@@ -1,0 +1,494 @@
+"""`tessera bench offload`: the largest GPT-2-family model that trains under one fixed host
+memory budget, without offload, with static offload (ZeRO-Offload/Infinity style:
+everything but the working set on disk), with DeepSpeed ZeRO-3 offload (the optional
+extra; to disk where its async I/O builds, else to host memory) and with Tessera's
+planned placement (trace, Belady eviction, prefetch). At one common size every variant
+fits: tokens/s and bytes moved per step.
+
+Each trial is a fresh process (``track.fresh_process_env``: freed blocks go back to the
+OS). The budget is checked by the measured resident high-water mark (VmHWM) of the
+training steps, warm-up step included: a trial passes only if its steps complete and the
+mark stays under the budget. The model is built whole in host memory before ``boost``
+packs it (initialisation is not offloaded): that setup peak is reported beside it, not
+held to the budget. Depth grows in steps at a fixed width; the ladder stops at its first
+miss. Tessera's offloaded variants get ``host_memory`` = the budget less the process's
+resident memory before the model is built, less the activations (measured first: one
+forward at the ladder's two smallest depths gives bytes fixed + per layer; x1.1), less
+three chunks of slack; once ``boost`` is done, what setup left resident beside the chunks
+comes off too (``TieredStore.set_budget``). The high-water mark then says whether that
+arithmetic held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+
+from tessera.bench.harness import BenchResult
+
+MiB = 2**20
+VARIANTS = ["none", "tessera", "static", "deepspeed"]
+LABEL = {
+    "none": "no offload (ZeRO-3 in memory)",
+    "static": "static offload (working set only)",
+    "deepspeed": "DeepSpeed ZeRO-3 offload",
+    "tessera": "Tessera planned placement",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadBenchConfig:
+    budget_mib: int = 1400
+    width: int = 512
+    heads: int = 8
+    vocab: int = 8192
+    seq: int = 128
+    batch: int = 2
+    depths: tuple[int, ...] = (2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64)
+    common_depth: int = 4
+    common_steps: int = 6  # the common size is timed again, in runs of its own, after the ladders
+    steps: int = 3  # the first is the warm-up (Tessera's trace); tokens/s over the rest
+    chunk_mib: float = 16.0  # >= the 8192 x 512 token embedding (16 MiB): one block per chunk
+    threads: int = 2
+    # recompute each block in backward (HF's own checkpointing), every variant alike. Off by
+    # default: a full ladder with it outlasts 15 minutes here (depth 64 offloaded: 110 s a trial)
+    activation_checkpointing: bool = False
+    trial_timeout_s: float = 240.0
+    variant_budget_s: float = 150.0  # a variant's ladder stops climbing past this (said so)
+    # activation bytes, measured by a probe before the ladder (None: the dry run's estimate)
+    act_fixed_mib: float | None = None
+    act_per_layer_mib: float | None = None
+
+
+FULL = OffloadBenchConfig()
+QUICK = OffloadBenchConfig(
+    budget_mib=700,
+    width=128,
+    heads=4,
+    vocab=1024,
+    depths=(1, 2, 4, 8),
+    common_depth=1,
+    steps=2,
+    chunk_mib=1.0,
+)
+
+
+def params_of(cfg: OffloadBenchConfig, depth: int) -> int:
+    w = cfg.width
+    return depth * (12 * w * w + 13 * w) + cfg.vocab * w + cfg.seq * w + 2 * w
+
+
+# ---- one trial, in a fresh process ------------------------------------------------------------
+
+
+def _model(cfg: OffloadBenchConfig, depth: int):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=depth, n_embd=cfg.width, n_head=cfg.heads, vocab_size=cfg.vocab, n_positions=cfg.seq,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def _tessera_step(cfg, depth, variant, base_rss, workdir):
+    import torch
+
+    import tessera
+    from tessera.memory.dry_run import estimate_gpt2_activations
+    from tessera.memory.track import resident_bytes
+    from tessera.train.losses import causal_lm_loss
+
+    model = _model(cfg, depth)
+    kwargs, host = {}, None
+    if variant not in ("none", "probe"):
+        if cfg.act_per_layer_mib is not None:
+            acts = (cfg.act_fixed_mib + depth * cfg.act_per_layer_mib) * MiB
+        else:
+            acts = estimate_gpt2_activations(
+                layers=depth, width=cfg.width, heads=cfg.heads, vocab=cfg.vocab, batch=cfg.batch, seq=cfg.seq
+            )
+        host = int(cfg.budget_mib * MiB - base_rss - 1.1 * acts - 3 * cfg.chunk_mib * MiB)
+        kwargs = dict(offload="auto" if variant == "tessera" else "static", host_memory=max(host, 1))
+        kwargs["offload_dir"] = str(workdir)
+    plan = tessera.Plan(
+        zero=3, chunk_mib=cfg.chunk_mib, block_chunks=True, activation_checkpointing=cfg.activation_checkpointing,
+        **kwargs,
+    )  # fmt: skip
+    model, opt = tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), plan)
+    if opt.engine.offload is not None:
+        # what setup left resident beside the chunks (module objects, small blocks the C
+        # allocator keeps) comes out of the chunks' share too
+        store = opt.engine.offload.store
+        host -= max(0, resident_bytes() - base_rss - store.tiers[0].used)
+        opt.engine.offload.set_budget(max(host, 1))  # refused, with the numbers, below one chunk's use
+    if variant == "probe":  # activations of one forward: the resident peak it adds
+        from tessera.memory.track import rss_peak_during
+        from tessera.train.losses import causal_lm_loss as loss_of
+
+        def step(tokens):
+            return rss_peak_during(lambda: loss_of(model, tokens))[0]
+
+        return step, lambda: None, None
+
+    def step(tokens):
+        return opt.train_step(tokens, causal_lm_loss)["loss"]
+
+    def moved():
+        return opt.engine.offload.moved() if opt.engine.offload is not None else None
+
+    return step, moved, host
+
+
+def _deepspeed_step(cfg, depth, workdir):
+    import deepspeed
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from tessera.train.losses import causal_lm_loss
+
+    nvme = AsyncIOBuilder().is_compatible(verbose=False)
+    # sized like Tessera's chunks (cfg.chunk_mib): swap buffers, optimizer sub-groups, live
+    # and prefetched parameters, so neither side is handed a larger working set
+    elems = int(cfg.chunk_mib * MiB / 4)
+    if nvme:
+        param = {
+            "device": "nvme",
+            "nvme_path": str(workdir),
+            "buffer_count": 16,
+            "buffer_size": elems,
+            "max_in_cpu": elems,
+        }
+        optim = {"device": "nvme", "nvme_path": str(workdir), "buffer_count": 4}
+    else:
+        param = optim = {"device": "cpu", "pin_memory": False}
+    config = {
+        "train_micro_batch_size_per_gpu": cfg.batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                "overlap_events": True},
+        "zero_optimization": {
+            "stage": 3, "offload_param": param, "offload_optimizer": dict(optim), "sub_group_size": elems,
+            "stage3_max_live_parameters": 2 * elems, "stage3_prefetch_bucket_size": elems,
+            "stage3_param_persistence_threshold": 10 * cfg.width, "reduce_bucket_size": elems,
+        },
+    }  # fmt: skip
+    # DeepSpeed 0.19's Init._set_dtype reads `dtype or fp16 if fp16_supported else bf16 ...`:
+    # on a CPU without fp16 it casts the parameters to bf16 whatever dtype it is given. Saying
+    # fp16 is supported while initialize() runs makes it keep the fp32 it is passed.
+    # (zero.Init around the model build fails under torch 2.13: a Tensor.__new__ signature check.)
+    from deepspeed.accelerator import get_accelerator
+
+    accel = get_accelerator()
+    model = _model(cfg, depth)
+    if cfg.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    original = accel.is_fp16_supported
+    accel.is_fp16_supported = lambda: True
+    try:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    finally:
+        accel.is_fp16_supported = original
+
+    def step(tokens):
+        loss = causal_lm_loss(engine, tokens)
+        engine.backward(loss)
+        engine.step()
+        return float(loss)
+
+    return step, lambda: None, "nvme" if nvme else "cpu"
+
+
+def trial(cfg: OffloadBenchConfig, depth: int, variant: str) -> dict:
+    """One variant at one depth (run in a fresh process): peak RSS of the steps, setup peak,
+    tokens/s, bytes moved per step."""
+    import torch
+    import torch.distributed as dist
+
+    from tessera.memory.track import peak_resident_bytes, reset_peak_rss, resident_bytes
+
+    torch.set_num_threads(cfg.threads)
+    if variant == "deepspeed":
+        import deepspeed  # noqa: F401  (its import is runtime, not model memory)
+    import transformers  # noqa: F401
+
+    if variant == "deepspeed" and not dist.is_initialized():  # DeepSpeed needs a process group
+        store = tempfile.mkdtemp(prefix="tessera-ds-")
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
+    base = resident_bytes()
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g) for _ in range(cfg.steps)]
+    with tempfile.TemporaryDirectory(
+        prefix="tessera-offload-", dir=os.environ.get("TESSERA_OFFLOAD_DIR")
+    ) as work:
+        if variant == "deepspeed":
+            step, moved, where = _deepspeed_step(cfg, depth, work)
+            host = None
+        else:
+            step, moved, host = _tessera_step(cfg, depth, variant, base, work)
+            where = "disk" if variant != "none" else None
+        setup_peak = peak_resident_bytes()
+        reset_peak_rss()
+        loss = step(batches[0])
+        first = moved()
+        began = time.perf_counter()
+        for tokens in batches[1:]:
+            loss = step(tokens)
+        seconds = time.perf_counter() - began
+        last = moved()
+    timed = cfg.steps - 1
+    per_step = None
+    if first is not None and timed:
+        per_step = (last["read"] + last["written"] - first["read"] - first["written"]) / timed
+    return {
+        "peak_mib": peak_resident_bytes() / MiB,
+        "setup_peak_mib": setup_peak / MiB,
+        "base_mib": base / MiB,
+        "tokens_per_s": timed * cfg.batch * cfg.seq / seconds if timed else None,
+        "moved_mib_per_step": None if per_step is None else per_step / MiB,
+        "host_memory_mib": None if host is None else host / MiB,
+        "offload_to": where,
+        "loss": loss,  # the probe: bytes its forward added
+    }
+
+
+def _child_main() -> None:
+    spec = json.loads(sys.argv[1])
+    cfg = OffloadBenchConfig(**{**spec["cfg"], "depths": tuple(spec["cfg"]["depths"])})
+    print("RESULT " + json.dumps(trial(cfg, spec["depth"], spec["variant"])), flush=True)
+
+
+def _run_trial(cfg: OffloadBenchConfig, depth: int, variant: str) -> dict:
+    from tessera.memory.track import fresh_process_env
+
+    spec = json.dumps({"cfg": asdict(cfg), "depth": depth, "variant": variant})
+    code = "from tessera.bench.offload import _child_main; _child_main()"
+    env = fresh_process_env(cfg.threads)
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.abspath(".cache/torch_extensions"))
+    env["HF_HUB_OFFLINE"] = "1"
+    began = time.perf_counter()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code, spec],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=cfg.trial_timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "why": f"timed out after {cfg.trial_timeout_s:.0f} s"}
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode != 0 or not lines:
+        tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"ok": False, "why": tail[:200], "wall_s": time.perf_counter() - began}
+    row = json.loads(lines[-1][len("RESULT ") :])
+    row["ok"] = row["peak_mib"] <= cfg.budget_mib
+    if not row["ok"]:
+        row["why"] = f"resident peak {row['peak_mib']:.0f} MiB over the {cfg.budget_mib} MiB budget"
+    row["wall_s"] = time.perf_counter() - began
+    return row
+
+
+# ---- the ladder -------------------------------------------------------------------------------
+
+
+def _have_deepspeed() -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def run_offload_bench(cfg: OffloadBenchConfig | None = None, *, quick: bool = False, progress: bool = True):
+    cfg = cfg or (QUICK if quick else FULL)
+    if cfg.act_per_layer_mib is None:
+        cfg = _measure_activations(cfg)
+    variants = [v for v in VARIANTS if v != "deepspeed" or _have_deepspeed()]
+    rows, largest = [], {}
+    for variant in variants:
+        began = time.perf_counter()
+        for depth in cfg.depths:
+            row = {"variant": variant, "depth": depth, "params_m": params_of(cfg, depth) / 1e6}
+            if time.perf_counter() - began > cfg.variant_budget_s:
+                row.update(
+                    ok=False,
+                    why=f"not run: the variant's {cfg.variant_budget_s:.0f} s were spent",
+                    untried=True,
+                )
+                rows.append(row)
+                break
+            row.update(_run_trial(cfg, depth, variant))
+            rows.append(row)
+            if progress:
+                print(_progress(row), file=sys.stderr, flush=True)
+            if not row["ok"]:
+                break
+            largest[variant] = depth
+    common = []
+    for variant in variants:
+        row = {
+            "variant": variant,
+            "depth": cfg.common_depth,
+            "params_m": params_of(cfg, cfg.common_depth) / 1e6,
+        }
+        row.update(_run_trial(replace(cfg, steps=cfg.common_steps), cfg.common_depth, variant))
+        common.append(row)
+        if progress:
+            print(_progress(row) + " (common size, timed)", file=sys.stderr, flush=True)
+    return _result(cfg, rows, largest, variants, common)
+
+
+def _measure_activations(cfg: OffloadBenchConfig) -> OffloadBenchConfig:
+    """Activation bytes of a forward at two depths (fresh processes): fixed + per layer, for
+    the offloaded variants' arithmetic (the dry run's formula is a published estimate;
+    HF GPT-2's fp32 tanh-GELU keeps more)."""
+    small, large = cfg.depths[0], cfg.depths[1]
+    got = [
+        _run_trial(replace(cfg, act_fixed_mib=0.0, act_per_layer_mib=0.0), d, "probe") for d in (small, large)
+    ]
+    if not all("loss" in g for g in got):
+        return cfg  # the estimate stays
+    a, b = (g["loss"] / MiB for g in got)
+    per_layer = max(0.0, (b - a) / (large - small))
+    return replace(cfg, act_fixed_mib=max(0.0, a - per_layer * small), act_per_layer_mib=per_layer)
+
+
+def _progress(row: dict) -> str:
+    what = "ok" if row["ok"] else "MISS: " + row.get("why", "")
+    peak = f"{row['peak_mib']:.0f} MiB" if "peak_mib" in row else "-"
+    return f"offload bench: {row['variant']:<9} depth {row['depth']:>3} ({row['params_m']:.1f} M) peak {peak} {what}"
+
+
+def _common(rows, variant, depth):
+    return next((r for r in rows if r["variant"] == variant and r["depth"] == depth and r["ok"]), None)
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or not b else round(a / b, 2)
+
+
+def _result(cfg, rows, largest, variants, timed=None) -> BenchResult:
+    size = {v: params_of(cfg, largest[v]) / 1e6 if v in largest else None for v in variants}
+    at = {v: _common(timed or rows, v, cfg.common_depth) for v in variants}
+    tps = {v: at[v]["tokens_per_s"] if at[v] else None for v in variants}
+    moved = {v: at[v]["moved_mib_per_step"] if at[v] else None for v in variants}
+    headline = {
+        "budget_mib": cfg.budget_mib,
+        **{f"largest_params_m_{v}": None if size[v] is None else round(size[v], 1) for v in variants},
+        "largest_vs_no_offload": _ratio(size.get("tessera"), size.get("none")),
+        "largest_vs_deepspeed": _ratio(size.get("tessera"), size.get("deepspeed")),
+        "largest_vs_static": _ratio(size.get("tessera"), size.get("static")),
+        "moved_vs_static": _ratio(moved.get("tessera"), moved.get("static")),
+        **_moved_where_both_offload(rows, largest),
+        "tokens_per_s_vs_no_offload": _ratio(tps.get("tessera"), tps.get("none")),
+        "lower_bound": {
+            v: largest.get(v) == cfg.depths[-1] or any(r["variant"] == v and r.get("untried") for r in rows)
+            for v in variants
+        },
+    }
+    common = [
+        {"variant": LABEL[v], "tokens_per_s": tps[v], "moved_mib_per_step": moved[v],
+         "peak_mib": at[v]["peak_mib"] if at[v] else None}
+        for v in variants
+    ]  # fmt: skip
+    notes = _notes(cfg, rows, variants, largest)
+    return BenchResult(
+        name="offload",
+        headline=headline,
+        rows=rows,
+        columns=["variant", "depth", "params_m", "ok", "peak_mib", "setup_peak_mib", "host_memory_mib",
+                 "tokens_per_s", "moved_mib_per_step", "offload_to", "why"],
+        notes=notes,
+        extra={"config": asdict(cfg), "common": common, "common_runs": timed or []},
+        tables=[(f"At the common size (depth {cfg.common_depth}, {params_of(cfg, cfg.common_depth) / 1e6:.1f} M "
+                 f"parameters; runs of their own, {cfg.common_steps - 1} timed steps after the warm-up)", ["variant", "tokens_per_s", "moved_mib_per_step", "peak_mib"], common)],
+    )  # fmt: skip
+
+
+def _moved_where_both_offload(rows, largest) -> dict:
+    """Moved bytes at the largest depth both offloading variants trained (at the common size
+    the planned placement may keep everything in memory and move nothing)."""
+    if "static" not in largest or "tessera" not in largest:
+        return {}
+    depth = min(largest["static"], largest["tessera"])
+    a, b = _common(rows, "tessera", depth), _common(rows, "static", depth)
+    return {
+        "moved_compare_depth": depth,
+        "moved_mib_per_step_tessera": round(a["moved_mib_per_step"], 1),
+        "moved_mib_per_step_static": round(b["moved_mib_per_step"], 1),
+        "moved_vs_static_at_depth": _ratio(a["moved_mib_per_step"], b["moved_mib_per_step"]),
+    }
+
+
+def _notes(cfg, rows, variants, largest) -> list[str]:
+    notes = [
+        f"GPT-2 family: width {cfg.width}, {cfg.heads} heads, vocabulary {cfg.vocab}, sequence {cfg.seq}, batch "
+        f"{cfg.batch}, depth grown along {list(cfg.depths)}; AdamW (torch fused CPU kernel for Tessera), fp32, "
+        f"activation checkpointing {'on (every variant)' if cfg.activation_checkpointing else 'off'}, "
+        + (
+            f"activations measured first: {cfg.act_fixed_mib:.1f} MiB + {cfg.act_per_layer_mib:.2f} MiB per layer, "
+            if cfg.act_per_layer_mib is not None
+            else "activations estimated (dry run formula), "
+        )
+        + f"{cfg.threads} threads, 1 process; {cfg.steps} steps per trial (the first is the warm-up).",
+        f"Budget: {cfg.budget_mib} MiB resident high-water mark over the training steps (VmHWM after a reset once "
+        "the model is set up). Setup (building the model whole, packing chunks) is not held to it: its peak is "
+        "reported. The disk tier's files go through the OS page cache, which is not resident memory of the process.",
+        "No hard memory limit (cgroup) was applied; the high-water mark is the check.",
+    ]
+    if "deepspeed" not in variants:
+        notes.append(
+            "DeepSpeed is not installed (optional extra: pip install '.[deepspeed]'): its rows are absent."
+        )
+    else:
+        to = {r.get("offload_to") for r in rows if r["variant"] == "deepspeed" and r.get("offload_to")}
+        notes.append(
+            f"DeepSpeed ZeRO-3 offloaded parameters and optimizer states to {', '.join(sorted(to)) or 'nothing (it failed)'}"
+            " (nvme needs its async I/O op, which needs libaio; without it, to host memory, which on a CPU-only "
+            "machine is the memory it computes in)."
+        )
+    for v in variants:
+        untried = any(r["variant"] == v and r.get("untried") for r in rows)
+        if largest.get(v) == cfg.depths[-1] or untried:
+            why = "reached the top of the ladder" if not untried else "ran out of its time before a miss"
+            notes.append(f"{LABEL[v]} {why}: its largest size is a lower bound.")
+    return notes
+
+
+def plot_offload(result: BenchResult, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in result.rows)]
+    sizes = [result.headline.get(f"largest_params_m_{v}") or 0 for v in variants]
+    a.bar([LABEL[v].split(" (")[0] for v in variants], sizes, color="tab:blue")
+    a.set_ylabel("largest model trained (M parameters)")
+    a.set_title(f"under a {result.headline['budget_mib']} MiB resident budget")
+    a.tick_params(axis="x", rotation=20)
+    for v in variants:
+        pts = [(r["params_m"], r["peak_mib"]) for r in result.rows if r["variant"] == v and "peak_mib" in r]
+        if pts:
+            b.plot(*zip(*pts, strict=True), marker="o", label=LABEL[v])
+    b.axhline(result.headline["budget_mib"], color="k", ls="--", label="budget")
+    b.set_xlabel("model (M parameters)")
+    b.set_ylabel("resident peak of the steps (MiB)")
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+__all__ = ["FULL", "QUICK", "OffloadBenchConfig", "plot_offload", "run_offload_bench", "trial"]
