@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from tessera.bench.harness import BenchResult
 from tessera.kernels import anchors, ops
+from tessera.kernels.anchors import tvm_mcpu
 from tessera.kernels.kernel import compile_kernel
 from tessera.kernels.machine import measure, save_machine
 from tessera.kernels.model import predict
@@ -251,7 +252,7 @@ def _run(plan: KernelsPlan, progress: bool) -> BenchResult:
         f"Tessera: tuned in the run (the model ranks the whole space, the best {plan.top_k} predicted plus the best "
         f"of the other lowering are compiled and timed, median of up to {plan.repeats}); anchors: median of repeats.",
         "numpy's conv is im2col (sliding windows of the padded input) + one matmul per group.",
-        f"TVM: MetaSchedule, {plan.tvm_trials} trials per shape, target llvm -mcpu=core-avx2, 1 thread; "
+        f"TVM: MetaSchedule, {plan.tvm_trials} trials per shape, target llvm -mcpu={tvm_mcpu()}, 1 thread; "
         + ("its tuning time is recorded per shape." if tvm_note is None else f"not run: {tvm_note}."),
         "A win: Tessera >= 0.95x the best anchor measured for that shape and thread count.",
         f"Whole run {time.perf_counter() - began:.0f} s on {machine.cores} cores.",

@@ -127,13 +127,17 @@ def _tvm_conv_module(s: Conv2dShape):
     return te.create_prim_func([x, w, y]), [s.input_shape, s.weight_shape], s.output_shape
 
 
+def tvm_mcpu() -> str:
+    """LLVM's CPU for TVM: the widest ISA Tessera's kernels use here too."""
+    from tessera.kernels.machine import cpu_isas
+
+    return "skylake-avx512" if "avx512" in cpu_isas() else "core-avx2"
+
+
 def _tvm_target(threads: int):
     import tvm
 
-    from tessera.kernels.machine import cpu_isas
-
-    mcpu = "skylake-avx512" if "avx512" in cpu_isas() else "core-avx2"  # the widest ISA we use too
-    return tvm.target.Target({"kind": "llvm", "mcpu": mcpu, "num-cores": threads})
+    return tvm.target.Target({"kind": "llvm", "mcpu": tvm_mcpu(), "num-cores": threads})
 
 
 def _tvm_tune_and_time(kind: str, spec, threads: int, trials: int, repeats: int) -> dict:
