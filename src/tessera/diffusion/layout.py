@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tessera.parallel.pipeline import stage_bounds  # noqa: F401  (one split rule for training and inference)
 from tessera.runtime.mesh import Mesh
 
 AXES = ("cfg", "pipefusion", "distrifusion", "tp", "ring", "ulysses")
@@ -116,22 +117,4 @@ def split_rows(total: int, parts: int) -> list[tuple[int, int]]:
         stop = start + base + (1 if i < extra else 0)
         bounds.append((start, stop))
         start = stop
-    return bounds
-
-
-def stage_bounds(num_layers: int, degree: int, stage_layers: tuple[int, ...] | None) -> list[tuple[int, int]]:
-    """[first, last) layer of each pipeline stage."""
-    counts = list(stage_layers) if stage_layers else None
-    if counts is None:
-        if degree > num_layers:
-            raise ValueError(f"{num_layers} layers cannot fill {degree} pipeline stages")
-        counts = [stop - start for start, stop in split_rows(num_layers, degree)]
-    if sum(counts) != num_layers:
-        raise ValueError(
-            f"stage_layers {tuple(counts)} sum to {sum(counts)}, but the model has {num_layers} layers"
-        )
-    bounds, start = [], 0
-    for count in counts:
-        bounds.append((start, start + count))
-        start += count
     return bounds
