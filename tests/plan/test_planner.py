@@ -229,3 +229,52 @@ def test_diffusers_pipeline_folders_are_read(tmp_path, capsys):
     assert seen["flux"].layers == 2 * flux["num_layers"] + flux["num_single_layers"]
     assert main(["plan", "generate", "--model", str(tmp_path / "sd3"), "--devices", "2", "--steps", "2"]) == 0
     assert "choice: tessera generate --nproc 2" in capsys.readouterr().out
+
+
+def test_offload_moves_equal_an_offloaded_boost_runs_counted_moves(tmp_path):
+    """Static offload: the planner's 10 shard-sized transfers per chunk per step equal the
+    bytes tessera.memory's store reads and writes in a steady-state step (exactly: 6 reads
+    + 4 writes of 4 P bytes); planned offload moves nothing when the state fits and less
+    than static when it does not."""
+    import dataclasses
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import tessera
+    from tessera.plan.offload import offload_prediction
+    from tessera.train.losses import causal_lm_loss
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=3, n_embd=32, n_head=4, vocab_size=128, n_positions=16, bos_token_id=0, eos_token_id=0
+    )
+    model = GPT2LMHeadModel(config)
+    plan = tessera.Plan(
+        zero=3,
+        offload="static",
+        host_memory=1 << 30,
+        offload_dir=str(tmp_path),
+        block_chunks=True,
+        chunk_mib=0.05,
+    )
+    model, opt = tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt.train_step(ids, causal_lm_loss)
+    before = opt.engine.offload.moved()
+    opt.train_step(ids, causal_lm_loss)
+    after = opt.engine.offload.moved()
+    measured = after["read"] + after["written"] - before["read"] - before["written"]
+
+    spec = gpt2_spec("tiny", 3, 32, 4, tokens=16, positions=16, vocab=128)
+    hw = Hardware(device=UNIT, link=link_named("pcie4"), dtype="fp32", efficiency=1.0)
+    c = TrainCandidate(dp=1, zero=3)
+    kw = dict(global_batch=2, seq=16, host_link_bandwidth=25e9, host_memory_bandwidth=50e9)
+    _, static = offload_prediction(spec, dataclasses.replace(c, offload="static"), hw, offload="static", **kw)
+    assert static == measured
+    _, fits = offload_prediction(spec, c, hw, offload="auto", **kw)
+    assert fits == 0  # 1 TiB of unit device: everything stays
+    small = dataclasses.replace(hw, device=dataclasses.replace(UNIT, memory_bytes=600_000))
+    pred, tight = offload_prediction(spec, c, small, offload="auto", **kw)
+    assert 0 < tight < static and pred.memory_bytes_per_rank <= 600_000 + pred.activation_bytes
+    with pytest.raises(ValueError, match="needs ZeRO stage 3"):
+        offload_prediction(spec, TrainCandidate(dp=1, zero=2), hw, offload="auto", **kw)

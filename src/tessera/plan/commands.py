@@ -81,7 +81,15 @@ def cmd_plan_generate(args) -> None:
 def cmd_plan_train(args) -> None:
     hw = _hardware(args)
     spec = model_spec(args.model, args.seq)
-    ranked = search_train(spec, args.devices, hw, global_batch=args.global_batch, seq=spec.tokens)
+    ranked = search_train(
+        spec,
+        args.devices,
+        hw,
+        global_batch=args.global_batch,
+        seq=spec.tokens,
+        offload=args.offload,
+        host_link_bandwidth=link_named(args.host_link).bandwidth,
+    )
     rows = [
         [
             i + 1,
@@ -121,4 +129,6 @@ def add_plan_parsers(plan_sub) -> None:
     add_hardware_args(p)
     p.add_argument("--seq", type=int, default=1024, help="tokens per sample")
     p.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step")
+    p.add_argument("--offload", action="store_true", help="also rank ZeRO-3 with static and planned offload")
+    p.add_argument("--host-link", default="pcie4", help="link between a device and host memory (offload)")
     p.set_defaults(handler=cmd_plan_train)

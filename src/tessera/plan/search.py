@@ -3,6 +3,7 @@ memory, rank the rest by predicted time."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -10,6 +11,7 @@ from tessera.diffusion.layout import ParallelConfig
 from tessera.plan.hardware import Hardware
 from tessera.plan.inference import GeneratePrediction, predict_generate
 from tessera.plan.model_spec import TransformerSpec
+from tessera.plan.offload import offload_prediction
 from tessera.plan.pipeline import predict_pipeline
 from tessera.plan.training import TrainCandidate, TrainPrediction, predict_train
 
@@ -85,7 +87,18 @@ def search_generate(
     return _rank(preds, hw.device.memory_bytes)
 
 
-def search_train(spec: TransformerSpec, world: int, hw: Hardware, *, global_batch: int, seq: int) -> Ranked:
+def search_train(
+    spec: TransformerSpec,
+    world: int,
+    hw: Hardware,
+    *,
+    global_batch: int,
+    seq: int,
+    offload: bool = False,
+    host_link_bandwidth: float = 25e9,
+    host_memory_bandwidth: float = 50e9,
+) -> Ranked:
+    """The plans ranked; with ``offload`` also ZeRO-3 with static and planned offload."""
     preds: list[TrainPrediction] = [
         predict_pipeline(spec, c, hw, global_batch=global_batch, seq=seq, micro_batches=c.micro_batches)
         if c.pp > 1
@@ -93,6 +106,21 @@ def search_train(spec: TransformerSpec, world: int, hw: Hardware, *, global_batc
         for c in train_candidates(spec, world, global_batch)
         if global_batch % c.dp == 0
     ]
+    if offload:
+        for c in train_candidates(spec, world, global_batch):
+            if c.zero == 3 and c.pp == 1 and global_batch % c.dp == 0:
+                for kind in ("static", "auto"):
+                    pred, _ = offload_prediction(
+                        spec,
+                        dataclasses.replace(c, offload=kind),
+                        hw,
+                        global_batch=global_batch,
+                        seq=seq,
+                        host_link_bandwidth=host_link_bandwidth,
+                        host_memory_bandwidth=host_memory_bandwidth,
+                        offload=kind,
+                    )
+                    preds.append(pred)
     return _rank(preds, hw.device.memory_bytes)
 
 

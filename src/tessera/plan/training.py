@@ -43,6 +43,7 @@ class TrainCandidate:
     activation_checkpointing: bool = False
     pp: int = 1  # pipeline stages (tessera.plan.pipeline); `tessera train` cannot run pp > 1 yet
     micro_batches: int = 1  # per replica and step, with pp > 1
+    offload: str | None = None  # "static" | "auto" with zero=3 (tessera.plan.offload)
 
     @property
     def world_size(self) -> int:
@@ -52,11 +53,13 @@ class TrainCandidate:
         text = f"dp={self.dp} tp={self.tp}" + (
             f" pp={self.pp} (1F1B, {self.micro_batches} micro)" if self.pp > 1 else ""
         )
-        return text + f" zero={self.zero}" + (" ckpt" if self.activation_checkpointing else "")
+        text += f" zero={self.zero}" + (" ckpt" if self.activation_checkpointing else "")
+        return text + (f" offload={self.offload}" if self.offload else "")
 
     def flags(self) -> str | None:
-        """The `tessera train` flags, or None where it cannot run the plan (pp > 1)."""
-        if self.pp > 1:
+        """The `tessera train` flags, or None where it cannot run the plan (pp > 1; offload
+        is a `Plan` setting the recipes do not take as a flag)."""
+        if self.pp > 1 or self.offload:
             return None
         text = f"--nproc {self.world_size} --dp {self.dp} --tp {self.tp} --zero {self.zero} --block-chunks"
         return text + (" --activation-checkpointing" if self.activation_checkpointing else "")
