@@ -37,6 +37,9 @@ def test_small_serve_bench(tmp_path):
     assert systems["tessera"]["padding_overhead"] == 0
     assert systems["tessera"]["cost_table"]["seconds"]
     assert result.extra["dp_plan_us_per_request"] < 1000  # "well under a millisecond"
+    memory = result.extra["memory_plan"]  # the plan on the workload's batches, in process
+    assert memory["first_pass"]["allocations"] == memory["second_pass"]["allocations"] == 0
+    assert memory["held_mib"] > 0 and memory["max_ratio"] >= 1  # a placement never beats the peak
     ratio = result.headline["tessera_over_fifo_padded_throughput"]
     assert ratio is not None and math.isfinite(ratio) and ratio > 0
     paths = write_results(result, tmp_path, plot_serve)

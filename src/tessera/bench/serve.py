@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tessera.bench.harness import BenchResult
+from tessera.bench.serve_memory import measure_memory_plan, memory_note, memory_table
 from tessera.bench.serve_systems import (
     bench_env,
     ensure_infinity,
@@ -67,6 +68,7 @@ class ServeBenchPlan:
     systems: tuple[str, ...] = ("one_by_one", "fifo_padded", "sort_window", "tessera", "infinity")
     slo_s: float = 2.0  # goodput counts answers within this
     install_infinity: bool = True
+    memory_plan: bool = True  # measure the memory plan on the workload's batches, in process
     seed: int = 0
     extra_server_args: tuple[str, ...] = field(default_factory=tuple)
 
@@ -240,7 +242,12 @@ def run_serve_bench(
                 progress,
                 f"{system} {row['load']}: {row['throughput_rps']:.2f} req/s, p99 {row['p99_s']:.3f} s",
             )
-    return _result(plan, rows, systems, absent, folder)
+    memory = None
+    if plan.memory_plan:
+        _say(progress, "memory plan on the saturation workload's batches (in process)")
+        lengths = workload(plan, plan.saturation_requests, plan.seed * 1000 + 1)[1]
+        memory = measure_memory_plan(folder, lengths)
+    return _result(plan, rows, systems, absent, folder, memory)
 
 
 def _say(progress: bool, message: str) -> None:
@@ -257,13 +264,20 @@ def _ratio(rows, a, b):
     return round(ra["throughput_rps"] / rb["throughput_rps"], 3) if ra and rb else None
 
 
-def _result(plan, rows, systems, absent, folder) -> BenchResult:
+def _result(plan, rows, systems, absent, folder, memory) -> BenchResult:
     headline = {
         "tessera_over_fifo_padded_throughput": _ratio(rows, "tessera", "fifo_padded"),
         "tessera_over_infinity_throughput": _ratio(rows, "tessera", "infinity"),
         "tessera_over_sort_window_throughput": _ratio(rows, "tessera", "sort_window"),
         "tessera_over_one_by_one_throughput": _ratio(rows, "tessera", "one_by_one"),
     }
+    if memory:
+        headline["memory_plan_max_footprint_over_peak_live"] = round(memory["max_ratio"], 3)
+        big = memory[
+            "max_ratio_over_16_mib"
+        ]  # batches of several 2 MiB chunks, where the plan's packing shows
+        headline["memory_plan_max_footprint_over_peak_live_16mib_up"] = round(big, 3) if big else None
+        headline["memory_plan_steady_state_allocations"] = memory["second_pass"]["allocations"]
     for system in plan.systems:
         at75 = _find(rows, system, "75%")
         headline[f"{system}_p99_at_75pct_s"] = round(at75["p99_s"], 4) if at75 else None
@@ -287,6 +301,10 @@ def _result(plan, rows, systems, absent, folder) -> BenchResult:
     batch_columns = ["system", "batches", "mean_batch_size", "padding_overhead", "max_abs_diff_vs_model"]
     title = "Batches, padding, and each system's embeddings against the model run alone"
     tables = [(title, batch_columns, batch_rows)]
+    if memory:
+        tables.append(memory_table(memory))
+        notes.append(memory_note(memory))
+        extra["memory_plan"] = memory
     return BenchResult("serve", headline, rows, columns, notes=notes, extra=extra, tables=tables)
 
 

@@ -83,7 +83,9 @@ def peak_live_bytes(usages: list[Usage]) -> int:
     return peak
 
 
-def plan_memory(usages: list[Usage], chunk_sizes: list[int] | None = None) -> MemoryPlan:
+def plan_memory(
+    usages: list[Usage], chunk_sizes: list[int] | None = None, *, new_chunk_scale: float = NEW_CHUNK_SCALE
+) -> MemoryPlan:
     """Place ``usages`` into the chunks of ``chunk_sizes`` (already held), adding chunks
     where they do not fit.
 
@@ -104,7 +106,7 @@ def plan_memory(usages: list[Usage], chunk_sizes: list[int] | None = None) -> Me
                 placements[i] = (c, offset)
                 break
         else:
-            size = max(CHUNK_BYTES, aligned(int(nbytes * NEW_CHUNK_SCALE)))
+            size = max(CHUNK_BYTES, aligned(int(nbytes * new_chunk_scale)))
             chunks.append(_Chunk(size))
             chunks[-1].put(0, nbytes, usage)
             placements[i] = (len(chunks) - 1, 0)
@@ -114,8 +116,11 @@ def plan_memory(usages: list[Usage], chunk_sizes: list[int] | None = None) -> Me
 
 def plan_apart(usages: list[Usage], held: list[int]) -> MemoryPlan:
     """Plan ``usages`` from nothing into chunks of their own, appended after the ``held``
-    ones (which this plan leaves alone)."""
-    alone = plan_memory(usages)
+    ones (which this plan leaves alone). These chunks are cut to fit (no 1.2x room to
+    grow): the plan exists because chunks cut for other shapes fit this one badly, and
+    growth room would be the same waste again (measured on MiniLM batches: footprint / peak
+    live 1.26 on average with the room, 1.13 without)."""
+    alone = plan_memory(usages, new_chunk_scale=1.0)
     shift = len(held)
     return MemoryPlan(
         [(c + shift, offset) for c, offset in alone.placements],
