@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -45,9 +46,16 @@ class RobustBenchPlan:
     systems: tuple[str, ...] = tuple(SYSTEMS)
 
 
-FULL = RobustBenchPlan(pretrain_steps=60, finetune_steps=150, seeds=(0, 1, 2), eval_size=600, greedy_size=100, query_budget=100)
+FULL = RobustBenchPlan(
+    pretrain_steps=30, finetune_steps=300, seeds=(0, 1, 2), eval_size=600, greedy_size=80, query_budget=100
+)
 QUICK = RobustBenchPlan(
-    pretrain_steps=4, finetune_steps=8, seeds=(0,), eval_size=64, greedy_size=8, query_budget=40,
+    pretrain_steps=4,
+    finetune_steps=8,
+    seeds=(0,),
+    eval_size=64,
+    greedy_size=8,
+    query_budget=40,
     systems=("rocbert", "plain_bert"),
 )
 
@@ -74,6 +82,7 @@ def greedy_metrics(model, features, encoder, recipe, size: int, budget: int) -> 
 def run_one(system: str, seed: int, plan: RobustBenchPlan, features) -> dict:
     import tessera
     from tessera.apps.rocbert.batches import Encoder
+    from tessera.apps.rocbert.commands import CLIP
     from tessera.apps.rocbert.model import RocbertSize
     from tessera.apps.rocbert.recipe import RocbertRecipe, evaluate, finetune, pretrain
     from tessera.runtime import Mesh
@@ -84,11 +93,15 @@ def run_one(system: str, seed: int, plan: RobustBenchPlan, features) -> dict:
         use_pronunciation=switches.pop("use_pronunciation", True), use_shape=switches.pop("use_shape", True)
     )
     recipe = RocbertRecipe(
-        size=size, pretrain_steps=plan.pretrain_steps, finetune_steps=plan.finetune_steps,
-        eval_size=plan.eval_size, seed=seed, **switches,
+        size=size,
+        pretrain_steps=plan.pretrain_steps,
+        finetune_steps=plan.finetune_steps,
+        eval_size=plan.eval_size,
+        seed=seed,
+        **switches,
     )
     began = time.perf_counter()
-    mesh, one = Mesh(dp=1), tessera.Plan(dp=1)
+    mesh, one = Mesh(dp=1), tessera.Plan(dp=1, max_grad_norm=CLIP)
     model, opt, pre = pretrain(recipe, one, mesh, features)
     model, opt, fine = finetune(recipe, one, mesh, features, full_state_dict(model, opt))
     seconds = time.perf_counter() - began
@@ -117,13 +130,21 @@ def summarise(rows: list[dict], systems) -> list[dict]:
     return out
 
 
-def run_robust_bench(quick: bool = False, plan: RobustBenchPlan | None = None) -> BenchResult:
+def run_robust_bench(
+    quick: bool = False, plan: RobustBenchPlan | None = None, features_dir=None
+) -> BenchResult:
+    """``features_dir``: a feature set to use (default: the recipe's, built in a temporary folder)."""
     from tessera.apps.rocbert.recipe import recipe_features
 
     plan = plan or (QUICK if quick else FULL)
     with tempfile.TemporaryDirectory(prefix="rocbert_features_") as tmp:
-        features = recipe_features(tmp)
-        rows = [run_one(s, seed, plan, features) for s in plan.systems for seed in plan.seeds]
+        features = recipe_features(features_dir or tmp)
+        rows = []
+        for system in plan.systems:
+            for seed in plan.seeds:
+                rows.append(run_one(system, seed, plan, features))
+                shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}
+                print(f"bench robust: {shown}", file=sys.stderr, flush=True)  # a long run shows progress
     summary = summarise(rows, plan.systems)
     by = {s["system"]: s for s in summary}
     roc, plain = by["rocbert"], by["plain_bert"]
@@ -133,7 +154,9 @@ def run_robust_bench(quick: bool = False, plan: RobustBenchPlan | None = None) -
         "clean_gap_points": round(100 * (roc["clean_accuracy_mean"] - plain["clean_accuracy_mean"]), 2),
         "rocbert_attacked_accuracy": round(roc["attacked_accuracy_mean"], 4),
         "plain_attacked_accuracy": round(plain["attacked_accuracy_mean"], 4),
-        "attacked_gain_points": round(100 * (roc["attacked_accuracy_mean"] - plain["attacked_accuracy_mean"]), 2),
+        "attacked_gain_points": round(
+            100 * (roc["attacked_accuracy_mean"] - plain["attacked_accuracy_mean"]), 2
+        ),
         "greedy_success_reduction_points": round(
             100 * (plain["greedy_success_rate_mean"] - roc["greedy_success_rate_mean"]), 2
         ),
@@ -145,7 +168,11 @@ def run_robust_bench(quick: bool = False, plan: RobustBenchPlan | None = None) -
         "aims (issue 17): clean within 1 point of plain_bert, attacked accuracy +5 points, greedy success -10 points",
     ]
     return BenchResult(
-        name="robust", headline=headline, rows=rows, columns=columns, notes=notes,
+        name="robust",
+        headline=headline,
+        rows=rows,
+        columns=columns,
+        notes=notes,
         extra={"summary": summary, "plan": dataclasses.asdict(plan)},
         tables=[("Mean and spread over seeds", summary_columns, summary)],
     )

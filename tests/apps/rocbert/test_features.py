@@ -50,7 +50,9 @@ def test_tokenizer_round_trips_and_ids_line_up(features):
     assert tokens[0] == "[CLS]" and tokens[-1] == "[SEP]" and "[UNK]" not in tokens
     assert tok.decode(enc["input_ids"], skip_special_tokens=True).replace(" ", "") == text
     assert len(enc["input_ids"]) == len(enc["input_shape_ids"]) == len(enc["input_pronunciation_ids"])
-    for t, s, p in list(zip(tokens, enc["input_shape_ids"], enc["input_pronunciation_ids"], strict=True))[1:-1]:
+    for t, s, p in list(zip(tokens, enc["input_shape_ids"], enc["input_pronunciation_ids"], strict=True))[
+        1:-1
+    ]:
         assert s == features.tokens.index(t) and p == features.pronunciation[t]
     ids = dict(zip(tokens, enc["input_pronunciation_ids"], strict=True))
     assert ids["好"] == ids["hao"]  # a character and its written-out pinyin sound the same

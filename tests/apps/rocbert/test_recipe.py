@@ -20,7 +20,9 @@ from tessera.apps.rocbert.model import RocbertSize
 from tessera.apps.rocbert.recipe import RocbertRecipe, finetune, pretrain, train_rank
 from tessera.runtime import Mesh, spawn
 
-TINY = RocbertSize(hidden=32, layers=1, heads=2, intermediate=64, max_len=32, pronunciation_dim=8, dropout=0.0)
+TINY = RocbertSize(
+    hidden=32, layers=1, heads=2, intermediate=64, max_len=32, pronunciation_dim=8, dropout=0.0
+)
 
 
 def _tiny(**kw):
@@ -58,8 +60,9 @@ def test_tiny_run_learns_and_exports(features, tmp_path):
 def test_dp2_matches_one_process(features):
     recipe = _tiny(pretrain_steps=3, finetune_steps=3)
     root = str(features.root)
-    ref_pre, ref_fine, ref_state = _run(recipe, tessera.Plan(dp=1, grad_accum=2), root)
-    pre, fine, state = spawn(_run, 2, recipe, tessera.Plan(dp=2), root)[0]
+    # clipped as the recipe trains (the global norm is taken over both ranks' reduced gradients)
+    ref_pre, ref_fine, ref_state = _run(recipe, tessera.Plan(dp=1, grad_accum=2, max_grad_norm=1.0), root)
+    pre, fine, state = spawn(_run, 2, recipe, tessera.Plan(dp=2, max_grad_norm=1.0), root)[0]
     torch.testing.assert_close(pre, ref_pre, rtol=1e-5, atol=0)
     torch.testing.assert_close(fine, ref_fine, rtol=1e-5, atol=0)
     assert state.keys() == ref_state.keys()
@@ -71,8 +74,6 @@ def test_dp2_matches_one_process(features):
 
 
 def test_recipe_is_validated():
-    with pytest.raises(ValueError, match="batch_size=7 must be even"):
-        RocbertRecipe(batch_size=7)
     with pytest.raises(ValueError, match="pretrain_steps must be a positive integer"):
         RocbertRecipe(pretrain_steps=0)
     with pytest.raises(ValueError, match="not divisible by heads"):
@@ -86,9 +87,14 @@ def test_cli_train_and_attack(tmp_path, capsys):
     argv = ["train", "--recipe", "rocbert-sentiment", "--out", str(out), "--steps", "2", "--batch-size", "4"]
     assert main(argv) == 0
     assert "held-out accuracy clean" in capsys.readouterr().out
-    assert main(["robust", "attack", "--model", str(out), "--text", "这个手机很好用，推荐", "--variants", "2"]) == 0
+    assert (
+        main(["robust", "attack", "--model", str(out), "--text", "这个手机很好用，推荐", "--variants", "2"])
+        == 0
+    )
     shown = capsys.readouterr().out.splitlines()
     assert shown[0] == "这个手机很好用，推荐" and shown[1].startswith("  model: ")
     assert len(shown) == 5 and "greedy (" in shown[-1]
-    assert main(["train", "--recipe", "rocbert-sentiment", "--out", str(out), "--tp", "2", "--nproc", "2"]) == 2
+    assert (
+        main(["train", "--recipe", "rocbert-sentiment", "--out", str(out), "--tp", "2", "--nproc", "2"]) == 2
+    )
     assert "--tp, --resume" in capsys.readouterr().err

@@ -9,6 +9,7 @@ from pathlib import Path
 
 DEFAULT_OUT = "runs/rocbert-sentiment"
 LABELS = ("negative", "positive")
+CLIP = 1.0
 
 
 def train_command(args: argparse.Namespace) -> str:
@@ -28,7 +29,8 @@ def train_command(args: argparse.Namespace) -> str:
         zero=args.zero,
         grad_accum=args.grad_accum,
         precision=args.precision,
-        max_grad_norm=args.max_grad_norm,
+        # the contrastive term's temperature (0.01) makes early gradients large: clip at 1 unless told
+        max_grad_norm=CLIP if args.max_grad_norm is None else args.max_grad_norm,
         **({"chunk_mib": args.chunk_mib} if args.chunk_mib is not None else {}),
     )
     plan.check_world(args.nproc)
