@@ -5,7 +5,8 @@ result (headline ratios, tables, plot) from a ladder's rows."""
 import json
 
 from tessera.bench.harness import write_results
-from tessera.bench.offload import OffloadBenchConfig, _result, plot_offload, trial
+from tessera.bench.offload import OffloadBenchConfig, plot_offload, trial
+from tessera.bench.offload_report import result as _result
 
 TINY = OffloadBenchConfig(
     budget_mib=4000,

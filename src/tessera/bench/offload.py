@@ -29,8 +29,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
-from tessera.bench.harness import BenchResult
-
 MiB = 2**20
 VARIANTS = ["none", "tessera", "static", "deepspeed"]
 LABEL = {
@@ -345,7 +343,9 @@ def run_offload_bench(cfg: OffloadBenchConfig | None = None, *, quick: bool = Fa
         common.append(row)
         if progress:
             print(_progress(row) + " (common size, timed)", file=sys.stderr, flush=True)
-    return _result(cfg, rows, largest, variants, common)
+    from tessera.bench.offload_report import result
+
+    return result(cfg, rows, largest, variants, common)
 
 
 def _measure_activations(cfg: OffloadBenchConfig) -> OffloadBenchConfig:
@@ -369,126 +369,6 @@ def _progress(row: dict) -> str:
     return f"offload bench: {row['variant']:<9} depth {row['depth']:>3} ({row['params_m']:.1f} M) peak {peak} {what}"
 
 
-def _common(rows, variant, depth):
-    return next((r for r in rows if r["variant"] == variant and r["depth"] == depth and r["ok"]), None)
-
-
-def _ratio(a, b):
-    return None if a is None or b is None or not b else round(a / b, 2)
-
-
-def _result(cfg, rows, largest, variants, timed=None) -> BenchResult:
-    size = {v: params_of(cfg, largest[v]) / 1e6 if v in largest else None for v in variants}
-    at = {v: _common(timed or rows, v, cfg.common_depth) for v in variants}
-    tps = {v: at[v]["tokens_per_s"] if at[v] else None for v in variants}
-    moved = {v: at[v]["moved_mib_per_step"] if at[v] else None for v in variants}
-    headline = {
-        "budget_mib": cfg.budget_mib,
-        **{f"largest_params_m_{v}": None if size[v] is None else round(size[v], 1) for v in variants},
-        "largest_vs_no_offload": _ratio(size.get("tessera"), size.get("none")),
-        "largest_vs_deepspeed": _ratio(size.get("tessera"), size.get("deepspeed")),
-        "largest_vs_static": _ratio(size.get("tessera"), size.get("static")),
-        "moved_vs_static": _ratio(moved.get("tessera"), moved.get("static")),
-        **_moved_where_both_offload(rows, largest),
-        "tokens_per_s_vs_no_offload": _ratio(tps.get("tessera"), tps.get("none")),
-        "lower_bound": {
-            v: largest.get(v) == cfg.depths[-1] or any(r["variant"] == v and r.get("untried") for r in rows)
-            for v in variants
-        },
-    }
-    common = [
-        {"variant": LABEL[v], "tokens_per_s": tps[v], "moved_mib_per_step": moved[v],
-         "peak_mib": at[v]["peak_mib"] if at[v] else None}
-        for v in variants
-    ]  # fmt: skip
-    notes = _notes(cfg, rows, variants, largest)
-    return BenchResult(
-        name="offload",
-        headline=headline,
-        rows=rows,
-        columns=["variant", "depth", "params_m", "ok", "peak_mib", "setup_peak_mib", "host_memory_mib",
-                 "tokens_per_s", "moved_mib_per_step", "offload_to", "why"],
-        notes=notes,
-        extra={"config": asdict(cfg), "common": common, "common_runs": timed or []},
-        tables=[(f"At the common size (depth {cfg.common_depth}, {params_of(cfg, cfg.common_depth) / 1e6:.1f} M "
-                 f"parameters; runs of their own, {cfg.common_steps - 1} timed steps after the warm-up)", ["variant", "tokens_per_s", "moved_mib_per_step", "peak_mib"], common)],
-    )  # fmt: skip
-
-
-def _moved_where_both_offload(rows, largest) -> dict:
-    """Moved bytes at the largest depth both offloading variants trained (at the common size
-    the planned placement may keep everything in memory and move nothing)."""
-    if "static" not in largest or "tessera" not in largest:
-        return {}
-    depth = min(largest["static"], largest["tessera"])
-    a, b = _common(rows, "tessera", depth), _common(rows, "static", depth)
-    return {
-        "moved_compare_depth": depth,
-        "moved_mib_per_step_tessera": round(a["moved_mib_per_step"], 1),
-        "moved_mib_per_step_static": round(b["moved_mib_per_step"], 1),
-        "moved_vs_static_at_depth": _ratio(a["moved_mib_per_step"], b["moved_mib_per_step"]),
-    }
-
-
-def _notes(cfg, rows, variants, largest) -> list[str]:
-    notes = [
-        f"GPT-2 family: width {cfg.width}, {cfg.heads} heads, vocabulary {cfg.vocab}, sequence {cfg.seq}, batch "
-        f"{cfg.batch}, depth grown along {list(cfg.depths)}; AdamW (torch fused CPU kernel for Tessera), fp32, "
-        f"activation checkpointing {'on (every variant)' if cfg.activation_checkpointing else 'off'}, "
-        + (
-            f"activations measured first: {cfg.act_fixed_mib:.1f} MiB + {cfg.act_per_layer_mib:.2f} MiB per layer, "
-            if cfg.act_per_layer_mib is not None
-            else "activations estimated (dry run formula), "
-        )
-        + f"{cfg.threads} threads, 1 process; {cfg.steps} steps per trial (the first is the warm-up).",
-        f"Budget: {cfg.budget_mib} MiB resident high-water mark over the training steps (VmHWM after a reset once "
-        "the model is set up). Setup (building the model whole, packing chunks) is not held to it: its peak is "
-        "reported. The disk tier's files go through the OS page cache, which is not resident memory of the process.",
-        "No hard memory limit (cgroup) was applied; the high-water mark is the check.",
-    ]
-    if "deepspeed" not in variants:
-        notes.append(
-            "DeepSpeed is not installed (optional extra: pip install '.[deepspeed]'): its rows are absent."
-        )
-    else:
-        to = {r.get("offload_to") for r in rows if r["variant"] == "deepspeed" and r.get("offload_to")}
-        notes.append(
-            f"DeepSpeed ZeRO-3 offloaded parameters and optimizer states to {', '.join(sorted(to)) or 'nothing (it failed)'}"
-            " (nvme needs its async I/O op, which needs libaio; without it, to host memory, which on a CPU-only "
-            "machine is the memory it computes in)."
-        )
-    for v in variants:
-        untried = any(r["variant"] == v and r.get("untried") for r in rows)
-        if largest.get(v) == cfg.depths[-1] or untried:
-            why = "reached the top of the ladder" if not untried else "ran out of its time before a miss"
-            notes.append(f"{LABEL[v]} {why}: its largest size is a lower bound.")
-    return notes
-
-
-def plot_offload(result: BenchResult, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
-    variants = [v for v in VARIANTS if any(r["variant"] == v for r in result.rows)]
-    sizes = [result.headline.get(f"largest_params_m_{v}") or 0 for v in variants]
-    a.bar([LABEL[v].split(" (")[0] for v in variants], sizes, color="tab:blue")
-    a.set_ylabel("largest model trained (M parameters)")
-    a.set_title(f"under a {result.headline['budget_mib']} MiB resident budget")
-    a.tick_params(axis="x", rotation=20)
-    for v in variants:
-        pts = [(r["params_m"], r["peak_mib"]) for r in result.rows if r["variant"] == v and "peak_mib" in r]
-        if pts:
-            b.plot(*zip(*pts, strict=True), marker="o", label=LABEL[v])
-    b.axhline(result.headline["budget_mib"], color="k", ls="--", label="budget")
-    b.set_xlabel("model (M parameters)")
-    b.set_ylabel("resident peak of the steps (MiB)")
-    b.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
+from tessera.bench.offload_report import plot_offload  # noqa: E402  (the CLI imports it from here)
 
 __all__ = ["FULL", "QUICK", "OffloadBenchConfig", "plot_offload", "run_offload_bench", "trial"]

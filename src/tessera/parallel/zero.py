@@ -47,6 +47,7 @@ from torch import nn
 from tessera.memory.chunk import ChunkState
 from tessera.memory.chunk_manager import ChunkManager, ParamChunk
 from tessera.memory.chunk_manager import local as _local
+from tessera.memory.offload import ShardOffload
 from tessera.runtime import Mesh
 
 
@@ -82,7 +83,7 @@ class ZeroEngine:
         self.groups: list[ParamChunk] = self.manager.chunks
         self.owner = self.manager.owner
         self.pending = {cg: len(cg.params) for cg in self.groups}
-        self.expected = {cg: len(cg.params) for cg in self.groups}  # gradients a step brings
+        self.expected = dict(self.pending)  # gradients a step brings (fewer: unused modules)
         self.reduced = {cg: False for cg in self.groups}
         self.grad_shard: dict[ParamChunk, torch.Tensor | None] = {}
         self.seen: set[nn.Parameter] = set()
@@ -117,9 +118,8 @@ class ZeroEngine:
     # ---- gradients -------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside accumulate gradients locally (earlier micro-batches).
-        Offloaded, each micro-batch is reduced into the gradient chunks instead: whole
-        local gradients of every parameter would not fit a budget below the model."""
+        """Backward passes inside accumulate gradients locally (earlier micro-batches);
+        offloaded, each is reduced into the gradient chunks (whole ones would not fit)."""
         if self.offload is not None:
             yield
             self.finish_backward()
@@ -204,8 +204,7 @@ class ZeroEngine:
         with source as shard, torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
             self.comm.all_gather_into(buffer, shard, self.axis)
 
-    def _release(self, cg: ParamChunk) -> None:
-        """Stage 3: empty a whole chunk after its last use."""
+    def _release(self, cg: ParamChunk) -> None:  # stage 3: a whole chunk after its last use
         if not cg.resident:
             return
         cg.free()
@@ -283,8 +282,6 @@ class ZeroEngine:
             self._new_round()
 
     def _start_offload(self, settings: dict) -> None:
-        from tessera.memory.offload import ShardOffload
-
         whole = [cg.chunk.buffer for cg in self.groups]
         device, rank = self.mesh.device, self.mesh.rank(self.axis)
         self.offload = ShardOffload.create(
