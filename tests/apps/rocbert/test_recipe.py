@@ -5,9 +5,11 @@ Parity reference: one process with grad_accum=2 sees exactly the micro-batches t
 see (boost splits a global batch into contiguous halves either way), which matters because the
 contrastive term uses the other rows of its micro-batch as negatives. Tolerances: the ranks
 average gradients with an all-reduce instead of summing two micro-batches in one process, so
-they differ by fp32 rounding (~1e-7 relative per step); AdamW divides by sqrt(v), which can lift
-a rounding difference on a near-zero gradient (eps 1e-8 here), so after 3 + 3 steps parameters
-are compared at rtol 1e-4 / atol 1e-5 and the logged losses at rtol 1e-5.
+they differ by fp32 rounding (~1e-7 relative per step). The parity run uses SGD: AdamW divides
+by sqrt(v), which lifts a rounding difference on a near-zero gradient to a full step (it did,
+with 2 threads per process, on rarely seen embedding rows), while under SGD a gradient that is
+off by the world size (a sum-for-average bug) moves the weights 2x as far. Parameters after
+3 + 3 steps at rtol 1e-4 / atol 1e-5, the logged losses at rtol 1e-5.
 """
 
 import json
@@ -58,7 +60,7 @@ def test_tiny_run_learns_and_exports(features, tmp_path):
 
 
 def test_dp2_matches_one_process(features):
-    recipe = _tiny(pretrain_steps=3, finetune_steps=3)
+    recipe = _tiny(pretrain_steps=3, finetune_steps=3, optimizer="sgd", pretrain_lr=0.5, finetune_lr=0.5)
     root = str(features.root)
     # clipped as the recipe trains (the global norm is taken over both ranks' reduced gradients)
     ref_pre, ref_fine, ref_state = _run(recipe, tessera.Plan(dp=1, grad_accum=2, max_grad_norm=1.0), root)
@@ -69,7 +71,11 @@ def test_dp2_matches_one_process(features):
     for name, t in ref_state.items():
         torch.testing.assert_close(state[name], t, rtol=1e-4, atol=1e-5, msg=name)
     # and the run did move the weights, so the comparison can fail
-    fresh = _run(_tiny(pretrain_steps=1, finetune_steps=1), tessera.Plan(dp=1), root)[2]
+    fresh = _run(
+        _tiny(pretrain_steps=1, finetune_steps=1, optimizer="sgd", pretrain_lr=0.5, finetune_lr=0.5),
+        tessera.Plan(dp=1),
+        root,
+    )[2]
     assert not torch.allclose(fresh["classifier.weight"], ref_state["classifier.weight"])
 
 

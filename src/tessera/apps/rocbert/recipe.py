@@ -48,8 +48,11 @@ class RocbertRecipe:
     eval_size: int = 1000
     seed: int = 0
     log_every: int = 20
+    optimizer: str = "adamw"  # or "sgd" (parity tests: no division that lifts rounding noise)
 
     def __post_init__(self) -> None:
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"RocbertRecipe.optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.type == "int" and (not isinstance(value, int) or value < (0 if f.name in ("seed",) else 1)):
@@ -71,13 +74,19 @@ def _rank0() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
+def _optimizer(recipe: RocbertRecipe, model, lr: float) -> torch.optim.Optimizer:
+    if recipe.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr)
+    return torch.optim.AdamW(model.parameters(), lr=lr)
+
+
 def pretrain(recipe: RocbertRecipe, plan, mesh, features: Features):
     from tessera.train.boost import boost
 
     texts = corpus.news_sentences(recipe.news_sentences)
     encoder, syn = Encoder(features.tokenizer(), recipe.size.max_len), Synthesizer(features)
     model = pretraining_model(features, recipe.size, recipe.seed)
-    model, opt = boost(model, torch.optim.AdamW(model.parameters(), lr=recipe.pretrain_lr), plan, mesh)
+    model, opt = boost(model, _optimizer(recipe, model, recipe.pretrain_lr), plan, mesh)
     log = []
     for step in range(recipe.pretrain_steps):
         g = step_generator(recipe.seed, step, stage=0)
@@ -96,7 +105,7 @@ def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: 
     train, _ = corpus.sentiment_split(seed=recipe.seed)
     encoder, syn = Encoder(features.tokenizer(), recipe.size.max_len), Synthesizer(features)
     model = classifier_from(pretrained, features, recipe.size, recipe.seed)
-    model, opt = boost(model, torch.optim.AdamW(model.parameters(), lr=recipe.finetune_lr), plan, mesh)
+    model, opt = boost(model, _optimizer(recipe, model, recipe.finetune_lr), plan, mesh)
     log = []
     for step in range(recipe.finetune_steps):
         g = step_generator(recipe.seed, step, stage=1)
