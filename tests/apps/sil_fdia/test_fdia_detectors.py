@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 
+from tessera.apps.sil_fdia.detectors import COUNT_KINDS
 from tessera.apps.sil_fdia.experiment import ExperimentPlan, run_experiment
 
 PLAN = ExperimentPlan(
@@ -60,3 +61,12 @@ def test_scores_are_finite_and_labels_cover_both_classes(result):
             assert (run["y"] == 1).any() and (run["y"] == 0).any()
             for values in score.values():
                 assert np.all(np.isfinite(values))
+
+
+def test_sound_threshold_holds_on_the_held_out_night(result):
+    # the sound's threshold is set for 1% false alarms on the pooled clean nights (days 0-2);
+    # on the held-out night's clean intervals (3 lamps x ~66 night intervals: a binomial sd of
+    # ~0.7 points at 1%) it may drift with that night's weather, but must not ring on half of
+    # them as the single-night threshold did: <= 5% is 1% plus ~5 sd of sampling noise
+    rates = [result["results"][kind]["detectors"]["sound"]["false_alarm_rate"] for kind in COUNT_KINDS]
+    assert np.mean(rates) <= 0.05, rates

@@ -109,11 +109,12 @@ def detect_command(args) -> str:
     from tessera.apps.sil_fdia.detectors import (
         DETECTORS,
         auc,
+        clean_inputs,
         delays_min,
         fit_detectors,
-        inputs,
         scenario,
         score,
+        sound_threshold,
     )
     from tessera.apps.sil_fdia.experiment import ExperimentPlan, build_context, random_attack
     from tessera.apps.sil_fdia.plots import plot_telemetry
@@ -139,13 +140,13 @@ def detect_command(args) -> str:
     train = [
         scenario(ctx, random_attack(k, range(2, 3), plan.num_lamps, 1, rng, 7), fusion_span) for k in KINDS
     ]
-    clean = {k: v[:, fusion_span].reshape(-1, v.shape[-1]) for k, v in inputs(ctx, ctx.dep.telemetry).items()}
-    models = fit_detectors(clean, train)
+    models = fit_detectors(clean_inputs(ctx, fusion_span), train)
     attack = Attack(kind=args.attack, start_h=args.start_h, end_h=args.end_h, lamps=parse_lamps(args.targets),
                     magnitude=args.magnitude, seed=args.seed)  # fmt: skip
     sc = scenario(ctx, attack, slice(0, ctx.dep.config.num_intervals))
     scores = score(models, sc)
     thr = {n: float(np.quantile(score(models, train[0])[n][train[0]["y"] == 0], 0.99)) for n in DETECTORS}
+    thr["sound"] = sound_threshold(ctx, models, 0.01)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tel, changed = apply_attack(ctx.dep, attack)

@@ -38,6 +38,7 @@ class Context:
     heard: np.ndarray
     listen: Listening
     sound: SoundCalibration
+    sound_clean: np.ndarray  # (lamps, intervals): the clean intervals listened to, pooled over nights
 
 
 def inputs(ctx: Context, tel: dict) -> dict[str, np.ndarray]:
@@ -52,6 +53,25 @@ def inputs(ctx: Context, tel: dict) -> dict[str, np.ndarray]:
 def feature_names(detector: str) -> list[str]:
     telemetry = [*FEATURE_NAMES, *(f"{n}_ewma" for n in SMOOTHED)]
     return {"telemetry": telemetry, "sound": list(SOUND_NAMES)}[detector]
+
+
+def clean_inputs(ctx: Context, fusion_span: slice) -> dict[str, np.ndarray]:
+    """Source -> (N, F): the clean intervals each detector's tail score is fitted on. Telemetry:
+    the fusion days (its constants and isolation forest were fitted on the clean days, so there
+    it would be in-sample). Sound: every clean interval listened to, clean and fusion days
+    pooled, so that the score's scale spans several nights' weather, not one night's."""
+    x = inputs(ctx, ctx.dep.telemetry)
+    telemetry = x["telemetry"][:, fusion_span]
+    return {"telemetry": telemetry.reshape(-1, telemetry.shape[-1]), "sound": x["sound"][ctx.sound_clean]}
+
+
+def sound_threshold(ctx: Context, models: dict, false_alarm_rate: float) -> float:
+    """The sound score exceeded by ``false_alarm_rate`` of the pooled clean intervals the lamp
+    reports on (at night: where the count attacks strike and the score can ring)."""
+    on = ctx.sound_clean & (ctx.dep.telemetry["on"] > 0)
+    return float(
+        np.quantile(models["sound"](inputs(ctx, ctx.dep.telemetry)["sound"][on]), 1.0 - false_alarm_rate)
+    )
 
 
 def eligible(kind: str, clean_tel: dict, night: np.ndarray) -> np.ndarray:

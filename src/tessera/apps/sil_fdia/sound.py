@@ -101,12 +101,21 @@ def heard_counts(
 
 @dataclass
 class SoundCalibration:
-    """heard ~ gain * (reported kills in the recorded part) + false per second; variance ~ a + b * expected."""
+    """heard ~ gain * (reported kills in the recorded part) + false per second;
+    variance ~ a + b * expected + c * expected**2.
+
+    b is the count noise that grows like a Poisson's (misses and false zaps one by one, and
+    the thinning when only part of an interval is recorded); c is the night-to-night part
+    that grows with the count itself: rain or wind lowers the zap detector's recall for a
+    whole spell, so a busy rainy interval misses several zaps at once. Without c a scale
+    fitted on one dry night calls every busy rainy interval an attack.
+    """
 
     gain: float
     false_per_s: float
     var_a: float
     var_b: float
+    var_c: float
 
 
 def _recorded_share(dep: Deployment, listen: Listening) -> np.ndarray:
@@ -126,10 +135,19 @@ def fit_sound(
     (gain, false_per_s), *_ = np.linalg.lstsq(np.column_stack([x, s]), heard[mask], rcond=None)
     expected = gain * x + false_per_s * s
     resid2 = (heard[mask] - expected) ** 2
-    (var_a, var_b), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(x), expected]), resid2, rcond=None)
+    design = np.column_stack([np.ones_like(x), expected, expected**2])
+    (var_a, var_b, var_c), *_ = np.linalg.lstsq(design, resid2, rcond=None)
+    # floors: a quarter count of rounding noise, a twentieth of a Poisson's spread, none
+    # between nights (a least-squares fit on few clean nights can come out negative)
     return SoundCalibration(
-        float(gain), float(max(false_per_s, 0.0)), float(max(var_a, 0.25)), float(max(var_b, 0.05))
-    )
+        float(gain), float(max(false_per_s, 0.0)), float(max(var_a, 0.25)), float(max(var_b, 0.05)),
+        float(max(var_c, 0.0)),
+    )  # fmt: skip
+
+
+def sound_spread(calib: SoundCalibration, expected: np.ndarray) -> np.ndarray:
+    """The standard deviation of the heard count where ``expected`` zaps are expected."""
+    return np.sqrt(calib.var_a + calib.var_b * expected + calib.var_c * expected**2)
 
 
 def ewma(x: np.ndarray, alpha: float = 0.3) -> np.ndarray:
@@ -148,6 +166,6 @@ def sound_features(
     """(lamps, intervals, len(SOUND_NAMES)): how far the heard count is from what the report implies."""
     share, seconds = _recorded_share(dep, listen)
     expected = calib.gain * tel["kills"] * share + calib.false_per_s * seconds
-    z = (np.nan_to_num(heard, nan=0.0) - expected) / np.sqrt(calib.var_a + calib.var_b * expected)
+    z = (np.nan_to_num(heard, nan=0.0) - expected) / sound_spread(calib, expected)
     z = np.where(np.isfinite(heard), z, 0.0)
     return np.stack([z, np.abs(z), ewma(z), ewma(np.abs(z))], axis=-1)
