@@ -59,9 +59,3 @@ def test_pooled_threshold_holds_on_held_out_nights():
     # may drift above 1% but should stay well under the ~50% that one night's threshold gave
     assert rate <= 0.05, rate
 
-
-def test_one_nights_threshold_is_what_broke():
-    # the same detector calibrated on a single clean night: the defect the pooling fixes, kept
-    # so that the test above is known to be able to fail on this data
-    rates = [_false_alarm_rate(range(day, day + 1))[0] for day in range(CLEAN_DAYS)]
-    assert max(rates) > 0.05, rates
