@@ -311,72 +311,55 @@ def cmd_generate(args: argparse.Namespace) -> None:
 # ---- bench -------------------------------------------------------------------------------
 
 
+# `tessera bench NAME`: the module under tessera.bench, its run and plot functions. Each
+# run takes quick=...; dit and kernels take their plan (built in cmd_bench).
+BENCHES = {
+    name: (name, f"run_{name}_bench", f"plot_{name}")
+    for name in (
+        "dap",
+        "train",
+        "offload",
+        "autochunk",
+        "pipeline",
+        "plan",
+        "fdia",
+        "serve",
+        "robust",
+        "machine",
+    )
+} | {"dit": ("dit", "run_dit_bench", "plot_dit"), "kernels": ("kernels", "run_kernels_bench", "plot_kernels")}
+
+
+def _dit_bench(args: argparse.Namespace):
+    import dataclasses
+
+    from tessera.bench.dit import FULL, QUICK, run_dit_bench
+
+    digits = Path(args.digits_model)
+    plan = QUICK if args.quick else FULL
+    if args.link is not None:
+        plan = dataclasses.replace(plan, links=tuple(n for n in args.link if n != "none"))
+    if args.link_device is not None:
+        plan = dataclasses.replace(plan, link_device=args.link_device)
+    return run_dit_bench(plan, digits if (digits / "config.json").exists() else None)
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
+    import importlib
+
     from tessera.bench.harness import write_results
 
+    if args.name not in BENCHES:
+        raise UserError(f"unknown benchmark {args.name!r}; available: {', '.join(sorted(BENCHES))}")
+    module_name, run_name, plot_name = BENCHES[args.name]
+    module = importlib.import_module(f"tessera.bench.{module_name}")
     if args.name == "dit":
-        import dataclasses
-
-        from tessera.bench.dit import FULL, QUICK, plot_dit, run_dit_bench
-
-        digits = Path(args.digits_model)
-        plan = QUICK if args.quick else FULL
-        if args.link is not None:
-            plan = dataclasses.replace(plan, links=tuple(n for n in args.link if n != "none"))
-        if args.link_device is not None:
-            plan = dataclasses.replace(plan, link_device=args.link_device)
-        result = run_dit_bench(plan, digits if (digits / "config.json").exists() else None)
-        plot = plot_dit
-    elif args.name == "dap":
-        from tessera.bench.dap import plot_dap, run_dap_bench
-
-        result, plot = run_dap_bench(quick=args.quick), plot_dap
-    elif args.name == "train":
-        from tessera.bench.train import plot_train, run_train_bench
-
-        result, plot = run_train_bench(quick=args.quick), plot_train
-    elif args.name == "offload":
-        from tessera.bench.offload import plot_offload, run_offload_bench
-
-        result, plot = run_offload_bench(quick=args.quick), plot_offload
-    elif args.name == "autochunk":
-        from tessera.bench.autochunk import plot_autochunk, run_autochunk_bench
-
-        result, plot = run_autochunk_bench(quick=args.quick), plot_autochunk
-    elif args.name == "pipeline":
-        from tessera.bench.pipeline import plot_pipeline, run_pipeline_bench
-
-        result, plot = run_pipeline_bench(quick=args.quick), plot_pipeline
-    elif args.name == "plan":
-        from tessera.bench.plan import plot_plan, run_plan_bench
-
-        result, plot = run_plan_bench(quick=args.quick), plot_plan
-    elif args.name == "fdia":
-        from tessera.bench.fdia import plot_fdia, run_fdia_bench
-
-        result, plot = run_fdia_bench(quick=args.quick), plot_fdia
-    elif args.name == "serve":
-        from tessera.bench.serve import plot_serve, run_serve_bench
-
-        result, plot = run_serve_bench(quick=args.quick), plot_serve
-    elif args.name == "robust":
-        from tessera.bench.robust import plot_robust, run_robust_bench
-
-        result, plot = run_robust_bench(quick=args.quick), plot_robust
-    elif args.name in ("kernels", "machine"):
-        if args.name == "machine":
-            from tessera.bench.machine import plot_machine, run_machine_bench
-
-            result, plot = run_machine_bench(quick=args.quick), plot_machine
-        else:
-            from tessera.bench.kernels import FULL, QUICK, plot_kernels, run_kernels_bench
-
-            result, plot = run_kernels_bench(QUICK if args.quick else FULL), plot_kernels
+        result = _dit_bench(args)
+    elif args.name == "kernels":
+        result = module.run_kernels_bench(module.QUICK if args.quick else module.FULL)
     else:
-        raise UserError(
-            f"unknown benchmark {args.name!r}; available: dit, dap, autochunk, train, offload, serve, fdia, kernels, machine, robust"
-        )
-    paths = write_results(result, args.out, plot)
+        result = getattr(module, run_name)(quick=args.quick)
+    paths = write_results(result, args.out, getattr(module, plot_name))
     print("headline: " + ", ".join(f"{k}={v}" for k, v in result.headline.items()))
     print("wrote " + ", ".join(str(p) for p in paths))
 
@@ -455,7 +438,9 @@ def _add_robust_parser(sub) -> None:
     q.add_argument("--model", required=True, help="folder from `tessera train --recipe rocbert-sentiment`")
     q.add_argument("--text", action="append", required=True, help="a Chinese text (repeatable)")
     q.add_argument("--variants", type=_positive_int, default=5, help="synthetic attacked copies per text")
-    q.add_argument("--query-budget", type=_positive_int, default=200, help="greedy black-box attack's queries")
+    q.add_argument(
+        "--query-budget", type=_positive_int, default=200, help="greedy black-box attack's queries"
+    )
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(handler=cmd_robust)
 
@@ -608,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_generate)
 
     p = sub.add_parser("bench", help="run a benchmark (baseline and Tessera in one run)")
-    p.add_argument("name", help="benchmark: dit, dap, autochunk, train, offload, serve, fdia, kernels, machine or robust")
+    p.add_argument("name", help="benchmark: " + ", ".join(sorted(BENCHES)))
     p.add_argument("--quick", action="store_true", help="small version, under two minutes on 2 cores")
     p.add_argument("--out", default="benchmarks/results", help="folder for NAME.json / .md / .png")
     p.add_argument(
