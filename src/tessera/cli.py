@@ -1,4 +1,5 @@
-"""`tessera train | generate | launch`: the command line.
+"""`tessera train | generate | bench | plan | serve | fdia | robust | launch`: the command line
+(train, generate, bench and launch here; the others' flags beside their code).
 
 A user's mistake (bad flag value, missing or corrupt checkpoint, unwritable output)
 ends in one line on stderr and exit status 2, never a traceback.
@@ -364,152 +365,6 @@ def cmd_bench(args: argparse.Namespace) -> None:
     print("wrote " + ", ".join(str(p) for p in paths))
 
 
-# ---- fdia --------------------------------------------------------------------------------
-
-
-def cmd_fdia(args: argparse.Namespace) -> None:
-    from tessera.apps.sil_fdia import commands
-
-    if args.fdia_command == "bench":
-        args.name = "fdia"
-        return cmd_bench(args)
-    run = commands.simulate_command if args.fdia_command == "simulate" else commands.detect_command
-    print(run(args))
-
-
-def _add_fdia_parser(sub) -> None:
-    p = sub.add_parser(
-        "fdia", help="false data injection on solar insecticidal lamps: simulate | detect | bench"
-    )
-    fdia = p.add_subparsers(dest="fdia_command", required=True)
-    for name, text in (
-        (
-            "simulate",
-            "simulate a deployment (optionally attacked): CSV, telemetry plot, a WAV clip and its spectrogram",
-        ),
-        (
-            "detect",
-            "score an attack with the telemetry, sound and fused detectors, or count zaps in --audio FILE.wav",
-        ),
-    ):
-        q = fdia.add_parser(name, help=text)
-        q.add_argument("--lamps", type=_positive_int, default=4)
-        q.add_argument("--seed", type=int, default=0)
-        q.add_argument(
-            "--attack", help="scale, additive, replay, constant, zero, daytime, battery or stealthy"
-        )
-        q.add_argument("--start-h", type=float, default=80.0, help="attack start, hours after noon of day 0")
-        q.add_argument("--end-h", type=float, default=86.0, help="attack end, hours after noon of day 0")
-        q.add_argument("--targets", default="0", help="attacked lamp ids, e.g. 0,2")
-        q.add_argument(
-            "--magnitude", type=float, help="factor / offset / days back / value (default per kind)"
-        )
-        q.add_argument("--snr-db", type=float, default=15.0, help="a median zap against the background")
-        q.add_argument("--out", default="runs/fdia", help="folder for the CSV, WAV and plots")
-        if name == "simulate":
-            q.add_argument("--days", type=_positive_int, default=4)
-            q.add_argument("--audio-seconds", type=float, default=30.0, help="length of the WAV clip")
-        else:
-            q.add_argument(
-                "--listen-s", type=float, default=60.0, help="seconds recorded per 10-min night interval"
-            )
-            q.add_argument("--audio", help="a mono 16-bit 16 kHz WAV: count its zaps instead")
-            q.add_argument("--plot", help="with --audio: write its spectrogram with the zaps marked here")
-        q.set_defaults(handler=cmd_fdia)
-    q = fdia.add_parser("bench", help="the same as `tessera bench fdia`")
-    q.add_argument("--quick", action="store_true", help="small version, under two minutes on 2 cores")
-    q.add_argument("--out", default="benchmarks/results", help="folder for fdia.json / .md / .png")
-    q.set_defaults(handler=cmd_fdia)
-
-
-# ---- robust (ROCBERT) --------------------------------------------------------------------
-
-
-def cmd_robust(args: argparse.Namespace) -> None:
-    from tessera.apps.rocbert.commands import attack_command
-
-    print(attack_command(args))
-
-
-def _add_robust_parser(sub) -> None:
-    p = sub.add_parser("robust", help="ROCBERT robust Chinese classification: attack a trained model")
-    robust = p.add_subparsers(dest="robust_command", required=True)
-    q = robust.add_parser("attack", help="show synthetic attacks of --text and the model's predictions")
-    q.add_argument("--model", required=True, help="folder from `tessera train --recipe rocbert-sentiment`")
-    q.add_argument("--text", action="append", required=True, help="a Chinese text (repeatable)")
-    q.add_argument("--variants", type=_positive_int, default=5, help="synthetic attacked copies per text")
-    q.add_argument(
-        "--query-budget", type=_positive_int, default=200, help="greedy black-box attack's queries"
-    )
-    q.add_argument("--seed", type=int, default=0)
-    q.set_defaults(handler=cmd_robust)
-
-
-# ---- serve -------------------------------------------------------------------------------
-
-_SERVE_FIELDS = (
-    "model", "task", "pooling", "host", "port", "scheduler", "runner", "attention", "memory_plan", "max_batch_tokens",
-    "max_batch_size", "max_queue", "max_client_batch", "payload_limit", "overload_status", "threads",
-    "drain_timeout_s", "cost_table",
-)  # fmt: skip
-
-
-def cmd_serve(args: argparse.Namespace) -> None:
-    from tessera.serve.server import ServeConfig, run_server
-
-    config = ServeConfig(**{name: getattr(args, name) for name in _SERVE_FIELDS})
-    if args.ray:
-        from tessera.serve.ray_serve import run_ray
-
-        return run_ray(config, replicas=args.replicas)
-    if args.replicas != 1:
-        raise UserError(f"--replicas {args.replicas} needs --ray (one local server is one engine)")
-    run_server(config)
-
-
-# ---- plan memory (offload dry run) -------------------------------------------------------
-
-
-def _add_plan_memory(plan_sub) -> None:
-    p = plan_sub.add_parser("memory", help="dry run of an offloaded GPT-2: bytes per tier, moved, peak")
-    for flag, default, help_ in (
-        ("--layers", 12, "transformer blocks"),
-        ("--width", 768, "hidden size"),
-        ("--heads", 12, "attention heads"),
-        ("--vocab", 50257, "vocabulary"),
-        ("--seq", 1024, "tokens per sequence"),
-        ("--batch", 1, "sequences per rank and micro-batch"),
-        ("--dp", 1, "data-parallel ranks (ZeRO-3 shards)"),
-    ):
-        p.add_argument(flag, type=_positive_int, default=default, help=help_)
-    p.add_argument("--chunk-mib", type=float, default=32.0, help="chunk size")
-    p.add_argument("--offload", default="auto", choices=["auto", "static"])
-    p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
-    p.add_argument("--device-memory", help="model data on the GPU per rank, e.g. 8GiB")
-    p.add_argument("--host-memory", help="model data in host memory per rank, e.g. 16GiB")
-    p.add_argument("--offload-dir", help="directory for chunks on disk")
-    p.add_argument("--max-grad-norm", type=float, help="clipping (one more pass over the gradients)")
-    p.set_defaults(handler=cmd_plan_memory)
-
-
-def cmd_plan_memory(args: argparse.Namespace) -> None:
-    import tessera
-    from tessera.train.plan import gpt2_memory_report, parse_bytes
-
-    def size(text):
-        return None if text is None else parse_bytes(text)
-
-    plan = tessera.Plan(
-        dp=args.dp, zero=3, chunk_mib=args.chunk_mib, offload=args.offload, max_grad_norm=args.max_grad_norm,
-        device_memory=size(args.device_memory), host_memory=size(args.host_memory), offload_dir=args.offload_dir,
-    )  # fmt: skip
-    report = gpt2_memory_report(
-        layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab, seq=args.seq,
-        batch=args.batch, plan=plan, device=args.device,
-    )  # fmt: skip
-    print(report.text())
-
-
 # ---- launch ------------------------------------------------------------------------------
 
 
@@ -610,55 +465,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=cmd_bench)
 
-    p = sub.add_parser("serve", help="serve a transformers encoder over HTTP (TEI- and OpenAI-compatible)")
-    p.add_argument("--model", required=True, help="folder written by save_pretrained, tokenizer beside it")
-    p.add_argument("--task", default="auto", choices=["auto", "embed", "classify"])
-    p.add_argument("--pooling", default="mean", choices=["mean", "cls"], help="embeddings: token pooling")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (printed)")
-    p.add_argument(
-        "--scheduler",
-        default="dp",
-        choices=["dp", "fifo_padded", "sort_window", "one_by_one"],
-        help="dp: TurboTransformers' DP over the length-sorted queue; the others are the baselines",
-    )
-    p.add_argument(
-        "--runner", default="auto", choices=["auto", "unpadded", "padded"], help="auto: unpadded for dp"
-    )
-    p.add_argument("--attention", default="per_request", choices=["per_request", "padded", "nested"])
-    p.add_argument(
-        "--memory-plan", action="store_true", help="activations in planned chunks (needs --attention padded)"
-    )
-    p.add_argument("--max-batch-tokens", type=_positive_int, default=16384, help="longest x batch size")
-    p.add_argument("--max-batch-size", type=_positive_int, default=32, help="inputs per batch")
-    p.add_argument("--max-queue", type=_positive_int, default=512, help="waiting inputs before 429")
-    p.add_argument("--max-client-batch", type=_positive_int, default=32, help="inputs per request")
-    p.add_argument("--payload-limit", type=_positive_int, default=2_000_000, help="request body bytes")
-    p.add_argument("--overload-status", type=int, default=429, choices=[429, 503], help="full-queue status")
-    p.add_argument("--threads", type=_positive_int, help="torch intra-op threads (default: torch's)")
-    p.add_argument(
-        "--drain-timeout",
-        dest="drain_timeout_s",
-        type=float,
-        default=30.0,
-        help="seconds to drain on SIGTERM",
-    )
-    p.add_argument(
-        "--cost-table", help="JSON file: the DP's cost table, loaded if present, else measured and saved"
-    )
-    p.add_argument("--ray", action="store_true", help="serve through Ray Serve replicas of the engine")
-    p.add_argument("--replicas", type=_positive_int, default=1, help="Ray Serve replicas (with --ray)")
-    p.set_defaults(handler=cmd_serve)
+    from tessera.serve.commands import add_serve_parser  # flags only: the server loads on use
+
+    add_serve_parser(sub, _positive_int)
 
     p = sub.add_parser("plan", help="choose a parallel plan by cost model and simulation")
     plan_sub = p.add_subparsers(dest="plan_command", required=True)
-    from tessera.plan.commands import add_plan_parsers  # light: no torch model is built
+    from tessera.plan.commands import add_plan_memory_parser, add_plan_parsers  # light: no model is built
 
     add_plan_parsers(plan_sub)  # `plan train`, `plan generate`; `plan memory` (offload) joins here
-    _add_plan_memory(plan_sub)
+    add_plan_memory_parser(plan_sub, _positive_int)
 
-    _add_fdia_parser(sub)
-    _add_robust_parser(sub)
+    from tessera.cli_apps import add_app_parsers
+
+    add_app_parsers(sub, _positive_int, cmd_bench)
 
     p = sub.add_parser("launch", help="run a script under torchrun (other flags pass through to torchrun)")
     p.add_argument("-n", "--nproc", type=_positive_int, required=True, help="processes per node")

@@ -1,4 +1,4 @@
-"""`tessera plan train | generate`: rank the valid plans for a model on named hardware and
+"""`tessera plan train | generate | memory`: rank the valid plans for a model on named hardware and
 print the choice as the flags `tessera train` / `tessera generate` take."""
 
 from __future__ import annotations
@@ -132,3 +132,44 @@ def add_plan_parsers(plan_sub) -> None:
     p.add_argument("--offload", action="store_true", help="also rank ZeRO-3 with static and planned offload")
     p.add_argument("--host-link", default="pcie4", help="link between a device and host memory (offload)")
     p.set_defaults(handler=cmd_plan_train)
+
+
+def add_plan_memory_parser(plan_sub, positive_int) -> None:
+    """`tessera plan memory`: the offload dry run (tessera.train.plan.gpt2_memory_report)."""
+    p = plan_sub.add_parser("memory", help="dry run of an offloaded GPT-2: bytes per tier, moved, peak")
+    for flag, default, help_ in (
+        ("--layers", 12, "transformer blocks"),
+        ("--width", 768, "hidden size"),
+        ("--heads", 12, "attention heads"),
+        ("--vocab", 50257, "vocabulary"),
+        ("--seq", 1024, "tokens per sequence"),
+        ("--batch", 1, "sequences per rank and micro-batch"),
+        ("--dp", 1, "data-parallel ranks (ZeRO-3 shards)"),
+    ):
+        p.add_argument(flag, type=positive_int, default=default, help=help_)
+    p.add_argument("--chunk-mib", type=float, default=32.0, help="chunk size")
+    p.add_argument("--offload", default="auto", choices=["auto", "static"])
+    p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
+    p.add_argument("--device-memory", help="model data on the GPU per rank, e.g. 8GiB")
+    p.add_argument("--host-memory", help="model data in host memory per rank, e.g. 16GiB")
+    p.add_argument("--offload-dir", help="directory for chunks on disk")
+    p.add_argument("--max-grad-norm", type=float, help="clipping (one more pass over the gradients)")
+    p.set_defaults(handler=cmd_plan_memory)
+
+
+def cmd_plan_memory(args: argparse.Namespace) -> None:
+    import tessera
+    from tessera.train.plan import gpt2_memory_report, parse_bytes
+
+    def size(text):
+        return None if text is None else parse_bytes(text)
+
+    plan = tessera.Plan(
+        dp=args.dp, zero=3, chunk_mib=args.chunk_mib, offload=args.offload, max_grad_norm=args.max_grad_norm,
+        device_memory=size(args.device_memory), host_memory=size(args.host_memory), offload_dir=args.offload_dir,
+    )  # fmt: skip
+    report = gpt2_memory_report(
+        layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab, seq=args.seq,
+        batch=args.batch, plan=plan, device=args.device,
+    )  # fmt: skip
+    print(report.text())

@@ -1,0 +1,66 @@
+"""`tessera serve`: its command-line flags and handler (the server is tessera.serve.server)."""
+
+from __future__ import annotations
+
+import argparse
+
+_SERVE_FIELDS = (
+    "model", "task", "pooling", "host", "port", "scheduler", "runner", "attention", "memory_plan", "max_batch_tokens",
+    "max_batch_size", "max_queue", "max_client_batch", "payload_limit", "overload_status", "threads",
+    "drain_timeout_s", "cost_table",
+)  # fmt: skip
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    from tessera.serve.server import ServeConfig, run_server
+
+    config = ServeConfig(**{name: getattr(args, name) for name in _SERVE_FIELDS})
+    if args.ray:
+        from tessera.serve.ray_serve import run_ray
+
+        return run_ray(config, replicas=args.replicas)
+    if args.replicas != 1:
+        raise ValueError(f"--replicas {args.replicas} needs --ray (one local server is one engine)")
+    run_server(config)
+
+
+def add_serve_parser(sub, positive_int) -> None:
+    p = sub.add_parser("serve", help="serve a transformers encoder over HTTP (TEI- and OpenAI-compatible)")
+    p.add_argument("--model", required=True, help="folder written by save_pretrained, tokenizer beside it")
+    p.add_argument("--task", default="auto", choices=["auto", "embed", "classify"])
+    p.add_argument("--pooling", default="mean", choices=["mean", "cls"], help="embeddings: token pooling")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (printed)")
+    p.add_argument(
+        "--scheduler",
+        default="dp",
+        choices=["dp", "fifo_padded", "sort_window", "one_by_one"],
+        help="dp: TurboTransformers' DP over the length-sorted queue; the others are the baselines",
+    )
+    p.add_argument(
+        "--runner", default="auto", choices=["auto", "unpadded", "padded"], help="auto: unpadded for dp"
+    )
+    p.add_argument("--attention", default="per_request", choices=["per_request", "padded", "nested"])
+    p.add_argument(
+        "--memory-plan", action="store_true", help="activations in planned chunks (needs --attention padded)"
+    )
+    p.add_argument("--max-batch-tokens", type=positive_int, default=16384, help="longest x batch size")
+    p.add_argument("--max-batch-size", type=positive_int, default=32, help="inputs per batch")
+    p.add_argument("--max-queue", type=positive_int, default=512, help="waiting inputs before 429")
+    p.add_argument("--max-client-batch", type=positive_int, default=32, help="inputs per request")
+    p.add_argument("--payload-limit", type=positive_int, default=2_000_000, help="request body bytes")
+    p.add_argument("--overload-status", type=int, default=429, choices=[429, 503], help="full-queue status")
+    p.add_argument("--threads", type=positive_int, help="torch intra-op threads (default: torch's)")
+    p.add_argument(
+        "--drain-timeout",
+        dest="drain_timeout_s",
+        type=float,
+        default=30.0,
+        help="seconds to drain on SIGTERM",
+    )
+    p.add_argument(
+        "--cost-table", help="JSON file: the DP's cost table, loaded if present, else measured and saved"
+    )
+    p.add_argument("--ray", action="store_true", help="serve through Ray Serve replicas of the engine")
+    p.add_argument("--replicas", type=positive_int, default=1, help="Ray Serve replicas (with --ray)")
+    p.set_defaults(handler=cmd_serve)
