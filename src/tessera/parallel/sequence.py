@@ -153,13 +153,20 @@ def ring_attention(q, k, v, comm: Comm, axis: str, *, causal: bool = False) -> t
 # ---- a transformers model trained sequence-parallel, from outside its code --------------
 
 IMPLEMENTATION = "tessera_sequence_parallel"
-_ACTIVE: list[tuple[Comm, str, str]] = []  # (comm, axis, method) of the model running now
+SP_KWARG = "tessera_sequence_parallel"  # the (comm, axis, method) a forward passes down
 
 
 def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' attention-function interface: (B, H, T, D) in, (B, T, H, D) out; K/V
-    heads repeated for grouped-query attention. Causal by construction (decoders)."""
-    comm, axis, method = _ACTIVE[-1]
+    heads repeated for grouped-query attention. Causal by construction (decoders). The
+    communicator arrives as a forward keyword (transformers passes a model's extra keywords
+    down to its attention function), so no state outside the call says which axis is used."""
+    if SP_KWARG not in kwargs:
+        raise ValueError(
+            f"attn_implementation={IMPLEMENTATION!r} runs under tessera.parallel.sequence.SequenceParallel, "
+            "which passes the axis it splits; call the model through it"
+        )
+    comm, axis, method = kwargs[SP_KWARG]
     if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-12:
         raise ValueError(f"sequence-parallel attention uses 1/sqrt(head_dim); the model asks scale {scaling}")
     groups = query.shape[1] // key.shape[1]
@@ -206,11 +213,11 @@ class SequenceParallel:
         config = self.model.config
         before = config._attn_implementation
         config._attn_implementation = IMPLEMENTATION
-        _ACTIVE.append((self.comm, self.axis, self.method))
         try:
-            logits = self.model(input_ids=local, position_ids=positions).logits
+            logits = self.model(
+                input_ids=local, position_ids=positions, **{SP_KWARG: (self.comm, self.axis, self.method)}
+            ).logits
         finally:
-            _ACTIVE.pop()
             config._attn_implementation = before
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
         count = torch.tensor(float((labels != -100).sum()), device=total.device)
