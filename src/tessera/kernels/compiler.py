@@ -72,10 +72,9 @@ def find_compiler() -> Compiler:
     raise CompilerError(f"no C compiler found (looked for $CC, gcc, cc, clang on PATH); {INSTALL_HINT}")
 
 
-def cache_key(source: str, compiler: Compiler, isa: str) -> str:
-    material = json.dumps(
-        {"source": source, "header": HEADER.read_text(), "flags": compiler.flags(isa), "compiler": compiler.version}
-    )
+def cache_key(source: str, compiler: Compiler, isa: str, extra_flags: tuple[str, ...] = ()) -> str:
+    flags = compiler.flags(isa) + tuple(extra_flags)
+    material = json.dumps({"source": source, "header": HEADER.read_text(), "flags": flags, "compiler": compiler.version})
     return hashlib.sha256(material.encode()).hexdigest()[:32]
 
 
@@ -87,10 +86,12 @@ class Compiled:
     cached: bool
 
 
-def compile_source(source: str, *, isa: str, name: str = "kernel") -> Compiled:
-    """Build ``source`` into a shared library (or find it in the cache)."""
+def compile_source(source: str, *, isa: str, name: str = "kernel", extra_flags: tuple[str, ...] = ()) -> Compiled:
+    """Build ``source`` into a shared library (or find it in the cache). ``extra_flags`` come
+    after the common ones, so e.g. ``-ffp-contract=off`` overrides ``=fast`` (the stencil
+    tests' bit-exact builds)."""
     compiler = find_compiler()
-    key = cache_key(source, compiler, isa)
+    key = cache_key(source, compiler, isa, extra_flags)
     folder = cache_dir() / key[:2]
     lib = folder / f"{key}.so"
     if lib.exists():
@@ -101,7 +102,7 @@ def compile_source(source: str, *, isa: str, name: str = "kernel") -> Compiled:
         src = Path(tmp) / f"{name}.c"
         src.write_text(source)
         target = Path(tmp) / "out.so"
-        cmd = [compiler.path, *compiler.flags(isa), "-I", str(CSRC), str(src), "-o", str(target)]
+        cmd = [compiler.path, *compiler.flags(isa), *extra_flags, "-I", str(CSRC), str(src), "-o", str(target)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:

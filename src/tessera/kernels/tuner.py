@@ -139,6 +139,22 @@ def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int, best: flo
     trial.measured = statistics.median(trial.times)
 
 
+# Other schedule kinds (tessera.stencil) time and record their candidates with these: an
+# ``op`` needs only ``signature()``, a schedule ``key()``, a kernel ``time(*inputs, ...)``.
+def measure_trial(trial: Trial, kernel, inputs, threads: int, repeats: int, best: float) -> None:
+    _measure(trial, kernel, inputs, threads, repeats, best)
+
+
+def save_choice(op, threads: int, machine: Machine, schedule, mode: str = "measure") -> None:
+    _save(op, threads, machine, schedule, mode)
+
+
+def saved_choice(op, threads: int, machine: Machine) -> dict | None:
+    """The recorded entry ({"schedule": ..., "mode": ...}) or None."""
+    path = _db_path(op, threads, machine)
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def tune(
     op: Operator, *, threads: int = 1, machine: Machine | None = None, top_k: int = 6, repeats: int = 7,
     extra: list[Schedule] | None = None,

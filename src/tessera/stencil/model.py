@@ -1,0 +1,122 @@
+"""The stencil term of the performance model: bytes and flops per point against the measured
+machine (``tessera.kernels.machine``: DRAM read and write bandwidth, cache sizes, the FMA
+peak that gives the cycle time).
+
+Per sweep of an interior of P points:
+
+    DRAM bytes = P x (4 x coefficient arrays streamed + 4 x field reads + 4 written)
+               + grid-level decomposition: P x (split - 1) x (4 field + 8 output) more
+    memory time  = reads / (read bandwidth x stream efficiency) + writes / write bandwidth
+    compute time = loads per point / (vector length x 2 loads a cycle) x cycles, per thread
+    time = max(memory, compute) + passes x (per-row loop set-up) + the call
+
+Field reads: 1 per point when the planes a z sweep keeps live (2r + 1 planes of the tile's
+rows, or of whole planes when tiles are one plane thick) fit in the L2 / shared L3, else one
+per plane of the stencil that lies outside the cache (2r + 1).
+
+Stream efficiency: a sweep reading S arrays at once keeps S read streams in flight per
+thread; past the hardware prefetcher's streams (``PREFETCH_STREAMS``) the prefetcher loses
+some and DRAM pages thrash. ``(PREFETCH_STREAMS / S) ** STREAM_EXPONENT`` is an estimate
+(two constants, not measured by the machine benchmark), and it is what makes decomposition
+(fewer arrays per pass, more passes over the output) a choice the model can weigh.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tessera.kernels.machine import Machine
+from tessera.stencil.schedule import StencilSchedule, split_points
+from tessera.stencil.stencil import Stencil
+
+PREFETCH_STREAMS = 16
+STREAM_EXPONENT = 0.35
+LOADS_PER_CYCLE = 2
+ROW_CYCLES = 30  # a row's loop set-up and pointer arithmetic, per pass
+CALL_SECONDS = 5e-6
+
+
+@dataclass(frozen=True)
+class Traffic:
+    read_bytes: float  # per point, from DRAM
+    write_bytes: float  # per point, to DRAM
+    loads: float  # per point, vector-lane loads issued
+    flops: float  # per point
+    streams: int  # concurrent read streams per thread in the widest pass
+
+
+def roofline_bytes(stencil: Stencil) -> tuple[int, int]:
+    """(read, write) bytes per point of the ideal sweep: each coefficient array and the
+    field read once, the output written once."""
+    return 4 * (len(stencil.arrays) + 1), 4
+
+
+def _pass_arrays(stencil: Stencil, s: StencilSchedule) -> list[int]:
+    pts = stencil.points
+    return [len({p.coeff for p in pts[r.start:r.stop] if isinstance(p.coeff, str)})
+            for r in split_points(len(pts), s.split)]
+
+
+def _field_reads(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int) -> float:
+    nz, ny, nx = shape
+    r = stencil.radius
+    row = 4.0 * (nx + 2 * stencil.halo)
+    if s.tz > 1:  # a tile's z sweep keeps 2r + 1 planes of its (ty + 2r) rows live
+        live, level_bytes = (2 * r + 1) * (min(s.ty, ny) + 2 * r) * row, m.cache_bytes["L2"]
+        halo = (min(s.tz, nz) + 2 * r) / min(s.tz, nz) * (min(s.ty, ny) + 2 * r) / min(s.ty, ny)
+    else:  # one-plane tiles: threads sweep whole planes, 2r + 1 of them live per thread
+        live, level_bytes = (2 * r + 1) * (ny + 2 * r) * row * threads, m.cache_bytes["L3"]
+        halo = 1.0
+    return halo if live <= 0.75 * level_bytes else float(2 * r + 1)
+
+
+def traffic(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int) -> Traffic:
+    arrays = _pass_arrays(stencil, s)
+    passes = len(arrays)
+    u_reads = _field_reads(stencil, shape, s, m, threads)
+    read = 4.0 * sum(arrays) + 4.0 * u_reads
+    write = 4.0
+    if s.split_level == "grid" and passes > 1:
+        read += (passes - 1) * (4.0 * u_reads + 4.0)
+        write += (passes - 1) * 4.0
+    elif s.split_level == "tile" and passes > 1:
+        out_tile = 4.0 * min(s.tz, shape[0]) * min(s.ty, shape[1]) * shape[2]
+        if out_tile > 0.75 * m.cache_bytes["L2"]:
+            read += (passes - 1) * 4.0
+            write += (passes - 1) * 4.0
+    widest = max(arrays) if s.split_level != "row" else sum(arrays)
+    n = len(stencil.points)
+    loads = n + sum(arrays) + passes  # field terms, coefficients, the output per pass
+    return Traffic(read, write, loads, 2.0 * n, widest + 2)
+
+
+def stream_efficiency(streams: int) -> float:
+    return min(1.0, (PREFETCH_STREAMS / streams) ** STREAM_EXPONENT)
+
+
+def predict_stencil(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int = 1) -> float:
+    """Predicted seconds of one sweep over an interior of ``shape``."""
+    nz, ny, nx = shape
+    points = nz * ny * nx
+    t = traffic(stencil, shape, s, m, threads)
+    tiles = math.ceil(nz / s.tz) * math.ceil(ny / s.ty)
+    busy = math.ceil(tiles / threads) * threads / tiles  # the static schedule's last round
+    read_bw = m.bandwidth("DRAM", threads) * stream_efficiency(t.streams)
+    t_mem = points * (t.read_bytes / read_bw + t.write_bytes / m.write_bw[min(threads, max(m.write_bw))])
+    isa_vl = 16 if s.isa == "avx512" else 8
+    vl = isa_vl if s.vectorize else 1
+    cycle = 2 * isa_vl * 2 / m.peak(1, s.isa)  # 2 FMA pipes of the ISA's lanes, 2 flops each
+    tx = s.tx or nx
+    fill = tx / (math.ceil(tx / vl) * vl)
+    passes = len(_pass_arrays(stencil, s))
+    t_compute = points * t.loads / (vl * fill * LOADS_PER_CYCLE) * cycle * busy / threads
+    t_rows = nz * ny * math.ceil(nx / tx) * passes * ROW_CYCLES * cycle / threads
+    return CALL_SECONDS + max(t_mem, t_compute) + t_rows
+
+
+def roofline_seconds(stencil: Stencil, shape, m: Machine, threads: int) -> float:
+    """The memory roofline of one sweep: the ideal bytes over the measured DRAM bandwidths."""
+    read, write = roofline_bytes(stencil)
+    points = math.prod(shape)
+    return points * (read / m.bandwidth("DRAM", threads) + write / m.write_bw[min(threads, max(m.write_bw))])

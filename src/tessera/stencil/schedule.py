@@ -1,0 +1,80 @@
+"""``StencilSchedule``: the stencil compiler's schedule kind, beside the operator compiler's
+``GemmSchedule`` and ``LoopSchedule`` (tessera.kernels.schedule).
+
+- spatial blocking: tiles ``tz`` x ``ty`` x ``tx`` of the interior (``tx = 0``: whole rows),
+  the tiles (z-blocks x y-blocks) spread over OpenMP threads;
+- vectorisation along x, the unit-stride axis (``omp simd``; off: the loop is compiled
+  with GCC's tree vectoriser disabled);
+- stencil decomposition: ``split`` sub-stencils, consecutive runs of the points holding
+  about the same number of coefficient arrays each, applied one after another, each adding
+  onto the same output (so each pass streams fewer arrays); ``split_level`` says where the
+  passes loop: over the whole grid (``grid``, the paper's form), per tile (``tile``: the
+  output tile stays in cache between passes) or per row (``row``);
+- temporal blocking (``time_block`` > 1, the wave kernel only): that many leapfrog steps
+  per sweep over z, each step a plane behind the one before by the stencil's radius
+  (a wavefront), so a plane is used by all of them while it is in cache.
+
+A schedule never changes results beyond rounding order: the terms of every point are
+added in the stencil's order in every schedule, so with FMA contraction off all schedules
+give the same bits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from tessera.kernels.schedule import ISAS
+
+SPLIT_LEVELS = ("grid", "tile", "row")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StencilSchedule:
+    tz: int = 1
+    ty: int = 16
+    tx: int = 0  # 0: whole rows
+    vectorize: bool = True
+    split: int = 1
+    split_level: str = "tile"
+    time_block: int = 1
+    isa: str = "avx2"
+    kind: str = field(default="stencil", init=False)
+
+    def __post_init__(self):
+        if self.isa not in ISAS:
+            raise ValueError(f"unknown vector ISA {self.isa!r}; choose one of {', '.join(ISAS)}")
+        for name in ("tz", "ty", "split", "time_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(self.tx, int) or self.tx < 0:
+            raise ValueError(f"tx={self.tx!r} must be an int >= 0 (0: whole rows)")
+        if self.split_level not in SPLIT_LEVELS:
+            raise ValueError(f"split_level {self.split_level!r}; choose one of {', '.join(SPLIT_LEVELS)}")
+
+    @property
+    def decomposed(self) -> bool:
+        return self.split > 1
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def short(self) -> str:
+        split = f" split{self.split}@{self.split_level}" if self.split > 1 else ""
+        tb = f" T{self.time_block}" if self.time_block > 1 else ""
+        return f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'} simd{int(self.vectorize)}{split}{tb}"
+
+    @staticmethod
+    def from_dict(data: dict) -> StencilSchedule:
+        data = {k: v for k, v in data.items() if k != "kind"}
+        return StencilSchedule(**data)
+
+
+def split_points(n_points: int, split: int) -> list[range]:
+    """Cut the points 0..n-1 into ``split`` consecutive runs of nearly equal length (with one
+    array per offset, about as many coefficient arrays each). Runs stay in order, so the
+    summation order of every point is unchanged."""
+    split = max(1, min(split, n_points))
+    bounds = [n_points * i // split for i in range(split + 1)]
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]

@@ -1,0 +1,120 @@
+"""The stencil schedules' tuner hook: the space of ``StencilSchedule``s, ranked by the stencil
+model term, the shortlist compiled and timed with the operator compiler's tuner
+(``kernels.tuner.measure_trial``: median of repeats, early rejection) and the choice kept
+in its database (``save_choice`` / ``saved_choice``)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from tessera.kernels.machine import Machine, load_machine
+from tessera.kernels.tuner import Trial, measure_trial, save_choice, saved_choice, spearman
+from tessera.stencil.kernel import compile_stencil
+from tessera.stencil.model import predict_stencil
+from tessera.stencil.schedule import SPLIT_LEVELS, StencilSchedule
+from tessera.stencil.stencil import Stencil, check_grid, padded_shape
+
+TZ, TY = (1, 2, 4, 8), (4, 8, 16, 32, 64)
+SPLITS = (2, 3, 4, 6, 8, 12)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What the tuner's database keys a choice by."""
+
+    stencil: Stencil
+    shape: tuple[int, int, int]
+
+    def signature(self) -> str:
+        return f"stencil {self.shape} {self.stencil.signature()}"
+
+
+@dataclass
+class StencilTuned:
+    best: StencilSchedule
+    trials: list[Trial]
+    space_size: int
+    wall_seconds: float
+
+    def best_of(self, decomposed: bool) -> Trial | None:
+        done = [t for t in self.trials if t.measured is not None and t.schedule.decomposed == decomposed]
+        return min(done, key=lambda t: t.measured) if done else None
+
+    @property
+    def spearman(self) -> float:
+        done = [t for t in self.trials if t.measured is not None]
+        return spearman([t.predicted for t in done], [t.measured for t in done])
+
+
+def schedule_space(stencil: Stencil, shape, isas: tuple[str, ...]) -> list[StencilSchedule]:
+    nz, ny, _ = shape
+    splits = [1] + [k for k in SPLITS if stencil.variable and k <= len(stencil.points)]
+    out = []
+    for isa, tz, ty, vec, split in itertools.product(isas, TZ, TY, (True, False), splits):
+        if tz > nz or ty > max(ny, TY[0]):
+            continue
+        levels = SPLIT_LEVELS if split > 1 else ("tile",)
+        out.extend(StencilSchedule(tz=tz, ty=ty, vectorize=vec, split=split, split_level=lv, isa=isa) for lv in levels)
+    return out
+
+
+def rank(stencil: Stencil, shape, *, threads: int, machine: Machine) -> list[Trial]:
+    isas = tuple(i for i in ("avx2", "avx512") if i in machine.peak_flops)
+    trials = [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in schedule_space(stencil, shape, isas)]
+    return sorted(trials, key=lambda t: t.predicted)
+
+
+def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
+    """The ``top_k`` best predicted, plus the best undecomposed and the best decomposed one
+    when those are not among them (both are reported)."""
+    picked = trials[:top_k]
+    for want in (False, True):
+        if not any(t.schedule.decomposed == want for t in picked):
+            extra = next((t for t in trials if t.schedule.decomposed == want), None)
+            if extra is not None:
+                picked.append(extra)
+    return picked
+
+
+def test_inputs(stencil: Stencil, shape, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    u = rng.standard_normal(padded_shape(shape, stencil.halo), dtype=np.float32)
+    coeffs = {n: rng.uniform(0.5, 1.5, size=shape).astype(np.float32) for n in stencil.arrays}
+    return u, coeffs
+
+
+def tune_stencil(stencil: Stencil, shape, *, threads: int = 1, machine: Machine | None = None, top_k: int = 4,
+                 repeats: int = 5, inputs=None, extra: list[StencilSchedule] = ()) -> StencilTuned:
+    """Rank the space by the model, compile and time the shortlist (and ``extra``), keep the fastest."""
+    began = time.perf_counter()
+    shape = check_grid(shape)
+    machine = machine or load_machine()
+    trials = rank(stencil, shape, threads=threads, machine=machine)
+    picked = shortlist(trials, top_k) + [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in extra]
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # compiles only
+        kernels = list(pool.map(lambda t: compile_stencil(stencil, shape, t.schedule), picked))
+    inputs = inputs or test_inputs(stencil, shape)
+    best = float("inf")
+    for trial, kernel in zip(picked, kernels, strict=True):
+        trial.compile_seconds = kernel.compiled.compile_seconds
+        measure_trial(trial, kernel, inputs, threads, repeats, best)
+        best = min(best, trial.measured)
+    chosen = min(picked, key=lambda t: t.measured).schedule
+    save_choice(Problem(stencil, shape), threads, machine, chosen)
+    return StencilTuned(chosen, picked, len(trials), time.perf_counter() - began)
+
+
+def best_stencil_schedule(stencil: Stencil, shape, *, threads: int = 1, machine: Machine | None = None) -> StencilSchedule:
+    """The recorded choice, else the model's first."""
+    shape = check_grid(shape)
+    machine = machine or load_machine()
+    entry = saved_choice(Problem(stencil, shape), threads, machine)
+    if entry is not None:
+        return StencilSchedule.from_dict(entry["schedule"])
+    return rank(stencil, shape, threads=threads, machine=machine)[0].schedule

@@ -1,0 +1,59 @@
+"""Bad input: a one-line ValueError that names the numbers."""
+
+import numpy as np
+import pytest
+
+from tessera.stencil import (
+    Point,
+    Stencil,
+    StencilSchedule,
+    compile_stencil,
+    make_stencil,
+    padded_shape,
+    weight_arrays,
+)
+
+
+def _one_line(exc):
+    text = str(exc.value)
+    assert "\n" not in text
+    return text
+
+
+def test_offset_beyond_halo():
+    with pytest.raises(ValueError) as exc:
+        Stencil(name="s", points=(Point((0, 0, 0), 1.0), Point((0, 5, 0), "c")), halo=4)
+    assert "offset (0, 5, 0) reaches 5 cells but the halo is 4" in _one_line(exc)
+
+
+def test_wrong_coefficient_shape():
+    st = make_stencil("star7", "point")
+    grid = (4, 5, 6)
+    u = np.zeros(padded_shape(grid, 1), np.float32)
+    co = weight_arrays(st, "star7", grid)
+    co["c3"] = np.zeros((4, 5, 7), np.float32)
+    with pytest.raises(ValueError) as exc:
+        compile_stencil(st, grid)(u, co)
+    assert "coefficient array 'c3' has shape (4, 5, 7); it must have the grid's interior shape (4, 5, 6)" in _one_line(exc)
+
+
+def test_wrong_field_shape_and_missing_arrays():
+    st = make_stencil("star7", "point")
+    grid = (4, 5, 6)
+    kernel = compile_stencil(st, grid)
+    with pytest.raises(ValueError) as exc:
+        kernel(np.zeros((4, 5, 6), np.float32), weight_arrays(st, "star7", grid))
+    assert "field has shape (4, 5, 6); a (4, 5, 6) grid with halo 1 needs (6, 7, 8)" in _one_line(exc)
+    with pytest.raises(ValueError, match=r"coefficient arrays \['c0'\] missing"):
+        co = weight_arrays(st, "star7", grid)
+        del co["c0"]
+        kernel(np.zeros((6, 7, 8), np.float32), co)
+
+
+def test_bad_schedules():
+    with pytest.raises(ValueError, match="split_level 'plane'"):
+        StencilSchedule(split_level="plane")
+    with pytest.raises(ValueError, match="ty=0 must be an int >= 1"):
+        StencilSchedule(ty=0)
+    with pytest.raises(ValueError, match="time_block=2 applies to the wave kernel only"):
+        compile_stencil(make_stencil("star7"), (3, 3, 3), StencilSchedule(time_block=2))
