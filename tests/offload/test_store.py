@@ -4,6 +4,7 @@ request past one is refused with the numbers; Belady moves fewer bytes than stat
 offload for the same use order; Plan's offload settings are validated."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -62,6 +63,31 @@ def test_a_request_past_the_budget_names_tier_request_and_budget(tmp_path):
         TierFull, match=r"host tier: chunk c1 .* needs 1024 bytes, 1024 of the budget of 1536"
     ):
         store.register("c1", ChunkKind.GRAD, torch.zeros(256))
+    store.close()
+
+
+def test_a_read_in_flight_is_waited_for_not_a_reason_to_fail(tmp_path):
+    """A prefetch's read cannot be undone, so its chunk cannot leave until it lands; a
+    request that needs its room waits for it instead of failing (on the tiny GPT-2 a
+    75 kB budget once failed mid-step this way, in the optimizer step)."""
+    store = _store(tmp_path, 2 * KIB, TracePolicy())
+    values = _chunks(store, 4)  # c2, c3 resident; c0, c1 on disk
+    slow_read = store.disk.read_into
+
+    def read_into(key, tensor):
+        time.sleep(0.3)
+        slow_read(key, tensor)
+
+    store.disk.read_into = read_into
+    store.use("c0")  # in use: 1 KiB pinned
+    c1 = store.chunks["c1"]
+    assert store._make_room(0, KIB, keep=c1, what="c1")
+    c1.pending = store._start_fetch(c1)  # a prefetch, reading now: the tier is full
+    assert not c1.pending.done()
+    assert torch.equal(store.use("c2"), values[2])  # waits for c1's read, then evicts it
+    store.done("c0", ChunkState.HOLD)
+    store.done("c2", ChunkState.HOLD)
+    assert torch.equal(store.use("c1"), values[1])
     store.close()
 
 

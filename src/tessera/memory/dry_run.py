@@ -21,7 +21,7 @@ import torch
 from tessera.memory.chunk import ChunkKind, ChunkState
 from tessera.memory.chunk_manager import ChunkManager
 from tessera.memory.offload import build_store
-from tessera.memory.tiers import DiskTier, TierFull, check_dir
+from tessera.memory.tiers import DiskTier, Tier, TierFull, check_dir
 
 MiB = 2**20
 
@@ -58,7 +58,7 @@ class MemoryReport:
 
 
 class _CountingDisk(DiskTier):
-    """A disk tier that checks the directory, then only counts."""
+    """A disk tier that only counts (its directory and free space are checked apart)."""
 
     def write(self, key, tensor):
         pass
@@ -90,11 +90,43 @@ def dry_run(
     and the like at the peak, added to it (``estimate_gpt2_activations`` for GPT-2)."""
     meta_groups = [{"params": [p for p in g["params"] if p.requires_grad]} for g in param_groups]
     manager = ChunkManager(meta_groups, chunk_elems=chunk_elems, align=dp, segment_of=segment_of)
-    shards = [torch.empty(cg.chunk.capacity // dp, device="meta") for cg in manager.chunks]
-    whole = [cg.chunk.capacity * 4 for cg in manager.chunks]
-    total = (2 + state_tensors) * sum(s.numel() * 4 for s in shards)
-    if offload_dir is not None:
-        check_dir(offload_dir, total)  # refuses an unwritable or too small directory
+    shard_numels = [cg.chunk.capacity // dp for cg in manager.chunks]
+    if offload_dir is not None:  # refuses an unwritable or too small directory
+        check_dir(offload_dir, (2 + state_tensors) * 4 * sum(shard_numels))
+    return simulate_step(
+        manager,
+        [cg.chunk.capacity * 4 for cg in manager.chunks],
+        shard_numels,
+        policy=policy,
+        device=device,
+        device_memory=device_memory,
+        host_memory=host_memory,
+        disk=offload_dir is not None,
+        clip=clip,
+        state_tensors=state_tensors,
+        nonmodel=nonmodel,
+    )
+
+
+def simulate_step(
+    manager,
+    whole: list[int],
+    shard_numels: list[int],
+    *,
+    policy: str,
+    device: torch.device,
+    device_memory: int | None,
+    host_memory: int | None,
+    disk: bool,
+    clip: bool = False,
+    state_tensors: int = 2,
+    nonmodel: int = 0,
+) -> MemoryReport:
+    """Three steps of one rank's uses (``whole``: bytes of each whole chunk; its fp32 shard
+    of ``shard_numels``) through the store and policy training uses, over meta tensors;
+    ``disk``: a disk tier below (counting only). ValueError with the numbers if a use
+    cannot be placed. ``ShardOffload.create`` runs it at set-up over the real layout."""
+    shards = [torch.empty(n, device="meta") for n in shard_numels]
     store = build_store(
         manager,
         policy=policy,
@@ -105,10 +137,10 @@ def dry_run(
         rank=0,
         disk_need=0,
     )
-    if offload_dir is not None:
-        disk = _CountingDisk.__new__(_CountingDisk)
-        DiskTier.__init__(disk, offload_dir, 0)
-        store.tiers.append(disk)
+    if disk:
+        counting = _CountingDisk.__new__(_CountingDisk)
+        Tier.__init__(counting, "disk", None, torch.device("cpu"))  # the space is checked apart
+        store.tiers.append(counting)
     try:
         for i, s in enumerate(shards):
             store.register(f"p{i}", ChunkKind.PARAM, s)

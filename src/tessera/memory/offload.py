@@ -68,6 +68,15 @@ def _check_need(name: str, budget: int | None, need: int) -> None:
         )
 
 
+def _state_tensors(optimizer: torch.optim.Optimizer) -> int:
+    """Per-element states the optimizer will keep per parameter (for the dry run): none
+    for plain SGD, one for SGD with momentum, else Adam's two (the most torch's
+    elementwise optimizers keep)."""
+    if isinstance(optimizer, torch.optim.SGD):
+        return int(any(g.get("momentum", 0) for g in optimizer.param_groups))
+    return 2
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -76,7 +85,7 @@ class ShardOffload:
     def __init__(self, store: TieredStore, optimizer: torch.optim.Optimizer, shards: list):
         self.store, self.optimizer, self.shards = store, optimizer, shards
         self.state_keys: list[dict[str, str]] = [{} for _ in shards]
-        self.need, self.budget_name = 0, "host_memory"  # set by create()
+        self.need, self.budget_name = 0, "host_memory"  # set by create(), with layout and policy
         for i, shard in enumerate(shards):
             store.register(f"p{i}", ChunkKind.PARAM, shard.data)
             store.done(f"p{i}", ChunkState.HOLD)
@@ -172,17 +181,64 @@ class ShardOffload:
         store = build_store(manager, device=device, rank=rank, disk_need=4 * sum(shard_bytes), **settings)
         offload = cls(store, optimizer, shards)
         offload.need, offload.budget_name = need, name
+        offload.layout = [_nbytes(w) for w in whole], [s.numel() for s in shards], _state_tensors(optimizer)
+        offload.policy = settings["policy"]
+        offload.check_plan(settings[name])
+        store.measure(True)  # the warm-up step: checked by check_warmup before its optimizer step
         return offload
+
+    def check_plan(self, budget: int | None) -> None:
+        """The dry run of one step over this rank's real chunks (``tessera.memory.dry_run``)
+        under ``budget`` on the compute tier: refused at set-up, with the numbers, if a use
+        cannot be placed."""
+        from tessera.memory.dry_run import simulate_step
+
+        whole, numels, states = self.layout
+        tiers = {t.name: t.budget for t in self.store.tiers}
+        tiers[self.store.tiers[0].name] = budget
+        try:
+            simulate_step(
+                self.store.manager, whole, numels, policy=self.policy,
+                device=self.store.tiers[0].device, device_memory=tiers.get("device"),
+                host_memory=tiers.get("host"), disk=self.store.disk is not None, state_tensors=states,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ValueError(
+                f"Plan.{self.budget_name}={budget} refused before training (dry run): {e}"
+            ) from None
+
+    def check_warmup(self) -> None:
+        """After the warm-up step's forward and backward, before its optimizer step: what
+        that step needed at once (whole chunks gathered for compute, the shards they came
+        from, gradient shards: measured, which the dry run cannot know, e.g. a tied
+        embedding's chunk kept whole from the first module to the last) fits each tier, or
+        a refusal with the numbers while the parameters are still unchanged. From then on
+        every step makes the same uses, so no step fails for want of a placement."""
+        if not self.store.measuring:
+            return
+        self.store.measure(False)
+        short = self.store.shortfall()
+        if short is not None:
+            tier, held, what = short
+            name = f"{tier.name}_memory"
+            raise ValueError(
+                f"Plan.{name}={tier.budget} bytes: the warm-up step needed {held} bytes of chunks in use at once "
+                f"on the {tier.name} tier (at {what}); refused before the first optimizer step (parameters "
+                f"unchanged): raise Plan.{name} to at least {held} or lower Plan.chunk_mib"
+            )
 
     def set_budget(self, nbytes: int) -> None:
         """A new compute-tier budget between steps (e.g. once setup's leftovers are known),
-        refused like the plan's if it is below what the largest chunk's use needs."""
+        refused like the plan's: below what the largest chunk's use needs, or where the
+        dry run cannot place a step."""
         _check_need(self.budget_name, nbytes, self.need)
+        self.check_plan(nbytes)
         self.store.set_budget(nbytes)
 
     def step(self, comm, axis: str, max_grad_norm: float | None, device) -> float | None:
         """Clip and step chunk by chunk, each where the store brings it: the arithmetic and
         order of ``ZeroEngine``'s ``grad_norm``, ``_clip`` and whole-model step."""
+        self.check_warmup()
         norm = None
         n = len(self.shards)
         if max_grad_norm is not None:

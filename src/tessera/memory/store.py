@@ -137,12 +137,49 @@ class TieredStore:
             movable = self._movable(tier, keep)
             if before is not None:
                 movable = [k for k in movable if self.policy.next_use(k) > before]
+            elif not movable and self._finish_reads(tier, keep):
+                continue  # prefetches in flight held the room; landed, they may leave
             if not movable or tier == len(self.tiers) - 1:
                 if before is not None:
                     return False
+                if t.measuring:
+                    return True  # the caller's reserve records the shortfall
                 t.reserve(nbytes, what)  # raises TierFull with the numbers
             self._evict(self.chunks[self.policy.victim(movable)])
         return True
+
+    def _finish_reads(self, tier: int, keep) -> bool:
+        """Wait for the reads in flight into ``tier`` (a read cannot be undone, so its
+        chunk cannot leave before it lands); True if there were any. Without this a
+        prefetch could make a later request fail that fits once the read is done."""
+        waiting = [
+            c
+            for c in self.chunks.values()
+            if c.tier == tier and c is not keep and c.pending is not None and not c.pending.done()
+        ]
+        began = time.perf_counter()
+        for c in waiting:
+            c.pending.result()
+        self.moves.waited_s += time.perf_counter() - began
+        return bool(waiting)
+
+    # ---- measuring the warm-up step ---------------------------------------------------------
+    def measure(self, on: bool) -> None:
+        """While on, a tier past its budget records the shortfall instead of raising."""
+        for t in self.tiers:
+            t.measuring = on and t is not self.disk
+
+    @property
+    def measuring(self) -> bool:
+        return self.tiers[0].measuring
+
+    def shortfall(self) -> tuple[Tier, int, str] | None:
+        """The first tier (fastest first) that needed more than its budget while measured:
+        (tier, bytes its chunks in use held at once, the request that made it)."""
+        for t in self.tiers:
+            if t.shortfall is not None and t.budget is not None and t.shortfall[0] > t.budget:
+                return t, *t.shortfall
+        return None
 
     def _evict(self, chunk: TieredChunk) -> None:
         """One tier down: compute tier -> host (CUDA) or disk, host -> disk. Bytes are

@@ -34,16 +34,25 @@ class Tier:
     device: torch.device
     used: int = 0
     peak: int = 0
+    # measuring (the warm-up step): a request past the budget is granted and recorded in
+    # ``shortfall`` instead of raised, so that the engine can refuse before the first
+    # optimizer step with the numbers rather than fail in the middle of one
+    measuring: bool = False
+    shortfall: tuple[int, str] | None = None  # (bytes held at once, the request that made it)
 
     def room(self) -> float:
         return float("inf") if self.budget is None else self.budget - self.used
 
     def reserve(self, nbytes: int, what: str = "a chunk") -> None:
         if nbytes > self.room():
-            raise TierFull(
-                f"{self.name} tier: {what} needs {nbytes} bytes, {self.used} of the budget of {self.budget} "
-                f"are held by chunks in use; raise Plan.{self.name}_memory or make chunks smaller (Plan.chunk_mib)"
-            )
+            if not self.measuring:
+                raise TierFull(
+                    f"{self.name} tier: {what} needs {nbytes} bytes, {self.used} of the budget of {self.budget} "
+                    f"are held by chunks in use; raise Plan.{self.name}_memory or make chunks smaller "
+                    "(Plan.chunk_mib)"
+                )
+            if self.shortfall is None or self.used + nbytes > self.shortfall[0]:
+                self.shortfall = (self.used + nbytes, what)
         self.used += nbytes
         self.peak = max(self.peak, self.used)
 
