@@ -327,6 +327,7 @@ BENCHES = {
         "serve",
         "robust",
         "machine",
+        "stencil",
     )
 } | {"dit": ("dit", "run_dit_bench", "plot_dit"), "kernels": ("kernels", "run_kernels_bench", "plot_kernels")}
 
@@ -479,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tessera.cli_apps import add_app_parsers
 
     add_app_parsers(sub, _positive_int, cmd_bench)
+    from tessera.stencil.commands import add_stencil_parser  # light: numpy only
+
+    add_stencil_parser(sub, _positive_int)
 
     p = sub.add_parser("launch", help="run a script under torchrun (other flags pass through to torchrun)")
     p.add_argument("-n", "--nproc", type=_positive_int, required=True, help="processes per node")
