@@ -28,9 +28,9 @@ def model() -> nn.Module:
     return m
 
 
-def batches(seed: int = 3) -> list[torch.Tensor]:
+def batches(seed: int = 3, n: int = STEPS) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+    return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(n)]
 
 
 def optimizer(m: nn.Module, **kw) -> torch.optim.Optimizer:

@@ -186,9 +186,7 @@ class TieredStore:
         written only where the slow copy is stale."""
         if chunk.state is ChunkState.COMPUTE or chunk.tier == len(self.tiers) - 1:
             return
-        if chunk.pending is not None:  # a finished prefetch, not used after all
-            chunk.pending.result()
-            chunk.pending = None
+        self._land(chunk)  # a finished prefetch, not used after all
         down = chunk.tier + 1
         if self.tiers[down] is not self.disk:  # CUDA: device -> pinned host memory
             self._make_room(down, chunk.nbytes, keep=chunk, what=repr(chunk))
@@ -212,14 +210,32 @@ class TieredStore:
     def _fetch(self, chunk: TieredChunk) -> None:
         if chunk.pending is not None:
             began = time.perf_counter()
-            chunk.pending.result()
+            self._land(chunk)
             self.moves.waited_s += time.perf_counter() - began
-            chunk.pending = None
         if chunk.tier == 0:
             return
         self._make_room(0, chunk.nbytes, keep=chunk, what=repr(chunk))
-        self._start_fetch(chunk).result()
-        chunk.pending = None
+        chunk.pending = self._start_fetch(chunk)
+        self._land(chunk)
+
+    def _land(self, chunk: TieredChunk) -> None:
+        """Wait for the chunk's read in flight. A read that failed leaves the chunk on disk
+        as it was (its file still current), so the store stays consistent and the error
+        (a disk fault, a crash injected into a save) does not leave garbage counted as data."""
+        if chunk.pending is None:
+            return
+        pending, chunk.pending = chunk.pending, None
+        try:
+            pending.result()
+        except BaseException:
+            self._unfetch(chunk)
+            raise
+
+    def _unfetch(self, chunk: TieredChunk) -> None:
+        assert chunk.saved and self.disk is not None, chunk  # only reads from disk are undone
+        self._free_storage(chunk.tensor)
+        self.tiers[0].release(chunk.nbytes)
+        chunk.tier, chunk.host = len(self.tiers) - 1, None
 
     def _start_fetch(self, chunk: TieredChunk) -> Future:
         """Reserve and give back the storage now; a read from disk into a CPU chunk runs
@@ -233,7 +249,11 @@ class TieredStore:
             if chunk.tensor.device.type != "cuda":
                 return self.pool.submit(self.disk.read_into, chunk.key, chunk.tensor)
             chunk.host = _host_like(chunk.tensor)
-            self.disk.read_into(chunk.key, chunk.host)
+            try:
+                self.disk.read_into(chunk.key, chunk.host)
+            except BaseException:
+                self._unfetch(chunk)
+                raise
         else:  # in host memory (CUDA), which it now leaves
             self.tiers[source].release(chunk.nbytes)
         chunk.tensor.copy_(chunk.host, non_blocking=True)
@@ -255,8 +275,8 @@ class TieredStore:
 
     def _drop(self, chunk: TieredChunk) -> None:
         """Consumed data: gone from every tier."""
-        if chunk.pending is not None:
-            chunk.pending.result()
+        with contextlib.suppress(Exception):  # a failed read of data being dropped is moot
+            self._land(chunk)
         if chunk.tier == 0:
             self.tiers[0].release(chunk.nbytes)
             self._free_storage(chunk.tensor)
@@ -272,17 +292,19 @@ class TieredStore:
         """Every chunk on the compute tier, budget suspended (saving, loading); evicted
         back to the budget after."""
         states = {k: c.state for k, c in self.chunks.items()}
-        with self.unbounded():
-            for k in list(self.chunks):
-                self.use(k, write=True)
-            try:
-                yield
-            finally:
-                for k, c in list(self.chunks.items()):
-                    if c.state is ChunkState.COMPUTE:  # also chunks made meanwhile (a loaded state)
-                        before = states.get(k, ChunkState.HOLD)
-                        self.done(k, ChunkState.HOLD if before is ChunkState.FREE else before)
-        self.settle()
+        try:
+            with self.unbounded():
+                try:
+                    for k in list(self.chunks):
+                        self.use(k, write=True)
+                    yield
+                finally:  # also after a failure midway (a save that crashed): states back
+                    for k, c in list(self.chunks.items()):
+                        if c.state is ChunkState.COMPUTE:  # also chunks made meanwhile (a loaded state)
+                            before = states.get(k, ChunkState.HOLD)
+                            self.done(k, ChunkState.HOLD if before is ChunkState.FREE else before)
+        finally:
+            self.settle()
 
     @contextlib.contextmanager
     def unbounded(self):
