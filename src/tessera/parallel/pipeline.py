@@ -5,7 +5,7 @@ The model is cut into stages by module path, without editing its code: stage s h
 embedding (first stage), the decoder layers [lo, hi) of ``<base>.<layers>`` and the final
 norm and LM head (last stage). A stage runs its layers as the base model's forward does
 (GPT-2: token + position embeddings; Llama-style: rotary position embeddings computed
-from the stage's input, causal attention without a mask). torch's pipelining runs the
+from the stage's input), with an explicit causal mask. torch's pipelining runs the
 schedule (GPipe, 1F1B, interleaved 1F1B with virtual stages): its schedules and p2p are
 tested on CPU/gloo (../shared/TORCH_ON_CPU.md), so there is nothing to gain from writing
 them again. A head tied to the embedding (GPT-2) lives on the first and the last stage;
@@ -89,10 +89,15 @@ class DecoderStage(nn.Module):
             x = self.embed(ids)
             if self.positions is not None:
                 x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
-        kwargs = {}
+        # An explicit additive causal mask: with none, eager attention would attend to the
+        # future (sdpa's is_causal shortcut is not the only implementation a config names).
+        n = x.shape[1]
+        future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        mask = torch.zeros(n, n, device=x.device).masked_fill(future, torch.finfo(torch.float32).min)
+        kwargs = {"attention_mask": mask[None, None]}
         if self.rotary is not None:
-            pos = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
-            kwargs = {"position_ids": pos, "position_embeddings": self.rotary(x, pos)}
+            pos = torch.arange(n, device=x.device).unsqueeze(0)
+            kwargs |= {"position_ids": pos, "position_embeddings": self.rotary(x, pos)}
         for layer in self.layers:
             x = layer(x, **kwargs)
             x = x[0] if isinstance(x, tuple) else x
@@ -147,11 +152,25 @@ def num_layers(model: nn.Module) -> int:
     return len(getattr(model.base_model, _paths(model.base_model).layers))
 
 
+class _Autocast(nn.Module):
+    """A stage whose forward (and so its recomputation in backward) runs under autocast."""
+
+    def __init__(self, stage: nn.Module, dtype: torch.dtype):
+        super().__init__()
+        self.stage, self.dtype = stage, dtype
+
+    def forward(self, *inputs):
+        device = next(self.stage.parameters()).device.type
+        with torch.autocast(device_type=device, dtype=self.dtype):
+            return self.stage(*inputs)
+
+
 class PipelineTrainer:
     """One rank's stages and the schedule. ``model`` is built identically on every rank
     (same seed); each rank keeps only its stages' modules. With a ``dp`` axis on the mesh,
     each replica pipelines its own share of the batch and the stages' gradients are
-    averaged over ``dp`` after the schedule (ZeRO stage 0)."""
+    averaged over ``dp`` after the schedule (ZeRO stage 0). ``autocast``: a dtype the stages'
+    forwards run in (bf16 with fp32 weights)."""
 
     def __init__(
         self,
@@ -165,6 +184,7 @@ class PipelineTrainer:
         counts: tuple[int, ...] | None = None,
         axis: str = "pp",
         dp_axis: str | None = "dp",
+        autocast: torch.dtype | None = None,
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -178,10 +198,8 @@ class PipelineTrainer:
         self.dp_axis = dp_axis if dp_axis in mesh.names and mesh.size(dp_axis) > 1 else None
         self.modules = [build_stage(model, *bounds[i], first=i == 0, last=i == total - 1) for i in ids]
         group = mesh.group(axis)
-        stages = [
-            PipelineStage(m, i, total, mesh.device, group=group)
-            for m, i in zip(self.modules, ids, strict=True)
-        ]
+        run = self.modules if autocast is None else [_Autocast(m, autocast) for m in self.modules]
+        stages = [PipelineStage(m, i, total, mesh.device, group=group) for m, i in zip(run, ids, strict=True)]
         kind = SCHEDULES[schedule]
         self.schedule = kind(
             stages if schedule == "interleaved" else stages[0], microbatches, loss_fn=loss_fn
@@ -220,11 +238,11 @@ class PipelineTrainer:
     def _average_over_dp(self) -> None:
         """Each dp replica ran its share of the batch: average the stage's gradients over
         ``dp`` in one flat all-reduce."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        grads = [_local(p.grad) for p in self.parameters() if p.grad is not None]  # tp: this rank's shard
+        flat = torch.cat([g.reshape(-1) for g in grads])
         self.mesh.comm.all_reduce(flat, self.dp_axis, op="avg")
-        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
-            p.grad.copy_(g.view_as(p.grad))
+        for g, avg in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(avg.view_as(g))
 
     def _sum_tied_grads(self, first: bool, last: bool) -> None:
         """The embedding's gradient on the first stage and the head's on the last are two
@@ -243,3 +261,7 @@ class PipelineTrainer:
         self.mesh.comm.all_reduce(total, self.axis)
         if weight is not None:
             weight.grad = total
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t

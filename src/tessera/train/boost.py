@@ -150,6 +150,11 @@ class BoostedOptimizer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.mesh.device.type, dtype=dtype)
 
+    def micro_loss(self, loss_fn, micro_batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's loss, and what its backward runs on (the same here)."""
+        loss = loss_fn(self.model, micro_batch)
+        return loss, loss
+
     def train_step(self, batch, loss_fn: Callable[[nn.Module, object], torch.Tensor]) -> dict:
         """``loss_fn(model, micro_batch)`` returns the mean loss of that micro-batch. Returns
         {"loss", "grad_norm", "seconds"}, and at fp16 also "skipped" (this step), "skipped_steps"
@@ -173,8 +178,12 @@ class BoostedOptimizer:
                 sync = contextlib.nullcontext() if i == k - 1 else self.engine.no_sync()
                 with sync, self.loss_context():
                     with self._autocast():
-                        loss = loss_fn(self.model, mb)
-                    scaled = self.loss_scaler.scale_loss(loss) if self.loss_scaler is not None else loss
+                        loss, to_backward = self.micro_loss(loss_fn, mb)
+                    scaled = (
+                        self.loss_scaler.scale_loss(to_backward)
+                        if self.loss_scaler is not None
+                        else to_backward
+                    )
                     (scaled / k).backward()
                 total += float(_full(loss).detach()) / k
         if counting:
@@ -233,11 +242,16 @@ def boost(
     if not isinstance(plan, Plan):
         raise TypeError(f"boost needs a tessera.Plan, got {type(plan).__name__}")
     plan.check_world(world_size())
-    mesh = mesh or Mesh(dp=plan.dp, tp=plan.tp)
+    mesh = mesh or plan_mesh(plan)
+    _check_mesh(mesh, plan)
     has_tp = "tp" in mesh.axes  # a data-parallel-only mesh may have no tp axis
-    if mesh.size("dp") != plan.dp or (mesh.size("tp") if has_tp else 1) != plan.tp:
-        raise ValueError(f"mesh {mesh} does not match the plan's dp={plan.dp}, tp={plan.tp}")
     group_names = _check_optimizer(model, optimizer, plan)
+    if plan.pp > 1:
+        return _boost_pipelined(model, optimizer, plan, mesh, tp_plan, group_names)
+    sp_mesh = None
+    if plan.sp > 1:  # ZeRO and the gradient average span dp x sp; attention talks over sp
+        sp_mesh, mesh = mesh, Mesh(dp=plan.dp * plan.sp)
+        has_tp = False  # Plan refuses sp with tp
     blocks = (
         blocks_or_error(model, "block_chunks" if plan.block_chunks else "activation_checkpointing")
         if plan.block_chunks or plan.activation_checkpointing
@@ -276,10 +290,47 @@ def boost(
         checkpoint_blocks(
             model, blocks, context_fn=lambda: (contextlib.nullcontext(), engine.recomputation())
         )
-    boosted = BoostedOptimizer(model, engine, plan, mesh, tp_plan, group_names)
+    if sp_mesh is None:
+        boosted = BoostedOptimizer(model, engine, plan, mesh, tp_plan, group_names)
+    else:
+        from tessera.train.sequenced import SequenceParallelOptimizer
+
+        boosted = SequenceParallelOptimizer(model, engine, plan, mesh, tp_plan, group_names, sp_mesh=sp_mesh)
     if loaded is not None:
         boosted.load_state_dict(loaded)
     return model, boosted
+
+
+def plan_mesh(plan: Plan) -> Mesh:
+    """The plan's mesh: pipeline outermost, tensor parallel innermost (the fastest links),
+    data and sequence parallel between; a size-1 pp or sp axis is left out."""
+    axes = {"pp": plan.pp, "dp": plan.dp, "sp": plan.sp, "tp": plan.tp}
+    return Mesh(**{n: s for n, s in axes.items() if n in ("dp", "tp") or s > 1})
+
+
+def _check_mesh(mesh: Mesh, plan: Plan) -> None:
+    for name in ("dp", "tp", "pp", "sp"):
+        size = mesh.size(name) if name in mesh.axes else 1
+        if size != getattr(plan, name):
+            raise ValueError(f"mesh {mesh} has {name}={size} but the plan asks {name}={getattr(plan, name)}")
+
+
+def _boost_pipelined(model, optimizer, plan: Plan, mesh: Mesh, tp_plan, group_names):
+    """Plan(pp > 1): stages of the model on each rank (``tessera.train.pipelined``)."""
+    from tessera.train.pipelined import PipelinedOptimizer
+
+    if optimizer.state:
+        raise ValueError(f"Plan(pp={plan.pp}) starts from a fresh optimizer; load its state after boost")
+    model.to(mesh.device)
+    if plan.tp > 1:
+        apply_tp(model, tp_plan or plan_for(model), mesh.device_mesh["tp"], plan.tp)
+        params = dict(model.named_parameters())
+        for group, names in zip(optimizer.param_groups, group_names, strict=True):
+            group["params"] = [params[n] for n in names]
+    _same_start(model, mesh)
+    if plan.activation_checkpointing:
+        checkpoint_blocks(model, blocks_or_error(model, "activation_checkpointing"))
+    return model, PipelinedOptimizer(model, optimizer, plan, mesh)
 
 
 def _offload_settings(model: nn.Module, plan: Plan) -> dict | None:

@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOADS = (None, "auto", "static")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SP_METHODS = ("ring", "ulysses")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,7 +34,14 @@ class Plan:
     working set on the fast tier; ``device_memory`` / ``host_memory`` are the bytes of model
     data (parameters, gradients, optimizer states) each rank may keep on the accelerator /
     in host memory (None: unbounded; activations come on top), ``offload_dir`` a directory
-    for chunks that fit neither (None: no disk tier)."""
+    for chunks that fit neither (None: no disk tier).
+
+    ``pp`` pipeline stages (``tessera.parallel.pipeline`` on torch.distributed.pipelining):
+    the decoder layers split evenly, or ``stage_layers`` per stage; ``microbatches`` per
+    step (None: ``pp``; each dp replica's batch is cut into that many), ``schedule``
+    "gpipe", "1f1b" or "interleaved" with ``virtual_stages`` stages per rank. ``sp``
+    sequence parallel ranks (``sp_method`` "ring", zig-zag for causal, or "ulysses"); ZeRO
+    then shards over the dp x sp ranks, as DeepSpeed-Ulysses does. World size: dp x pp x sp x tp."""
 
     dp: int = 1
     tp: int = 1
@@ -49,9 +58,16 @@ class Plan:
     device_memory: int | None = None
     host_memory: int | None = None
     offload_dir: str | None = None
+    pp: int = 1
+    microbatches: int | None = None
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    stage_layers: tuple[int, ...] | None = None
+    sp: int = 1
+    sp_method: str = "ring"
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "grad_accum", "loss_scale_growth_interval"):
+        for name in ("dp", "tp", "pp", "sp", "virtual_stages", "grad_accum", "loss_scale_growth_interval"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Plan.{name} must be a positive integer, got {value!r}")
@@ -70,6 +86,72 @@ class Plan:
                 raise ValueError(f"Plan.{name} must be True or False, got {getattr(self, name)!r}")
 
         self._check_offload()
+        self._check_pipeline()
+        self._check_sequence()
+
+    def _check_pipeline(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.pp == 1:
+            for name, default in (("microbatches", None), ("stage_layers", None), ("virtual_stages", 1)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"Plan.{name}={getattr(self, name)!r} needs pipeline stages: set pp > 1")
+            return
+        m = self.microbatches
+        if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
+            raise ValueError(f"Plan.microbatches must be a positive integer or None, got {m!r}")
+        counts = self.stage_layers
+        if counts is not None and (
+            not isinstance(counts, tuple)
+            or len(counts) != self.pp * self.virtual_stages
+            or not all(isinstance(c, int) and c >= 1 for c in counts)
+        ):
+            raise ValueError(
+                f"Plan.stage_layers must be a tuple of {self.pp * self.virtual_stages} positive layer counts "
+                f"(pp x virtual_stages), got {counts!r}"
+            )
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ValueError(f"Plan.virtual_stages={self.virtual_stages} needs schedule='interleaved'")
+        if self.schedule != "gpipe" and self.num_microbatches < self.pp:
+            raise ValueError(
+                f"Plan(schedule={self.schedule!r}) needs at least pp={self.pp} micro-batches, "
+                f"got microbatches={self.num_microbatches}"
+            )
+        # ZeRO's reductions run in the backward hooks of one whole-model backward; the
+        # schedule runs a stage's backward once per micro-batch, so pipelined gradients are
+        # averaged over dp after the schedule instead (stage 0).
+        refused = {
+            "zero": (self.zero, 0, "gradients are averaged over dp after the schedule (ZeRO stage 0)"),
+            "grad_accum": (self.grad_accum, 1, "micro-batches are the accumulation: raise microbatches"),
+            "offload": (self.offload, None, "offload moves ZeRO-3 chunks"),
+            "block_chunks": (self.block_chunks, False, "block chunks are ZeRO chunks"),
+            "sp": (self.sp, 1, "sequence parallel inside pipeline stages is not built yet"),
+        }
+        for name, (value, wanted, why) in refused.items():
+            if value != wanted:
+                raise ValueError(
+                    f"Plan(pp={self.pp}) with {name}={value!r} is not supported ({why}); use {name}={wanted!r}"
+                )
+        if self.precision == "fp16":
+            raise ValueError(
+                f"Plan(pp={self.pp}) with fp16 loss scaling is not supported; use precision='bf16'"
+            )
+
+    def _check_sequence(self) -> None:
+        if self.sp_method not in SP_METHODS:
+            raise ValueError(f"Plan.sp_method must be one of {SP_METHODS}, got {self.sp_method!r}")
+        if self.sp == 1:
+            return
+        for name, value, wanted in (("tp", self.tp, 1), ("offload", self.offload, None)):
+            if value != wanted:
+                raise ValueError(
+                    f"Plan(sp={self.sp}) with {name}={value!r} is not supported yet; use {name}={wanted!r}"
+                )
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per pipelined step (``microbatches``, or ``pp`` when None)."""
+        return self.microbatches if self.microbatches is not None else self.pp
 
     def _check_offload(self) -> None:
         if self.offload not in OFFLOADS:
@@ -109,13 +191,20 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp
+        return self.dp * self.pp * self.sp * self.tp
 
     def check_world(self, world: int) -> None:
         if world != self.world_size:
+            axes = " x ".join(
+                f"{n}={getattr(self, n)}"
+                for n in ("dp", "pp", "sp", "tp")
+                if n in ("dp", "tp") or getattr(self, n) > 1
+            )
+            names = " * ".join(
+                n for n in ("dp", "pp", "sp", "tp") if n in ("dp", "tp") or getattr(self, n) > 1
+            )
             raise ValueError(
-                f"Plan dp={self.dp} x tp={self.tp} = {self.world_size} processes, but the world has {world}; "
-                f"make dp * tp equal {world}"
+                f"Plan {axes} = {self.world_size} processes, but the world has {world}; make {names} equal {world}"
             )
 
     def to_dict(self) -> dict:

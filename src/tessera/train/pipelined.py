@@ -1,0 +1,150 @@
+"""``boost`` under ``Plan(pp > 1)``: each rank keeps its pipeline stages of the model, the
+user's optimizer steps their parameters, and ``train_step`` runs one schedule
+(``tessera.parallel.pipeline.PipelineTrainer`` on torch.distributed.pipelining) over the
+rank's dp share of the batch, cut into ``Plan.microbatches``.
+
+The mesh is (pp, dp, tp), tensor parallel innermost. Gradients are averaged over dp after
+the schedule, the tied embedding / head gradient summed over the first and last stage,
+and the global gradient norm (for ``max_grad_norm``) summed over the stages with a tied
+weight counted once. Parameters of other ranks' stages are released: a rank holds only
+its stages, which is what pipeline parallelism is for.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from tessera.parallel.pipeline import PipelineTrainer
+from tessera.runtime import Mesh
+
+AUTOCAST = {"bf16": torch.bfloat16}
+
+
+class PipelinedOptimizer:
+    """What ``boost`` returns as the optimizer under ``Plan(pp > 1)``."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan, mesh: Mesh):
+        self.model, self.plan, self.mesh, self.inner = model, plan, mesh, optimizer
+        self._loss = None  # the loss of the train_step running now (the schedule calls it)
+        self.trainer = PipelineTrainer(
+            model,
+            mesh,
+            self._stage_loss,
+            microbatches=plan.num_microbatches,
+            schedule=plan.schedule,
+            virtual_stages=plan.virtual_stages,
+            counts=plan.stage_layers,
+            dp_axis="dp",
+            autocast=AUTOCAST.get(plan.precision),
+        )
+        kept = {id(p) for p in self.trainer.parameters()}
+        for group in optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if id(p) in kept]
+        _release(model, kept)
+        self.last_grad_norm: float | None = None
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    def _stage_loss(self, output, target):
+        return self._loss.on_output(output, target)
+
+    def local_batch(self, batch):
+        """This dp replica's contiguous share of the global batch (dim 0 of every tensor)."""
+        dp, rank, m = self.mesh.size("dp"), self.mesh.rank("dp"), self.plan.num_microbatches
+
+        def take(t):
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.shape[0] % (dp * m):
+                raise ValueError(
+                    f"global batch of {t.shape[0]} does not split into dp={dp} x microbatches={m} equal "
+                    f"micro-batches; use a batch size that is a multiple of {dp * m}"
+                )
+            n = t.shape[0] // dp
+            return t[rank * n : (rank + 1) * n]
+
+        return torch.utils._pytree.tree_map(take, batch)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def train_step(self, batch, loss_fn) -> dict:
+        """One schedule over this replica's share of ``batch`` and one optimizer step.
+        ``loss_fn`` must split over stages (``pipeline_parts`` / ``on_output``, as
+        ``tessera.train.losses.causal_lm_loss`` does). Returns {"loss", "grad_norm", "seconds"}."""
+        if not all(hasattr(loss_fn, n) for n in ("pipeline_parts", "on_output")):
+            raise ValueError(
+                f"Plan(pp={self.plan.pp}) computes the loss on the last stage from the model's output: "
+                f"{loss_fn!r} has no pipeline_parts/on_output methods (use tessera.train.losses.causal_lm_loss "
+                "or a loss object with both)"
+            )
+        began = time.perf_counter()
+        inputs, target = loss_fn.pipeline_parts(self.local_batch(batch))
+        self.zero_grad()
+        self._loss = loss_fn
+        try:
+            loss = self.trainer.step(inputs, target)
+        finally:
+            self._loss = None
+        self.last_grad_norm = self._clip()
+        self.inner.step()
+        # the last stage's loss, to every rank of the pipeline; then the mean over replicas
+        total = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
+        if loss is not None:
+            total += float(loss.detach())
+        self.mesh.comm.all_reduce(total, "pp")
+        self.mesh.comm.all_reduce(total, "dp", op="avg")
+        return {
+            "loss": float(total),
+            "grad_norm": self.last_grad_norm,
+            "seconds": time.perf_counter() - began,
+        }
+
+    def _clip(self) -> float | None:
+        """The global gradient norm over every stage (a tied weight once), and the clip."""
+        if self.plan.max_grad_norm is None:
+            return None
+        grads = self._counted_grads()
+        squares = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
+        for g in grads:
+            squares += _full(g).double().pow(2).sum()
+        self.mesh.comm.all_reduce(squares, "pp")
+        norm = float(squares.sqrt())
+        coef = self.plan.max_grad_norm / (norm + 1e-6)
+        if coef < 1:
+            for g in {
+                id(p.grad): p.grad for m in self.trainer.modules for p in m.parameters() if p.grad is not None
+            }.values():
+                g.mul_(coef)
+        return norm
+
+    def _counted_grads(self) -> list[torch.Tensor]:
+        """Each parameter's gradient once over the pipeline: the tied head on the last stage
+        is the embedding the first stage counts."""
+        tied_head = None
+        if self.trainer.tied:
+            for m in self.trainer.modules:
+                if m.last and not m.first:
+                    tied_head = id(m.head.weight)
+        seen = {}
+        for p in self.trainer.parameters():
+            if p.grad is not None and id(p) != tied_head:
+                seen[id(p)] = p.grad
+        return list(seen.values())
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _release(model: nn.Module, kept: set[int]) -> None:
+    """Other stages' parameters become empty tensors: this rank no longer holds them."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in kept and not hasattr(p, "to_local"):  # a tp shard (DTensor) stays
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
