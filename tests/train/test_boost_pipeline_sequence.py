@@ -100,11 +100,16 @@ def _check(cases, results):
         covered = set()
         for losses, held in (r[i] for r in results):
             torch.testing.assert_close(
-                torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5 if not bf16 else 2e-2, atol=0,
-                msg=lambda m: f"{plan_kwargs}: {losses} vs {ref_losses}\n{m}",
+                torch.tensor(losses),
+                torch.tensor(ref_losses),
+                rtol=1e-5 if not bf16 else 2e-2,
+                atol=0,
+                msg=lambda m, said=f"{plan_kwargs}: {losses} vs {ref_losses}": f"{said}\n{m}",
             )
             for name, value in held.items():
-                torch.testing.assert_close(value, ref_params[name], rtol=rtol, atol=atol, msg=f"{plan_kwargs} {name}")
+                torch.testing.assert_close(
+                    value, ref_params[name], rtol=rtol, atol=atol, msg=f"{plan_kwargs} {name}"
+                )
                 covered.add(name)
         assert covered == set(ref_params), f"{plan_kwargs}: no rank holds {set(ref_params) - covered}"
 
