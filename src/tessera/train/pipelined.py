@@ -12,6 +12,7 @@ its stages, which is what pipeline parallelism is for.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -43,8 +44,16 @@ class PipelinedOptimizer:
         kept = {id(p) for p in self.trainer.parameters()}
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in kept]
+        # a checkpoint records the model's own shapes, whichever stages a rank holds
+        self.param_shapes = {
+            n: list(p.shape)
+            for n, p in model.named_parameters()
+            if id(p) not in kept and not hasattr(p, "to_local")
+        }
         _release(model, kept)
+        self.engine = StageEngine(self.trainer.parameters(), optimizer)
         self.last_grad_norm: float | None = None
+        self.loss_scaler = None  # fp16 is refused under pp
 
     @property
     def param_groups(self):
@@ -148,3 +157,56 @@ def _release(model: nn.Module, kept: set[int]) -> None:
         for p in model.parameters():
             if id(p) not in kept and not hasattr(p, "to_local"):  # a tp shard (DTensor) stays
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+class StageEngine:
+    """What ``tessera.train.sharded_checkpoint`` reads and writes of a pipelined rank: the
+    parameters of its stages (whole, or their tp shards) and their optimizer states, the
+    same pieces a ZeRO-0 engine has, so a checkpoint loads under any other plan."""
+
+    zero = 0
+
+    def __init__(self, params, optimizer: torch.optim.Optimizer):
+        self.owner = {p: None for p in params}
+        self.optimizer = optimizer
+
+    def resident(self):
+        return contextlib.nullcontext()
+
+    def pieces(self, names: dict, mesh) -> list:
+        """(name, kind, flat local tensor, start, stop, local shape) this rank writes: dp rank
+        0 of each stage; a tp-replicated parameter on tp rank 0 only."""
+        if mesh.rank("dp") != 0:
+            return []
+        out = []
+        for p in self.owner:
+            local = _local(p)
+            if not hasattr(p, "placements") or not any(pl.is_shard() for pl in p.placements):
+                if "tp" in mesh.axes and mesh.rank("tp") != 0:
+                    continue
+            tensors = {"param": local, **self.optimizer.state.get(p, {})}
+            for kind, v in tensors.items():
+                v = _local(v)
+                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == local.numel():
+                    out.append((names[p], kind, v.detach().reshape(-1), 0, local.numel(), list(local.shape)))
+        return out
+
+    def load_local(self, p, kind: str, local: torch.Tensor, scalars: dict) -> None:
+        if p not in self.owner:  # another stage's parameter
+            return
+        with torch.no_grad():
+            if kind == "param":
+                _local(p.data).copy_(local)
+                return
+            value = local.clone()
+            if hasattr(p, "placements"):
+                from torch.distributed.tensor import DTensor
+
+                value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
+            state = self.optimizer.state[p]
+            state[kind] = value
+            state.update({k: torch.tensor(v) for k, v in scalars.items()})
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t

@@ -60,7 +60,7 @@ def tp_layout(p: torch.Tensor, mesh) -> tuple[int | None, int, int]:
     return dims[0], mesh.rank("tp"), mesh.size("tp")
 
 
-def _model_identity(model: nn.Module) -> dict:
+def _model_identity(model: nn.Module, optimizer=None) -> dict:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         config = {
@@ -77,6 +77,7 @@ def _model_identity(model: nn.Module) -> dict:
         if degree is not None:  # the model class's own layout, whatever the plan did
             shape = gpt2_tensor_layout(name, torch.empty(shape), degree, to_hf=True).shape
         shapes[name] = list(shape)
+    shapes |= getattr(optimizer, "param_shapes", {})  # pipelined: other stages' are released here
     return {"class": type(model).__name__, "config": config, "shapes": shapes}
 
 
@@ -84,6 +85,8 @@ def _pieces(optimizer):
     """(param name, kind, local tensor of the piece, start, stop, local shape) this rank owns."""
     engine, mesh = optimizer.engine, optimizer.mesh
     names = {p: n for n, p in optimizer.model.named_parameters()}
+    if hasattr(engine, "pieces"):  # a pipelined rank's stages (tessera.train.pipelined)
+        return engine.pieces(names, mesh)
     dp_rank = mesh.rank("dp")
     out = []
     for i, cg in enumerate(engine.groups):
@@ -188,7 +191,7 @@ def save_sharded(
     if rank == 0:
         meta = {
             "format": FORMAT,
-            "model": _model_identity(model),
+            "model": _model_identity(model, optimizer),
             "plan": optimizer.plan.to_dict(),
             "world": world,
             "gpt2_tp_degree": getattr(model, "_tessera_gpt2_tp_degree", None),
@@ -204,7 +207,7 @@ def save_sharded(
 
 
 def _check_identity(path: Path, meta: dict, model: nn.Module, optimizer) -> None:
-    mine = _model_identity(model)
+    mine = _model_identity(model, optimizer)
     if meta["model"]["class"] != mine["class"]:
         raise CheckpointError(f"{path} holds a {meta['model']['class']}, not a {mine['class']}")
     if meta["model"]["shapes"] != mine["shapes"]:
