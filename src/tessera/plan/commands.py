@@ -25,6 +25,13 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inter-node-link", default="ib-hdr", help="link between nodes")
     p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
     p.add_argument("--efficiency", type=float, default=0.4, help="achieved fraction of the device's peak")
+    p.add_argument(
+        "--host-op-us",
+        type=float,
+        default=0.0,
+        help="host microseconds per eager op: a layer takes at least its op count times this "
+        "(tessera bench plan fits it on xDiT's FLUX table; 0: not modelled)",
+    )
     p.add_argument("--top", type=int, default=10, help="rows of the table")
 
 
@@ -38,6 +45,7 @@ def _hardware(args) -> Hardware:
         inter_node=link_named(args.inter_node_link) if args.nodes > 1 else None,
         dtype=args.dtype,
         efficiency=args.efficiency,
+        host_op_seconds=args.host_op_us * 1e-6,
     )
 
 

@@ -9,6 +9,10 @@ halved). Used to scale emulated links to the balance a GPU would see, and by cos
     h100       67             989                            3350          80           NVIDIA H100 datasheet (SXM)
     h200       67             989                            4800          141          NVIDIA H200 datasheet (SXM)
     rtx4090    82.6           165.2                          1008          24           NVIDIA Ada GPU architecture whitepaper
+    h20        44             148                            4000          96           NVIDIA H20 specifications (no public
+                                                                                         datasheet; the figures resellers list)
+    v100       15.7           125 (fp16: no bf16)            900           32           NVIDIA V100 datasheet (SXM2 32GB)
+    a100-40gb  19.5           312                            1555          40           NVIDIA A100 datasheet (SXM 40GB)
 
 Beside the datasheets, profiles measured on a machine: ``benchmarks/gpu/calibrate_device.py``
 (on a GPU) and ``tessera.bench.plan.measure_cpu`` (here) write ``NAME.json`` files into a
@@ -79,6 +83,30 @@ DEVICES: dict[str, DeviceProfile] = {
             memory_bandwidth=4800 * GB,
             memory_bytes=141 * GIB,
             source="NVIDIA H200 datasheet (SXM)",
+        ),
+        DeviceProfile(
+            name="h20",
+            fp32_flops=44 * TERA,
+            bf16_flops=148 * TERA,
+            memory_bandwidth=4000 * GB,
+            memory_bytes=96 * GIB,
+            source="NVIDIA H20 specifications as resellers list them (no public NVIDIA datasheet)",
+        ),
+        DeviceProfile(
+            name="v100",
+            fp32_flops=15.7 * TERA,
+            bf16_flops=125 * TERA,  # fp16 tensor cores: V100 has no bf16
+            memory_bandwidth=900 * GB,
+            memory_bytes=32 * GIB,
+            source="NVIDIA V100 datasheet (SXM2 32GB)",
+        ),
+        DeviceProfile(
+            name="a100-40gb",
+            fp32_flops=19.5 * TERA,
+            bf16_flops=312 * TERA,
+            memory_bandwidth=1555 * GB,
+            memory_bytes=40 * GIB,
+            source="NVIDIA A100 datasheet (SXM 40GB)",
         ),
         DeviceProfile(
             name="rtx4090",

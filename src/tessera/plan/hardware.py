@@ -26,12 +26,17 @@ class Hardware:
     inter_node: Link | None = None  # between nodes (None: one node)
     dtype: str = "bf16"
     efficiency: float = 0.5
+    # Host seconds to dispatch one eager op (PyTorch's dispatcher + the launch): kernels are
+    # asynchronous, so a layer takes at least its op count times this (0: not modelled).
+    host_op_seconds: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(DTYPE_BYTES)}")
         if not self.efficiency > 0:  # above 1 only in checks, where it says the peak or FLOPs are off
             raise ValueError(f"efficiency must be > 0, got {self.efficiency!r}")
+        if self.host_op_seconds < 0:
+            raise ValueError(f"host_op_seconds must be >= 0, got {self.host_op_seconds!r}")
         if self.devices_per_node < 1:
             raise ValueError(f"devices_per_node must be >= 1, got {self.devices_per_node}")
 

@@ -18,6 +18,10 @@ k key tokens and b samples (e bytes an element, h hidden):
                  patch of the next step when it arrives; warm-up steps run the whole sequence
                  through the stages one after another
     cfg          the two branches on separate rank halves, velocities exchanged every step
+    host floor   eager PyTorch issues each op from the host (spec.host_ops_per_layer, counted
+                 on diffusers' blocks, x hw.host_op_seconds); a layer's kernels cannot finish
+                 before the host has issued them, so a layer takes at least that long
+    decode       the VAE decoder (spec.decode_flops) once at the end, on one rank
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ class _Builder:
         b, e, h = self.batch, self.e, s.hidden
         linear = hw.compute_seconds(b * s.linear_flops(q) / n)
         attention = hw.compute_seconds(b * s.attention_flops(q, k) / n)
+        # the host issues every op of the layer; the GPU waits for it when its kernels are shorter
+        linear = max(linear, s.host_ops_per_layer * hw.host_op_seconds - attention)
         kv_pass = hw.comm_seconds("send", 2 * b * k * h * e / n, group[:2]) if r > 1 else 0.0
         last = dict(after)
 
@@ -201,16 +207,18 @@ def predict_generate(
     model_batch = batch * (2 if guidance and not split else 1)
     bld = _Builder(spec, config, hw, steps, model_batch)
     ends = [_branch(bld, c, {}) for c in range(config.degree("cfg"))]
+    after = [op for end in ends for op in end.values()]
     if split:  # the branches swap velocities every step: one exchange per step at the end
         ranks = list(range(config.world_size))
         latent = batch * spec.tokens * LATENT_PER_TOKEN * bld.e
-        after = [op for end in ends for op in end.values()]
         for _ in range(steps):
             after = [
                 bld.sched.transfer(
                     ranks, hw.comm_seconds("all_gather", latent, [0, config.world_size // 2]), after=after
                 )
             ]
+    if spec.decode_flops:  # the VAE decodes the final latent once, on one rank, after every rank is done
+        bld.sched.compute(0, hw.compute_seconds(batch * spec.decode_flops), after=after, name="decode")
     timeline = simulate(bld.sched)
     return GeneratePrediction(
         config=config,

@@ -35,6 +35,10 @@ class TransformerSpec:
     extra_token_params: int = 0  # of those, the ones every token is multiplied by (cross-attention q, o)
     params: int | None = None  # published total; None: counted from the formula
     linear_attention: bool = False  # attention costs 4 t h^2 / heads instead of 4 t s h (SANA)
+    # Eager PyTorch dispatches every aten op from the host (tessera.plan.host_ops counts them
+    # per layer of the diffusers model); a layer cannot run faster than the host issues it.
+    host_ops_per_layer: float = 0.0
+    decode_flops: float = 0.0  # the VAE decoder's FLOPs for one sample (run once, unparallelised)
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -139,6 +143,17 @@ def gpt2_spec(
     )
 
 
+# Aten ops one eager forward dispatches per layer-equivalent, counted by
+# tessera.plan.host_ops.count_block_ops on diffusers' own blocks (tests/plan checks them):
+# Flux 158 per double block (two layer-equivalents) and 83 per single block, 19 + 38 of them;
+# SANA 99 per block; HunyuanVideo 162 per double and 98 per single block, 20 + 40 of them.
+FLUX_OPS = (19 * 158 + 38 * 83) / 76
+SANA_OPS = 99.0
+HUNYUAN_OPS = (20 * 162 + 40 * 98) / 80
+# decode_flops: diffusers' decoders run under torch.utils.flop_counter on the meta device
+# (tessera.plan.host_ops.decode_flops): Flux's AutoencoderKL at 1024px 10.47 TFLOP, SANA's
+# DC-AE f32c32 at 4096px 133.9 TFLOP, HunyuanVideo's 3D VAE at 129 x 720 x 1280 2473.5 TFLOP.
+
 PRESETS: dict[str, TransformerSpec] = {
     s.name: s
     for s in (
@@ -172,6 +187,8 @@ PRESETS: dict[str, TransformerSpec] = {
             heads=24,
             text_tokens=512,
             params=11_900_000_000,
+            host_ops_per_layer=FLUX_OPS,
+            decode_flops=10.47e12,
             source="black-forest-labs FLUX.1-dev transformer config (12B)",
         ),
         # SANA 1600M at 4096px: DC-AE (32x) latent 128x128, patch 1, 20 layers, 2240 wide,
@@ -187,6 +204,8 @@ PRESETS: dict[str, TransformerSpec] = {
             params=1_600_000_000,
             linear_attention=True,
             text_tokens=300,
+            host_ops_per_layer=SANA_OPS,
+            decode_flops=133.9e12,
             source="SANA paper (1.6B), Sana_1600M_4Kpx config",
         ),
         # HunyuanVideo 13B at 1280x720, 129 frames: latent 33 x 90 x 160, 1x2x2 patches ->
@@ -200,7 +219,9 @@ PRESETS: dict[str, TransformerSpec] = {
             tokens=33 * 45 * 80 + 256,
             extra_layer_params=6 * 3072**2,
             params=13_000_000_000,
-            source="HunyuanVideo paper (13B), 720p x 129 frames",
+            host_ops_per_layer=HUNYUAN_OPS,
+            decode_flops=2473.5e12,
+            source="HunyuanVideo paper (13B), 720p x 129 frames (960x960 has the same 118,800 tokens)",
         ),
     )
 }
