@@ -16,6 +16,8 @@ SCHEDULES = [
     StencilSchedule(split=3, split_level="grid", ty=4),
     StencilSchedule(split=4, split_level="tile", tz=2, ty=2),
     StencilSchedule(split=2, split_level="row", tx=7),
+    StencilSchedule(ry=2, ty=5, tz=2),  # 5 rows: two jammed pairs and one row alone
+    StencilSchedule(ry=4, ty=8, split=2, split_level="tile"),
 ]
 CASES = [("star7", "constant"), ("star25", "point"), ("ete37", "class"), ("ete73", "point")]
 

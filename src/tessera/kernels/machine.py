@@ -204,6 +204,17 @@ def measure(*, isa: str | None = None, seconds: float = 0.3, threads: tuple[int,
     )
 
 
+def dram_bandwidth(threads: int, *, seconds: float = 0.3, isa: str | None = None) -> tuple[float, float]:
+    """(read, write) DRAM bytes/s on ``threads`` threads, measured now with the same
+    micro-benchmark as ``measure`` (a benchmark's roofline from its own quiet run)."""
+    isa = isa or cpu_isas()[-1]
+    sizes, _ = cache_sizes()
+    total = max(4 * sizes["L3"], 256 << 20)
+    lib = _bench_lib(isa)
+    return (lib.tk_read_gbps(total // threads, threads, seconds) * 1e9,
+            lib.tk_write_gbps(total // threads, threads, seconds) * 1e9)
+
+
 def machine_path() -> Path:
     return cache_dir() / f"machine-v2-{fingerprint()}.json"  # v2: with the micro-kernel rates
 

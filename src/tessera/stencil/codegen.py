@@ -36,9 +36,14 @@ class _Layout:
         dz, dy, dx = off
         return (dz * self.py + dy) * self.px + dx
 
-    def term(self, p) -> str:
-        coeff = f"c{self.index[p.coeff]}[ci + x]" if isinstance(p.coeff, str) else _literal(p.coeff)
-        return f"acc = acc + {coeff} * v[x + ({self.offset(p.offset)})];"
+    def term(self, p, row: int = 0, acc: str = "acc") -> str:
+        """``acc += c * u`` of point ``p`` for the ``row``-th of the rows jammed together."""
+        nx = self.shape[2]
+        if isinstance(p.coeff, str):
+            coeff = f"c{self.index[p.coeff]}[ci + {row * nx} + x]"
+        else:
+            coeff = _literal(p.coeff)
+        return f"{acc} = {acc} + {coeff} * v[x + ({self.offset(p.offset) + row * self.px})];"
 
     def decls(self) -> str:
         return "\n".join(f"  const float *restrict c{i} = coefs[{i}];" for i in range(len(self.index)))
@@ -51,11 +56,17 @@ class _Layout:
                 f"const long ci = (z * {ny} + y) * {nx}; (void)ci;")
 
 
-def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: str, init: str | None = None) -> str:
+def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: str, init: str | None = None,
+            rows: int = 1) -> str:
+    """The x loop over ``rows`` consecutive rows at once (unroll-and-jam over y: a field value
+    the rows share is loaded once); each row's terms are still added in point order."""
     pragma = "#pragma omp simd\n" if s.vectorize else ""
-    start = init if init is not None else ("0.0f" if first else "o[x]")
-    body = "\n    ".join(lay.term(p) for p in points)
-    return f"{pragma}for (long x = {lo}; x < {hi}; ++x) {{\n    float acc = {start};\n    {body}\n    o[x] = acc;\n}}"
+    px = lay.px
+    starts = [init if init is not None else ("0.0f" if first else f"o[x + {j * px}]") for j in range(rows)]
+    decl = " ".join(f"float acc{j} = {st};" for j, st in enumerate(starts))
+    body = "\n    ".join(lay.term(p, j, f"acc{j}") for p in points for j in range(rows))
+    store = " ".join(f"o[x + {j * px}] = acc{j};" for j in range(rows))
+    return f"{pragma}for (long x = {lo}; x < {hi}; ++x) {{\n    {decl}\n    {body}\n    {store}\n}}"
 
 
 def _passes(stencil: Stencil, s: StencilSchedule) -> list[tuple]:
@@ -63,13 +74,19 @@ def _passes(stencil: Stencil, s: StencilSchedule) -> list[tuple]:
 
 
 def _nest(lay: _Layout, s: StencilSchedule, groups) -> str:
-    """The z, y, x-block loops of one tile; ``groups``: (points, first pass?) x loops in each row."""
+    """The z, y, x-block loops of one tile; ``groups``: (points, first pass?) x loops in each
+    row. Rows go ``s.ry`` at a time, the tile's remaining rows one at a time."""
     nx = lay.shape[2]
     tx = s.tx or nx
-    loops = "\n".join(_x_loop(lay, g, first, s, "bx", "x1") for g, first in groups)
-    return (f"for (long z = bz; z < z1; ++z)\nfor (long y = by; y < y1; ++y)\n"
-            f"for (long bx = 0; bx < {nx}; bx += {tx}) {{\nconst long x1 = tk_min(bx + {tx}, {nx});\n"
-            f"{lay.row_ptrs()}\n{loops}\n}}")
+
+    def rows(n: int, step: str) -> str:
+        loops = "\n".join(_x_loop(lay, g, first, s, "bx", "x1", rows=n) for g, first in groups)
+        return (f"for (; {step}; y += {n})\n"
+                f"for (long bx = 0; bx < {nx}; bx += {tx}) {{\nconst long x1 = tk_min(bx + {tx}, {nx});\n"
+                f"{lay.row_ptrs()}\n{loops}\n}}")
+
+    jammed = rows(s.ry, f"y + {s.ry} <= y1") + "\n" if s.ry > 1 else ""
+    return f"for (long z = bz; z < z1; ++z) {{\nlong y = by;\n{jammed}{rows(1, 'y < y1')}\n}}"
 
 
 def _tiles(lay: _Layout, s: StencilSchedule, inner: str) -> str:

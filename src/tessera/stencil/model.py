@@ -8,6 +8,7 @@ Per sweep of an interior of P points:
                + grid-level decomposition: P x (split - 1) x (4 field + 8 output) more
     memory time  = reads / (read bandwidth x stream efficiency) + writes / write bandwidth
     compute time = loads per point / (vector length x 2 loads a cycle) x cycles, per thread
+                   (field loads: the distinct values of ``ry`` jammed rows, per row)
     time = max(memory, compute) + passes x (per-row loop set-up) + the call
 
 Field reads: 1 per point when the planes a z sweep keeps live (2r + 1 planes of the tile's
@@ -87,8 +88,15 @@ def traffic(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: in
             write += (passes - 1) * 4.0
     widest = max(arrays) if s.split_level != "row" else sum(arrays)
     n = len(stencil.points)
-    loads = n + sum(arrays) + passes  # field terms, coefficients, the output per pass
+    loads = _field_loads(stencil, shape, s.ry) + sum(arrays) + passes  # field, coefficients, the output
     return Traffic(read, write, loads, 2.0 * n, widest + 2)
+
+
+def _field_loads(stencil: Stencil, shape, ry: int) -> float:
+    """Distinct field values an x iteration loads per row when ``ry`` rows are jammed."""
+    py, px = shape[1] + 2 * stencil.halo, shape[2] + 2 * stencil.halo
+    offsets = {(dz * py + dy) * px + dx for dz, dy, dx in (p.offset for p in stencil.points)}
+    return len({o + j * px for o in offsets for j in range(ry)}) / ry
 
 
 def stream_efficiency(streams: int) -> float:

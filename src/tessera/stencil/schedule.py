@@ -3,6 +3,8 @@
 
 - spatial blocking: tiles ``tz`` x ``ty`` x ``tx`` of the interior (``tx = 0``: whole rows),
   the tiles (z-blocks x y-blocks) spread over OpenMP threads;
+- unroll-and-jam over y: ``ry`` rows computed in one x loop, so a field value they share
+  (an offset's row is another row's neighbour) is loaded once;
 - vectorisation along x, the unit-stride axis (``omp simd``; off: the loop is compiled
   with GCC's tree vectoriser disabled);
 - stencil decomposition: ``split`` sub-stencils, consecutive runs of the points holding
@@ -34,6 +36,7 @@ class StencilSchedule:
     tz: int = 1
     ty: int = 16
     tx: int = 0  # 0: whole rows
+    ry: int = 1  # rows computed together (unroll-and-jam over y)
     vectorize: bool = True
     split: int = 1
     split_level: str = "tile"
@@ -44,7 +47,7 @@ class StencilSchedule:
     def __post_init__(self):
         if self.isa not in ISAS:
             raise ValueError(f"unknown vector ISA {self.isa!r}; choose one of {', '.join(ISAS)}")
-        for name in ("tz", "ty", "split", "time_block"):
+        for name in ("tz", "ty", "ry", "split", "time_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -63,7 +66,8 @@ class StencilSchedule:
     def short(self) -> str:
         split = f" split{self.split}@{self.split_level}" if self.split > 1 else ""
         tb = f" T{self.time_block}" if self.time_block > 1 else ""
-        return f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'} simd{int(self.vectorize)}{split}{tb}"
+        jam = f" ry{self.ry}" if self.ry > 1 else ""
+        return f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'}{jam} simd{int(self.vectorize)}{split}{tb}"
 
     @staticmethod
     def from_dict(data: dict) -> StencilSchedule:

@@ -20,7 +20,7 @@ from tessera.stencil.model import predict_stencil
 from tessera.stencil.schedule import SPLIT_LEVELS, StencilSchedule
 from tessera.stencil.stencil import Stencil, check_grid, padded_shape
 
-TZ, TY = (1, 2, 4, 8), (4, 8, 16, 32, 64)
+TZ, TY, RY = (1, 2, 4, 8), (4, 8, 16, 32, 64), (1, 2, 4)
 SPLITS = (2, 3, 4, 6, 8, 12)
 
 
@@ -56,11 +56,12 @@ def schedule_space(stencil: Stencil, shape, isas: tuple[str, ...]) -> list[Stenc
     nz, ny, _ = shape
     splits = [1] + [k for k in SPLITS if stencil.variable and k <= len(stencil.points)]
     out = []
-    for isa, tz, ty, vec, split in itertools.product(isas, TZ, TY, (True, False), splits):
-        if tz > nz or ty > max(ny, TY[0]):
+    for isa, tz, ty, ry, vec, split in itertools.product(isas, TZ, TY, RY, (True, False), splits):
+        if tz > nz or ty > max(ny, TY[0]) or ry > ty:
             continue
         levels = SPLIT_LEVELS if split > 1 else ("tile",)
-        out.extend(StencilSchedule(tz=tz, ty=ty, vectorize=vec, split=split, split_level=lv, isa=isa) for lv in levels)
+        out.extend(StencilSchedule(tz=tz, ty=ty, ry=ry, vectorize=vec, split=split, split_level=lv, isa=isa)
+                   for lv in levels)
     return out
 
 
@@ -82,10 +83,10 @@ def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
     return picked
 
 
-def test_inputs(stencil: Stencil, shape, seed: int = 0):
+def sample_inputs(stencil: Stencil, shape, seed: int = 0):
     rng = np.random.default_rng(seed)
     u = rng.standard_normal(padded_shape(shape, stencil.halo), dtype=np.float32)
-    coeffs = {n: rng.uniform(0.5, 1.5, size=shape).astype(np.float32) for n in stencil.arrays}
+    coeffs = {n: 0.5 + rng.random(shape, dtype=np.float32) for n in stencil.arrays}
     return u, coeffs
 
 
@@ -99,7 +100,7 @@ def tune_stencil(stencil: Stencil, shape, *, threads: int = 1, machine: Machine 
     picked = shortlist(trials, top_k) + [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in extra]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # compiles only
         kernels = list(pool.map(lambda t: compile_stencil(stencil, shape, t.schedule), picked))
-    inputs = inputs or test_inputs(stencil, shape)
+    inputs = inputs or sample_inputs(stencil, shape)
     best = float("inf")
     for trial, kernel in zip(picked, kernels, strict=True):
         trial.compile_seconds = kernel.compiled.compile_seconds

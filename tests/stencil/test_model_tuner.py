@@ -1,0 +1,44 @@
+"""The stencil model term and the tuner hook, on a machine described by hand."""
+
+import numpy as np
+
+from tessera.stencil import StencilSchedule, compile_stencil, make_stencil
+from tessera.stencil import reference as ref
+from tessera.stencil.model import predict_stencil, roofline_bytes, traffic
+from tessera.stencil.tune import best_stencil_schedule, sample_inputs, schedule_space, tune_stencil
+
+
+def test_bytes_per_point():
+    assert roofline_bytes(make_stencil("ete73", "point")) == (4 * 74, 4)
+    assert roofline_bytes(make_stencil("ete73", "class")) == (4 * 11, 4)  # 10 symmetry classes + the field
+    assert roofline_bytes(make_stencil("star7", "constant")) == (4, 4)
+
+
+def test_decomposition_costs_and_gains_in_the_model(machine):
+    st, grid = make_stencil("ete73", "point"), (64, 64, 64)
+    whole = traffic(st, grid, StencilSchedule(), machine, 2)
+    on_grid = traffic(st, grid, StencilSchedule(split=4, split_level="grid"), machine, 2)
+    in_tile = traffic(st, grid, StencilSchedule(split=4, split_level="tile", ty=8), machine, 2)
+    assert on_grid.read_bytes == whole.read_bytes + 3 * 8  # three more passes re-read the field and the output
+    assert in_tile.read_bytes == whole.read_bytes  # the output tile stays in L2 between passes
+    assert in_tile.streams < whole.streams
+    # 75 streams per thread lose prefetch: the model prefers fewer arrays a pass
+    assert predict_stencil(st, grid, StencilSchedule(split=4, split_level="tile", ty=8), machine, 2) < \
+        predict_stencil(st, grid, StencilSchedule(), machine, 2)
+
+
+def test_space_holds_both_kinds():
+    space = schedule_space(make_stencil("ete37", "point"), (16, 16, 32), ("avx2",))
+    assert any(s.decomposed for s in space) and any(not s.decomposed for s in space)
+    assert not any(s.decomposed for s in schedule_space(make_stencil("ete37", "constant"), (16, 16, 32), ("avx2",)))
+
+
+def test_tuner_times_both_and_records_its_choice(machine):
+    st, grid = make_stencil("star13", "point"), (6, 8, 24)
+    tuned = tune_stencil(st, grid, threads=2, machine=machine, top_k=2, repeats=3)
+    assert tuned.best_of(True) is not None and tuned.best_of(False) is not None
+    assert tuned.best == min((t for t in tuned.trials), key=lambda t: t.measured).schedule
+    assert best_stencil_schedule(st, grid, threads=2, machine=machine) == tuned.best
+    u, co = sample_inputs(st, grid)
+    out = compile_stencil(st, grid, tuned.best)(u, co, threads=2)
+    assert (np.abs(out - ref.apply_float64(st, u, co)) <= ref.error_bound(st, u, co)).all()
