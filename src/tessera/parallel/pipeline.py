@@ -47,6 +47,49 @@ def stage_bounds(
     return bounds
 
 
+def balanced_counts(
+    costs: list[float], stages: int, *, first: float = 0.0, last: float = 0.0
+) -> tuple[int, ...]:
+    """Layers per stage (contiguous, each >= 1) that minimise the costliest stage, where
+    ``costs`` are the layers' and ``first`` / ``last`` what the first / last stage carry
+    besides (embedding; final norm and head). Exact, by dynamic programming over cuts."""
+    n = len(costs)
+    if stages > n:
+        raise ValueError(f"{n} layers cannot fill {stages} pipeline stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(lo: int, hi: int, s: int) -> float:
+        return prefix[hi] - prefix[lo] + (first if s == 0 else 0.0) + (last if s == stages - 1 else 0.0)
+
+    # best[s][i]: (max stage cost, counts) of layers [0, i) over stages 0..s
+    best = [{i: (cost(0, i, 0), (i,)) for i in range(1, n - stages + 2)}]
+    for s in range(1, stages):
+        row = {}
+        for i in range(s + 1, n - stages + s + 2):
+            row[i] = min(
+                (max(best[-1][j][0], cost(j, i, s)), best[-1][j][1] + (i - j,))
+                for j in range(s, i)
+                if j in best[-1]
+            )
+        best.append(row)
+    return best[-1][n][1]
+
+
+def layer_costs(model: nn.Module) -> tuple[list[float], float, float]:
+    """(per-layer, first-stage extra, last-stage extra) compute estimates: parameters a
+    token meets (a matmul costs 2 flops per weight per token); an embedding lookup is
+    free, the head is a (vocabulary x width) matmul."""
+    if hasattr(model, "blocks") and hasattr(model, "condition"):
+        blocks, head = list(model.blocks), model.final
+    else:
+        base = model.base_model
+        blocks, head = list(getattr(base, _paths(base).layers)), model.get_output_embeddings()
+    costs = [float(sum(p.numel() for p in b.parameters())) for b in blocks]
+    return costs, 0.0, float(sum(p.numel() for p in head.parameters()))
+
+
 @dataclass(frozen=True)
 class _Paths:
     layers: str
@@ -181,7 +224,7 @@ class PipelineTrainer:
         microbatches: int,
         schedule: str = "1f1b",
         virtual_stages: int = 1,
-        counts: tuple[int, ...] | None = None,
+        counts: tuple[int, ...] | str | None = None,
         axis: str = "pp",
         dp_axis: str | None = "dp",
         autocast: torch.dtype | None = None,
@@ -192,6 +235,9 @@ class PipelineTrainer:
             raise ValueError(f"virtual_stages={virtual_stages} needs schedule='interleaved'")
         pp, me = mesh.size(axis), mesh.rank(axis)
         total = pp * virtual_stages
+        if counts == "balanced":
+            costs, first, last = layer_costs(model)
+            counts = balanced_counts(costs, total, first=first, last=last)
         bounds = stage_bounds(num_layers(model), total, counts)
         ids = [me + pp * v for v in range(virtual_stages)]  # interleaved: stage i on rank i % pp
         self.mesh, self.axis, self.pp = mesh, axis, pp

@@ -37,7 +37,8 @@ class Plan:
     for chunks that fit neither (None: no disk tier).
 
     ``pp`` pipeline stages (``tessera.parallel.pipeline`` on torch.distributed.pipelining):
-    the decoder layers split evenly, or ``stage_layers`` per stage; ``microbatches`` per
+    the decoder layers split evenly, ``stage_layers`` per stage, or "balanced" by an estimate of
+    each layer's compute (the head counted on the last stage); ``microbatches`` per
     step (None: ``pp``; each dp replica's batch is cut into that many), ``schedule``
     "gpipe", "1f1b" or "interleaved" with ``virtual_stages`` stages per rank. ``sp``
     sequence parallel ranks (``sp_method`` "ring", zig-zag for causal, or "ulysses"); ZeRO
@@ -62,7 +63,7 @@ class Plan:
     microbatches: int | None = None
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    stage_layers: tuple[int, ...] | None = None
+    stage_layers: tuple[int, ...] | str | None = None
     sp: int = 1
     sp_method: str = "ring"
 
@@ -101,14 +102,18 @@ class Plan:
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(f"Plan.microbatches must be a positive integer or None, got {m!r}")
         counts = self.stage_layers
-        if counts is not None and (
-            not isinstance(counts, tuple)
-            or len(counts) != self.pp * self.virtual_stages
-            or not all(isinstance(c, int) and c >= 1 for c in counts)
+        if (
+            counts is not None
+            and counts != "balanced"
+            and (
+                not isinstance(counts, tuple)
+                or len(counts) != self.pp * self.virtual_stages
+                or not all(isinstance(c, int) and c >= 1 for c in counts)
+            )
         ):
             raise ValueError(
-                f"Plan.stage_layers must be a tuple of {self.pp * self.virtual_stages} positive layer counts "
-                f"(pp x virtual_stages), got {counts!r}"
+                f"Plan.stage_layers must be 'balanced' or a tuple of {self.pp * self.virtual_stages} positive "
+                f"layer counts (pp x virtual_stages), got {counts!r}"
             )
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"Plan.virtual_stages={self.virtual_stages} needs schedule='interleaved'")
