@@ -117,15 +117,24 @@ def _train_with_plan(args: argparse.Namespace) -> None:
     from tessera.runtime import spawn
     from tessera.train import gpt2_text
 
-    if args.dp is None and args.nproc % args.tp:
+    other = args.tp * args.pp * args.sp
+    if args.dp is None and args.nproc % other:
         raise UserError(
-            f"--nproc {args.nproc} is not a multiple of --tp {args.tp}: dp x tp must equal the processes"
+            f"--nproc {args.nproc} is not a multiple of --tp x --pp x --sp = {other}: "
+            "dp x pp x sp x tp must equal the processes"
         )
-    dp = args.dp if args.dp is not None else args.nproc // args.tp
+    dp = args.dp if args.dp is not None else args.nproc // other
+    pipeline = dict(
+        microbatches=args.microbatches, schedule=args.schedule, virtual_stages=args.virtual_stages
+    )
     try:
         plan = tessera.Plan(
             dp=dp,
             tp=args.tp,
+            pp=args.pp,
+            sp=args.sp,
+            sp_method=args.sp_method,
+            **(pipeline if args.pp > 1 else {}),
             zero=args.zero,
             precision=args.precision,
             grad_accum=args.grad_accum,
@@ -143,10 +152,9 @@ def _train_with_plan(args: argparse.Namespace) -> None:
         recipe = gpt2_text.GPT2TextRecipe(**overrides)
     except ValueError as exc:
         raise UserError(str(exc)) from None
-    if recipe.batch_size % (plan.dp * plan.grad_accum):
-        raise UserError(
-            f"batch size {recipe.batch_size} does not split into dp={plan.dp} x grad_accum={plan.grad_accum}"
-        )
+    split, name = (plan.num_microbatches, "microbatches") if plan.pp > 1 else (plan.grad_accum, "grad_accum")
+    if recipe.batch_size % (plan.dp * split):
+        raise UserError(f"batch size {recipe.batch_size} does not split into dp={plan.dp} x {name}={split}")
     out = Path(args.out)
     if not args.resume and (out / "checkpoint").exists():
         raise UserError(
@@ -162,7 +170,7 @@ def _train_with_plan(args: argparse.Namespace) -> None:
     last = summary["log"][-1] if summary["log"] else {}
     skipped = f"; {last['skipped_steps']} fp16 steps skipped" if "skipped_steps" in last else ""
     print(
-        f"trained {summary['steps_run']} steps of {gpt2_text.RECIPE_NAME} with dp={plan.dp} tp={plan.tp} "
+        f"trained {summary['steps_run']} steps of {gpt2_text.RECIPE_NAME} with dp={plan.dp} tp={plan.tp} pp={plan.pp} sp={plan.sp} "
         f"zero={plan.zero} in {time.perf_counter() - began:.1f}s; final loss {summary['final_loss']}{skipped}; "
         f"{last.get('tokens_per_s', 0):.0f} tokens/s, MFU {last.get('mfu', 0):.1%}, peak RSS {last.get('peak_rss_mib', 0):.0f} MiB (rank 0); "
         f"checkpoint: {out / 'checkpoint'}, HuggingFace export: {out / 'hf'}"
@@ -398,6 +406,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is ended")
     p.add_argument("--dp", type=_positive_int, help="data parallel degree (default: nproc / tp)")
     p.add_argument("--tp", type=_positive_int, default=1, help="tensor parallel degree")
+    p.add_argument("--pp", type=_positive_int, default=1, help="pipeline stages")
+    p.add_argument("--microbatches", type=_positive_int, help="pipeline micro-batches per step (default: pp)")
+    p.add_argument(
+        "--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"], help="pipeline schedule"
+    )
+    p.add_argument("--virtual-stages", type=_positive_int, default=1, help="stages per rank (interleaved)")
+    p.add_argument("--sp", type=_positive_int, default=1, help="sequence parallel degree")
+    p.add_argument(
+        "--sp-method", default="ring", choices=["ring", "ulysses"], help="sequence parallel attention"
+    )
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage over dp")
     p.add_argument("--grad-accum", type=_positive_int, default=1, help="micro-batches per step")
     p.add_argument("--max-grad-norm", type=float, help="clip the global gradient norm")

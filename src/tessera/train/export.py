@@ -1,7 +1,7 @@
 """Export a boosted model as a HuggingFace ``save_pretrained`` folder.
 
 Every rank takes part (the full tensors are gathered: stage 3 chunks over ``dp``, DTensor
-shards over ``tp``); one rank writes. Layout changes a tensor parallel plan made (GPT-2's
+shards over ``tp``, pipeline stages over ``pp``); one rank writes. Layout changes a tensor parallel plan made (GPT-2's
 Conv1D turned into Linear, its fused q|k|v rows reordered by rank) are undone, so the
 folder loads with the model class's own ``from_pretrained``. Written to a temporary folder
 and renamed into place: a crash never leaves a half-written export under the final name.
@@ -21,10 +21,13 @@ def full_state_dict(model: nn.Module, optimizer=None) -> dict[str, torch.Tensor]
     """Every parameter and buffer whole, in the model class's own layout (a collective)."""
     if optimizer is not None and getattr(optimizer, "plan", None) is not None and optimizer.plan.zero == 3:
         optimizer.engine.gather_all()
-    state = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        state[name] = full.detach().clone()
+    if hasattr(optimizer, "full_state"):  # pipelined: each stage's tensors from its ranks
+        state = optimizer.full_state()
+    else:
+        state = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+            state[name] = full.detach().clone()
     degree = getattr(model, "_tessera_gpt2_tp_degree", None)
     if degree is not None:
         state = gpt2_hf_layout(model, state, degree)

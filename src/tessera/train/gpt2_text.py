@@ -105,12 +105,11 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
     """One rank of a run (called under spawn or torchrun)."""
     from tqdm.auto import tqdm
 
-    from tessera.runtime import Mesh
-    from tessera.train.boost import boost
+    from tessera.train.boost import boost, plan_mesh
     from tessera.train.export import save_hf
     from tessera.train.sharded_checkpoint import load_sharded, save_sharded
 
-    mesh = Mesh(dp=plan.dp, tp=plan.tp)
+    mesh = plan_mesh(plan)
     text = corpus()
     model = build_model(recipe)
     params = sum(p.numel() for p in model.parameters())

@@ -59,6 +59,27 @@ class PipelinedOptimizer:
     def param_groups(self):
         return self.inner.param_groups
 
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer whole (a collective over the pipeline): each tensor
+        from the last pp rank holding it (a tied weight sits on two), zeros elsewhere, summed."""
+        state = self.model.state_dict(keep_vars=True)
+        me, kept = self.mesh.rank("pp"), set(map(id, self.engine.owner))
+        held = lambda t: id(t) in kept or not isinstance(t, nn.Parameter)  # noqa: E731 buffers: every rank
+        writer = torch.tensor([me if held(t) else -1 for t in state.values()], device=self.mesh.device)
+        self.mesh.comm.all_reduce(writer, "pp", op="max")
+        out = {}
+        for (name, t), w in zip(state.items(), writer.tolist(), strict=True):
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t
+            shape = self.param_shapes.get(name, list(full.shape))
+            value = (
+                full.detach().clone()
+                if me == w
+                else torch.zeros(shape, dtype=t.dtype, device=self.mesh.device)
+            )
+            self.mesh.comm.all_reduce(value, "pp")
+            out[name] = value
+        return out
+
     def _stage_loss(self, output, target):
         return self._loss.on_output(output, target)
 
