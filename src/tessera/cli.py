@@ -119,9 +119,10 @@ def _train_with_plan(args: argparse.Namespace) -> None:
 
     other = args.tp * args.pp * args.sp
     if args.dp is None and args.nproc % other:
+        given = [f"--{n} {getattr(args, n)}" for n in ("tp", "pp", "sp") if n == "tp" or getattr(args, n) > 1]
+        product = " x ".join(given) + (f" = {other}" if len(given) > 1 else "")
         raise UserError(
-            f"--nproc {args.nproc} is not a multiple of --tp x --pp x --sp = {other}: "
-            "dp x pp x sp x tp must equal the processes"
+            f"--nproc {args.nproc} is not a multiple of {product}: dp x pp x sp x tp must equal the processes"
         )
     dp = args.dp if args.dp is not None else args.nproc // other
     pipeline = dict(
@@ -169,8 +170,11 @@ def _train_with_plan(args: argparse.Namespace) -> None:
         summary = spawn(gpt2_text.train_rank, args.nproc, *call, timeout_s=args.timeout)[0]
     last = summary["log"][-1] if summary["log"] else {}
     skipped = f"; {last['skipped_steps']} fp16 steps skipped" if "skipped_steps" in last else ""
+    axes = f"dp={plan.dp} tp={plan.tp}" + "".join(
+        f" {n}={getattr(plan, n)}" for n in ("pp", "sp") if getattr(plan, n) > 1
+    )
     print(
-        f"trained {summary['steps_run']} steps of {gpt2_text.RECIPE_NAME} with dp={plan.dp} tp={plan.tp} pp={plan.pp} sp={plan.sp} "
+        f"trained {summary['steps_run']} steps of {gpt2_text.RECIPE_NAME} with {axes} "
         f"zero={plan.zero} in {time.perf_counter() - began:.1f}s; final loss {summary['final_loss']}{skipped}; "
         f"{last.get('tokens_per_s', 0):.0f} tokens/s, MFU {last.get('mfu', 0):.1%}, peak RSS {last.get('peak_rss_mib', 0):.0f} MiB (rank 0); "
         f"checkpoint: {out / 'checkpoint'}, HuggingFace export: {out / 'hf'}"

@@ -283,7 +283,8 @@ def test_tessera_train_runs_pipelined_and_sequence_parallel_like_one_process(tmp
             main(["train", "--recipe", "gpt2-text", "--steps", "4", "--out", str(tmp_path / name), *flags])
             == 0
         )
-    assert "pp=2 sp=1" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "with dp=1 tp=1 pp=2 zero=0" in out and "with dp=1 tp=1 sp=2 zero=0" in out
     one = load_file(tmp_path / "one" / "hf" / "model.safetensors")
     for name in ("pp", "sp"):
         other = load_file(tmp_path / name / "hf" / "model.safetensors")
