@@ -1,7 +1,7 @@
 """Pipeline-parallel training (tessera.parallel.pipeline on torch.distributed.pipelining):
 the loss and every parameter's gradient equal one process's on the whole batch, for GPT-2
 (head tied to the embedding across the first and last stage) and Llama, GPipe / 1F1B on 2
-ranks, interleaved 1F1B with 2 virtual stages per rank, 1F1B on 4 ranks, and a layer
+and 4 ranks, interleaved 1F1B with 2 virtual stages per rank on 2 and 4 ranks, and a layer
 count the stages do not divide.
 
 Tolerance 1e-5 relative: the micro-batches' gradients are averaged in another order than
@@ -90,7 +90,7 @@ CASES_2 = [
     ("llama", 4, "1f1b", 1),
     ("gpt2", 4, "interleaved", 2),
 ]
-CASES_4 = [("llama", 5, "1f1b", 1)]
+CASES_4 = [("llama", 5, "1f1b", 1), ("gpt2", 4, "gpipe", 1), ("gpt2", 8, "interleaved", 2)]
 CASES_DP = [("gpt2", 4, "1f1b", 1)]
 
 
