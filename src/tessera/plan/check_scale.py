@@ -44,12 +44,14 @@ def _node(row: CapacityRow) -> Node:
 
 
 def _shape(row: CapacityRow):
-    """The published model's shape: its ladder entry (or the ladder's one shape, scaled in depth)."""
-    if row.ladder and int(row.published) in row.ladder and float(row.published).is_integer():
-        return row.ladder[int(row.published)]
-    base = next(iter(row.ladder.values()))
-    layers = max(1, round(row.published * 1e9 / (12 * base.hidden**2)))
-    return gpt2_spec(f"{base.name}-{row.published}B", layers, base.hidden, base.heads)
+    """The published model's shape: its ladder entry, or (no ladder: Colossal-AI's figures do
+    not give the configs) a GPT-2 of GPT-2 small's width (768) below 0.5B and GPT-2 XL's
+    (1600) above, as deep as the published size needs."""
+    if row.ladder and row.published in row.ladder:
+        return row.ladder[row.published]
+    hidden, heads = (768, 12) if row.published < 0.5 else (1600, 25)
+    layers = max(1, round(row.published * 1e9 / (12 * hidden**2)))
+    return gpt2_spec(f"gpt2-{row.published}B", layers, hidden, heads)
 
 
 def capacity_check(row: CapacityRow) -> dict:

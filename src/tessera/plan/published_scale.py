@@ -137,7 +137,7 @@ def _ps_rows() -> list[CapacityRow]:
 def _cai_rows() -> list[CapacityRow]:
     """ColossalAI's single-GPU figures: the GPU is named, the host memory is not, so only the
     GPU-only (PyTorch) rows are predictable."""
-    gpt2 = {1: gpt2_spec("gpt2-xl-shape", 48, 1600, 25)}  # the figure's GPT-2 shape is not stated
+    gpt2 = None  # the figures do not give the GPT-2 configs: tessera.plan.check_scale picks a shape
     rows = []
     gpus = {"RTX 2060 6G": 6, "RTX 2080Ti 11G": 11, "RTX 3090 24G": 24, "V100 32G": 32}
     published = {
