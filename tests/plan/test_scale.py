@@ -181,3 +181,33 @@ def test_every_published_xdit_table_starts_serial():
     assert len(TABLES) == 9 and sum(len(t.rows) for t in TABLES) == 47
     assert all(t.rows[0][0].world_size == 1 for t in TABLES)
     assert [t.compiled for t in TABLES].count(True) == 1
+
+
+def test_host_seconds_fit_recovers_the_value_a_table_was_made_with(monkeypatch):
+    """A table whose 'published' seconds the simulator made with 10 us per op: the fit (a
+    2.5 us grid) finds 10 us, and the FLOPs-only column beside it misses the floor."""
+    from tessera.plan import check
+    from tessera.plan.devices import device_named
+    from tessera.plan.published import PublishedTable
+    from tessera.runtime.link import link_named
+
+    # 2048 tokens: a layer's kernels take ~1.4 ms on one H100 at 0.4 of peak, less than the
+    # host's 80 x 10 us = 0.8 ms on 2 and 4 ranks, so the floor decides those rows
+    spec = dataclasses.replace(
+        PRESETS["flux-dev"].with_tokens(2048), layers=4, host_ops_per_layer=80.0, decode_flops=0.0
+    )
+    monkeypatch.setitem(PRESETS, "flux-4-layers", spec)
+    hw = Hardware(
+        device=device_named("h100"), link=link_named("nvlink4"), efficiency=0.4, host_op_seconds=1e-5
+    )
+    configs = [ParallelConfig(), ParallelConfig(ulysses_degree=2), ParallelConfig(ulysses_degree=4)]
+    rows = tuple((c, predict_generate(spec, c, hw, steps=4, guidance=False).seconds) for c in configs)
+    table = PublishedTable(
+        name="made", model="flux-4-layers", device="h100", link="nvlink4", steps=4, guidance=False, rows=rows,
+        source="test",
+    )  # fmt: skip
+    assert check.fit_host_op_seconds(table) == pytest.approx(1e-5)
+    result = check.check_published(table, 1e-5)
+    # rows report seconds rounded to 0.1 ms, and these runs take ~10 ms: 1% is that rounding
+    assert result["within_20pct"] == 2 and max(abs(r["rel_error"]) for r in result["rows"]) < 1e-2
+    assert result["flops_only_within_20pct"] < 2  # without the floor, 4 ranks look 4x faster

@@ -29,7 +29,7 @@ One step (per GPU; t_c = the FLOPs at the calibrated efficiency):
 
 PatrickStar's benchmark runs with chunk moves synchronous (``ASYNC_MOVE=0``, the default of
 examples/run_transformers.sh), so its transfers add to the compute; ZeRO-Offload overlaps
-the gradient offload with the backward (Ren et al. 2021, §4.2).
+the gradient offload with the backward (Ren et al. 2021).
 
 PCIe bytes of a chunk system: the fp16 parameter chunks that do not fit move in for the
 forward and the backward and their gradients out (3 x 2 bytes), and every parameter whose
