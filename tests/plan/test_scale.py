@@ -51,6 +51,26 @@ def test_chunk_placement_is_14_bytes_a_parameter_over_gpu_and_cpu():
     assert placement(TINY, "chunk", 1, 16, two)["gpu"] == 2 * (500_000 - 2 * 1000)
 
 
+def test_patrickstar_budget_the_warm_up_iteration_bounds_the_model():
+    """PatrickStar's memory tracer gives chunks gpu_ratio of the GPU and cpu_ratio of the CPU,
+    but in the warm-up iteration only warmup_gpu_ratio of the GPU share: with half of each
+    memory and a tenth of that in warm-up, a 2 MB GPU holds 100,000 chunk bytes while warming
+    up (not the 953,968 its steady state leaves), so the CPU's half must hold the rest."""
+    from tessera.plan.hetero import PATRICKSTAR_BUDGET, ChunkBudget
+
+    budget = ChunkBudget(gpu_ratio=0.5, cpu_ratio=0.5, warmup_gpu_ratio=0.1)
+    cpu = 2 * (14 * P - 100_000)
+    node = Node(gpus=1, gpu_bytes=2_000_000, cpu_bytes=cpu, chunk_bytes=1000, budget=budget)
+    got = placement(TINY, "chunk", 1, 16, node)
+    assert got["gpu"] == 1_000_000 - (ACTS + 2000) and got["over"] == 0.0  # steady state: 953,968 on the GPU
+    assert capacity_params(TINY, "chunk", 1, 16, node) == pytest.approx(P)
+    assert not fits(TINY, "chunk", 1, 16, dataclasses.replace(node, cpu_bytes=cpu - 2))
+    assert (PATRICKSTAR_BUDGET.gpu_ratio, PATRICKSTAR_BUDGET.warmup_gpu_ratio) == (
+        0.8,
+        0.1,
+    )  # v0.4.3's benchmark
+
+
 def test_zero_offload_and_ddp_bytes():
     """ZeRO-Offload on ZeRO-3: fp16 param + grad (4 bytes) partitioned over the GPUs, fp32
     param, m, v + fp16 grad (14) and the activation checkpoints on the CPU; DDP: 22 bytes a

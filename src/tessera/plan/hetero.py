@@ -15,7 +15,9 @@ Model data per parameter of mixed-precision Adam (fp16 compute, fp32 master), N 
   chunk         14 in all, anywhere: fp16 param chunks (a gradient is      PatrickStar INSIDE.md
                 written into its parameter's chunk) 2, fp32 param, m, v 12;
                 the GPUs hold what their non-model data leaves (param chunks
-                first, optimizer chunks with what is left: "hybrid Adam")
+                first, optimizer chunks with what is left: "hybrid Adam"),
+                within the shares of ChunkBudget (PatrickStar v0.4.3's: 80% of
+                each memory, 10% of the GPU's share in the warm-up iteration)
 
 Non-model data on each GPU: activations with checkpointing (tessera.plan.training's
 formula, fp16) and, for the chunk systems, the chunks in flight (two chunks of every rank:
@@ -57,6 +59,27 @@ FLOPS_PER_PARAM_TOKEN = 8  # forward 2, backward 4, recompute 2: PatrickStar's o
 
 
 @dataclass(frozen=True, kw_only=True)
+class ChunkBudget:
+    """How much of each memory a chunk system lets its chunks use. PatrickStar's memory
+    tracer (patrickstar/core/memtracer/memtracer.py) gives chunks ``gpu_ratio`` of the GPU
+    (less the non-model data it traced) and ``cpu_ratio`` of the CPU, but during the warm-up
+    iteration's forward and backward only ``warmup_gpu_ratio`` of that GPU share, so the
+    warm-up must fit the rest in CPU memory; optimizer chunks go to the GPU with
+    ``margin_use_ratio`` of the GPU memory the fp16 chunks leave."""
+
+    gpu_ratio: float = 1.0
+    cpu_ratio: float = 1.0
+    warmup_gpu_ratio: float = 1.0
+    margin_use_ratio: float = 1.0
+
+
+# The config PatrickStar's benchmark ran with at v0.4.3, the version its figures name
+# (Tencent/PatrickStar@v0.4.3 examples/pretrain_bert_demo.py, "mem_tracer"; later versions'
+# examples/ps_config.py raise the first two to 0.9)
+PATRICKSTAR_BUDGET = ChunkBudget(gpu_ratio=0.8, cpu_ratio=0.8, warmup_gpu_ratio=0.1, margin_use_ratio=0.8)
+
+
+@dataclass(frozen=True, kw_only=True)
 class Node:
     """One machine: ``gpus`` devices of ``gpu_bytes`` each and a CPU memory shared by all."""
 
@@ -68,6 +91,7 @@ class Node:
     pcie_bandwidth: float = 1.0  # bytes/s per GPU, each direction
     cpu_bandwidth: float = 1.0  # bytes/s of the node's memory
     chunk_bytes: float = 2 * 64 * 2**20  # PatrickStar's default: 64 M fp16 elements
+    budget: ChunkBudget = ChunkBudget()  # the chunk system's shares of each memory
 
     def __post_init__(self) -> None:
         if self.gpus < 1 or self.gpu_bytes <= 0 or self.cpu_bytes < 0:
@@ -99,9 +123,18 @@ def placement(spec: TransformerSpec, system: str, batch: int, seq: int, node: No
         gpu, cpu = ZERO_OFFLOAD_GPU_BYTES * p, ZERO_OFFLOAD_CPU_BYTES * p
         cpu += n * spec.layers * 2 * seq * batch * spec.hidden  # the activation checkpoints
         return {"gpu": gpu, "cpu": cpu, "over": max(0.0, gpu - room) + max(0.0, cpu - node.cpu_bytes)}
+    steady, warmup, cpu = _chunk_rooms(spec, batch, seq, node)
     total = CHUNK_STATE_BYTES * p
-    gpu = min(total, room)
-    return {"gpu": gpu, "cpu": total - gpu, "over": max(0.0, total - gpu - node.cpu_bytes)}
+    gpu = min(total, steady)
+    return {"gpu": gpu, "cpu": total - gpu, "over": max(0.0, total - cpu - min(steady, warmup))}
+
+
+def _chunk_rooms(spec: TransformerSpec, batch: int, seq: int, node: Node) -> tuple[float, float, float]:
+    """Chunk bytes the GPUs hold in steady state and in the warm-up iteration, and the CPU's."""
+    b, n = node.budget, node.gpus
+    share = b.gpu_ratio * node.gpu_bytes
+    steady = n * max(0.0, share - non_model_bytes(spec, "chunk", batch, seq, node))
+    return steady, n * b.warmup_gpu_ratio * share, b.cpu_ratio * node.cpu_bytes
 
 
 def fits(spec: TransformerSpec, system: str, batch: int, seq: int, node: Node) -> bool:
@@ -117,7 +150,8 @@ def capacity_params(spec: TransformerSpec, system: str, batch: int, seq: int, no
     if system == "zero-offload":
         ckpt = n * spec.layers * 2 * seq * batch * spec.hidden
         return min(room / ZERO_OFFLOAD_GPU_BYTES, max(0.0, node.cpu_bytes - ckpt) / ZERO_OFFLOAD_CPU_BYTES)
-    return (room + node.cpu_bytes) / CHUNK_STATE_BYTES
+    steady, warmup, cpu = _chunk_rooms(spec, batch, seq, node)
+    return (cpu + min(steady, warmup)) / CHUNK_STATE_BYTES
 
 
 def step_seconds(
@@ -138,7 +172,8 @@ def step_seconds(
         return {"compute": compute, "pcie": pcie / node.pcie_bandwidth, "cpu_adam": ADAM_BYTES * p / node.cpu_bandwidth, "gpu_adam": 0.0}  # fmt: skip
     room = placement(spec, system, batch, seq, node)["gpu"]
     params_off = max(0.0, PARAM_CHUNK_BYTES * p - room) / PARAM_CHUNK_BYTES  # elements
-    os_gpu = min(p, max(0.0, room - PARAM_CHUNK_BYTES * p) / OPTIMIZER_BYTES)  # elements
+    margin = node.budget.margin_use_ratio * max(0.0, room - PARAM_CHUNK_BYTES * p)
+    os_gpu = min(p, margin / OPTIMIZER_BYTES)  # elements
     os_cpu = p - os_gpu
     pcie = (3 * PARAM_CHUNK_BYTES * params_off + 2 * PARAM_CHUNK_BYTES * os_cpu) / n
     return {

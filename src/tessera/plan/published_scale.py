@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tessera.plan.hetero import Node
+from tessera.plan.hetero import PATRICKSTAR_BUDGET, Node
 from tessera.plan.model_spec import TransformerSpec, gpt2_spec
 
 GB, GIB = 1e9, 2**30
@@ -42,11 +42,11 @@ CAI_ASSETS = "hpcaitech/public_assets colossalai/img"
 # ~70% = 180 GB/s is assumed.
 V100_NODE = Node(
     gpus=8, gpu_bytes=32 * GIB, cpu_bytes=240 * GB, gpu_flops=125e12, gpu_bandwidth=900 * GB,
-    pcie_bandwidth=12.6 * GB, cpu_bandwidth=180 * GB,
+    pcie_bandwidth=12.6 * GB, cpu_bandwidth=180 * GB, budget=PATRICKSTAR_BUDGET,
 )  # fmt: skip
 A100_NODE = Node(
     gpus=8, gpu_bytes=40 * GIB, cpu_bytes=1000 * GB, gpu_flops=312e12, gpu_bandwidth=1555 * GB,
-    pcie_bandwidth=25 * GB, cpu_bandwidth=287 * GB,
+    pcie_bandwidth=25 * GB, cpu_bandwidth=287 * GB, budget=PATRICKSTAR_BUDGET,
 )  # fmt: skip
 HOST_ASSUMPTIONS = (
     "not stated by the source, assumed: PCIe 12.6 GB/s (V100, Gen3) / 25 GB/s (A100, Gen4) per GPU; "
@@ -126,7 +126,7 @@ def _ps_rows() -> list[CapacityRow]:
     rows.append(CapacityRow(
         group="PatrickStar, 4 SuperPod nodes (32xA100-40GB + 4 TB CPU)", label="pstar-32-gpu GPT3-175B",
         system="chunk", gpus=32, published=175, next_size=None,
-        node=Node(gpus=32, gpu_bytes=40 * GIB, cpu_bytes=4000 * GB), ladder={175: gpt2_spec(
+        node=Node(gpus=32, gpu_bytes=40 * GIB, cpu_bytes=4000 * GB, budget=PATRICKSTAR_BUDGET), ladder={175: gpt2_spec(
             "gpt3-175b", 96, 12288, 96, tokens=1024, positions=1024)},
         source=f"{PS} README ('GPT3-175B on 32 GPU') + doc/m_node_superpod.png",
         note="a trained size, not a stated maximum",
