@@ -133,6 +133,10 @@ CASES_4 = [
     ("llama", 2, "sgd", dict(dp=2, sp=2, zero=1, sp_method="ring", chunk_mib=0.01, max_grad_norm=0.5)),
     ("llama", 2, "adamw", dict(dp=2, sp=2, zero=3, sp_method="ulysses", chunk_mib=0.01)),
 ]
+CASES_SP_NORMS = [
+    ("llama", 2, "sgd", dict(dp=1, tp=2, sequence_parallel_norms=True, max_grad_norm=0.5)),
+    ("llama", 2, "adamw", dict(dp=1, tp=2, zero=1, sequence_parallel_norms=True, chunk_mib=0.01)),
+]
 CASES_8 = [("llama", 2, "sgd", dict(dp=2, pp=2, tp=2, microbatches=2, max_grad_norm=0.5))]
 
 
@@ -171,6 +175,7 @@ def test_microbatches_that_do_not_divide_the_batch_are_refused():
         (dict(pp=2, schedule="zigzag"), r"Plan.schedule must be one of"),
         (dict(sp=2, sp_method="stripes"), r"Plan.sp_method must be one of"),
         (dict(sp=2, tp=2), r"Plan\(sp=2\) with tp=2 is not supported yet"),
+        (dict(sequence_parallel_norms=True), r"it needs tp > 1 \(got tp=1\)"),
     ],
 )
 def test_bad_pipeline_and_sequence_settings_are_refused(kwargs, match):
@@ -310,3 +315,29 @@ def test_tessera_train_runs_pipelined_and_sequence_parallel_like_one_process(tmp
         == 2
     )
     assert "does not split into dp=1 x microbatches=3" in capsys.readouterr().err
+
+
+def _norm_input_worker():
+    """The tokens a norm sees on each rank under sequence_parallel_norms (and without)."""
+    seen = []
+    for on in (True, False):
+        model = _model("llama", 2)
+        model, opt = tessera.boost(
+            model, _optimizer(model, "sgd"), tessera.Plan(tp=2, sequence_parallel_norms=on)
+        )
+        norm = model.model.layers[1].post_attention_layernorm
+        hook = norm.register_forward_pre_hook(
+            lambda m, args: seen.append(
+                (args[0].to_local() if hasattr(args[0], "to_local") else args[0]).shape[1]
+            )
+        )
+        opt.train_step(_batches()[0], causal_lm_loss)
+        hook.remove()
+    return seen
+
+
+def test_sequence_parallel_norms_equal_one_process_and_see_half_the_sequence():
+    """Megatron-style sequence parallel: losses and parameters as one process (tolerances
+    above), and each tp rank's norms run on half of the 12 tokens."""
+    _check(CASES_SP_NORMS, spawn(_worker, 2, CASES_SP_NORMS, timeout_s=600))
+    assert spawn(_norm_input_worker, 2) == [[SEQ // 2, SEQ]] * 2

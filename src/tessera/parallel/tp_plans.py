@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from tessera.models.dit import DiT
-from tessera.parallel.tp_styles import Style, lookup
+from tessera.parallel.tp_styles import STYLES, Style, lookup
 
 
 @dataclass(frozen=True)
@@ -244,12 +244,19 @@ def _check_config_heads(model: nn.Module, plan: TPPlan, degree: int) -> None:
 
 
 def apply_tp(
-    model: nn.Module, plan: TPPlan, device_mesh, degree: int, *, src_data_rank: int | None = 0
+    model: nn.Module,
+    plan: TPPlan,
+    device_mesh,
+    degree: int,
+    *,
+    src_data_rank: int | None = 0,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place over ``device_mesh`` (1-D, size ``degree``) by ``plan``.
     ``src_data_rank`` as torch's ``parallelize_module``: the tp rank whose weights every rank
     takes (scattered from it), or None when every rank already holds the same whole model and
-    takes its own slice without communicating."""
+    takes its own slice without communicating. ``sequence_parallel``: the activations
+    between the blocks sharded on the sequence (``tessera.parallel.tp_sequence``)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     _check_config_heads(model, plan, degree)
@@ -258,7 +265,13 @@ def apply_tp(
     resolved = _resolve(model, plan, degree)
     head_modules = _head_modules(model, plan, degree)
     tied = _tied_pairs(model)
-    styles = {path: style.build() for path, style in resolved.items()}
+    if sequence_parallel:
+        from tessera.parallel.tp_sequence import sequence_parallel_styles
+
+        names = {id(style): name for name, style in STYLES.items()}
+        styles = sequence_parallel_styles(model, {path: names[id(s)] for path, s in resolved.items()})
+    else:
+        styles = {path: style.build() for path, style in resolved.items()}
     parallelize_module(model, device_mesh, styles, src_data_rank=src_data_rank)
     for module, attribute in head_modules:
         setattr(module, attribute, getattr(module, attribute) // degree)

@@ -263,7 +263,9 @@ def boost(
     model.to(mesh.device)  # in place: the optimizer's parameters stay the model's
     if plan.tp > 1:
         tp_plan = tp_plan or plan_for(model)
-        apply_tp(model, tp_plan, mesh.device_mesh["tp"], plan.tp)
+        apply_tp(
+            model, tp_plan, mesh.device_mesh["tp"], plan.tp, sequence_parallel=plan.sequence_parallel_norms
+        )
     else:
         tp_plan = None
     _same_start(model, mesh)

@@ -42,7 +42,9 @@ class Plan:
     step (None: ``pp``; each dp replica's batch is cut into that many), ``schedule``
     "gpipe", "1f1b" or "interleaved" with ``virtual_stages`` stages per rank. ``sp``
     sequence parallel ranks (``sp_method`` "ring", zig-zag for causal, or "ulysses"); ZeRO
-    then shards over the dp x sp ranks, as DeepSpeed-Ulysses does. World size: dp x pp x sp x tp."""
+    then shards over the dp x sp ranks, as DeepSpeed-Ulysses does. ``sequence_parallel_norms``
+    (with tp > 1): Megatron-style, the norms and residuals between tensor-parallel regions run
+    on each tp rank's slice of the sequence (``tessera.parallel.tp_sequence``). World size: dp x pp x sp x tp."""
 
     dp: int = 1
     tp: int = 1
@@ -66,6 +68,7 @@ class Plan:
     stage_layers: tuple[int, ...] | str | None = None
     sp: int = 1
     sp_method: str = "ring"
+    sequence_parallel_norms: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp", "tp", "pp", "sp", "virtual_stages", "grad_accum", "loss_scale_growth_interval"):
@@ -82,7 +85,7 @@ class Plan:
             raise ValueError(f"Plan.chunk_mib must be > 0, got {self.chunk_mib!r}")
         if not self.loss_scale_init > 0:
             raise ValueError(f"Plan.loss_scale_init must be > 0, got {self.loss_scale_init!r}")
-        for name in ("block_chunks", "activation_checkpointing"):
+        for name in ("block_chunks", "activation_checkpointing", "sequence_parallel_norms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Plan.{name} must be True or False, got {getattr(self, name)!r}")
 
@@ -143,6 +146,11 @@ class Plan:
             )
 
     def _check_sequence(self) -> None:
+        if self.sequence_parallel_norms and (self.tp == 1 or self.pp > 1):
+            raise ValueError(
+                f"Plan(sequence_parallel_norms=True) shards the activations between tensor-parallel regions: "
+                f"it needs tp > 1 (got tp={self.tp}) and pp=1 (got pp={self.pp})"
+            )
         if self.sp_method not in SP_METHODS:
             raise ValueError(f"Plan.sp_method must be one of {SP_METHODS}, got {self.sp_method!r}")
         if self.sp == 1:
