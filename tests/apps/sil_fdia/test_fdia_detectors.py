@@ -1,8 +1,13 @@
-"""The detectors, end to end on a small deployment: each beats chance on the attacks its
-evidence can see, on a held-out test day (deterministic: the plan is seeded).
+"""The detectors, end to end on a simulated deployment: each beats chance on the attacks its
+evidence can see, alarms hold on held-out clean nights, and fusion is not worse than its
+better half (deterministic: everything is seeded).
 
-Small plan: 3 lamps, 2 clean days, 1 fusion day, 1 test day, 30 s of audio per night
-interval, a busy night (1500 insects) so that 30 s of listening hears a few zaps.
+Seconds, not minutes: the recorder is replaced by counts drawn the way the zap detector
+errs at 15 dB on whole 10-min intervals (measured on the benchmark's development seed 0):
+dry, each zap heard with probability 0.985 and ~0.02 false zaps an interval; in rain,
+0.93 and 12 x (1 - intensity) raindrops passing for zaps, the recorder rejecting
+47 - 14 x intensity onsets a second. The audio itself is tested in test_fdia_audio and by
+the quick benchmark (tests/bench/test_bench_fdia.py).
 """
 
 import math
@@ -10,22 +15,59 @@ import math
 import numpy as np
 import pytest
 
-from tessera.apps.sil_fdia.detectors import COUNT_KINDS
-from tessera.apps.sil_fdia.experiment import ExperimentPlan, run_experiment
+from tessera.apps.sil_fdia.detectors import Context
+from tessera.apps.sil_fdia.experiment import ExperimentPlan, _sim, run_experiment
+from tessera.apps.sil_fdia.sound import Heard, Listening, fit_sound
+from tessera.apps.sil_fdia.telemetry_detect import fit_calibration
 
-PLAN = ExperimentPlan(
-    num_lamps=3, train_days=2, fusion_days=1, test_days=1, listen_night_s=30.0, listen_day_s=2.0,
-    scenarios_per_kind=1, targets=1, insects_per_night=1500.0, workers=1, seed=3,
-)  # fmt: skip
+# seed 0 and calibration seeds 21, 24-26: rain on a test night (day 5, 0.47) and on calibration
+# nights both heavier (0.92, 0.62) and about as light (0.51)
+PLAN = ExperimentPlan(seed=0, sound_seeds=(21, 24, 25, 26), scenarios_per_kind=2)
+
+
+def recorder(dep, seed: int, days: range) -> Heard:
+    rng = np.random.default_rng([seed, 9])
+    rain = np.broadcast_to(dep.weather["rain_now"], dep.true_kills.shape)
+    wet = rain > 0
+    kills = dep.true_kills.astype(int)
+    counts = rng.binomial(kills, np.where(wet, 0.93, 0.985)) + rng.poisson(
+        np.where(wet, 12 * (1 - rain) + 0.5, 0.02)
+    )
+    per_day = dep.config.intervals_per_day
+    listened = np.zeros(kills.shape, dtype=bool)
+    listened[:, days.start * per_day : days.stop * per_day] = True
+    # by day the recorder keeps a thirtieth of each interval (20 s of 600): thin its counts
+    day = ~dep.night_mask()[None, :]
+    counts = np.where(day, rng.binomial(counts, 1 / 30), counts)
+    rejected = np.where(wet, 47 - 14 * rain, 0.02)
+    nan = np.where(listened, 0.0, np.nan)
+    return Heard(counts + nan, rejected + nan, np.zeros(kills.shape) + nan)
+
+
+def synthetic_context(plan: ExperimentPlan) -> Context:
+    dep = _sim(plan, plan.seed, plan.num_lamps, plan.days)
+    listen = Listening(night_s=plan.listen_night_s, day_s=plan.listen_day_s)
+    pool = []
+    for seed in plan.sound_seeds:
+        other = _sim(plan, seed, plan.sound_lamps, plan.sound_nights)
+        pool.append((other, recorder(other, seed, range(plan.sound_nights))))
+    heard = recorder(dep, plan.seed, range(plan.days - plan.test_days, plan.days))
+    calib = fit_calibration(dep, dep.telemetry, slice(0, plan.train_days))
+    return Context(dep, calib, heard, listen, fit_sound(pool, listen), pool)
 
 
 @pytest.fixture(scope="module")
 def result():
-    return run_experiment(PLAN, progress=False)
+    return run_experiment(PLAN, progress=False, ctx=synthetic_context(PLAN))
 
 
 def _auc(result, kind, detector):
     return result["results"][kind]["detectors"][detector]["auc"]
+
+
+def test_the_plan_tests_rain(result):
+    ctx = result["context"]
+    assert ctx.heard.rainy().any() and ctx.sound.rain is not None  # rain under test and in calibration
 
 
 @pytest.mark.parametrize("kind", ["battery", "daytime", "zero", "scale"])
@@ -34,9 +76,9 @@ def test_telemetry_physics_sees_what_breaks_physics(result, kind):
     assert _auc(result, kind, "telemetry") > 0.75
 
 
-@pytest.mark.parametrize("kind", ["zero", "scale", "stealthy"])
+@pytest.mark.parametrize("kind", ["zero", "scale", "stealthy", "replay"])
 def test_sound_hears_what_the_counts_hide(result, kind):
-    assert _auc(result, kind, "sound") > 0.6
+    assert _auc(result, kind, "sound") > 0.8
 
 
 def test_sound_cannot_see_a_battery_spoof(result):
@@ -45,31 +87,23 @@ def test_sound_cannot_see_a_battery_spoof(result):
     assert _auc(result, "battery", "sound") < 0.65
 
 
-def _fused_ok(res) -> tuple[bool, dict]:
-    aucs = {name: det["auc"] for name, det in res["detectors"].items()}
-    return aucs["fused"] > 0.5 and aucs["fused"] > max(aucs["telemetry"], aucs["sound"]) - 0.2, aucs
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: the fusion, fitted on one night, underweights sound for the stealthy "
-    "attack on this small plan (fused 0.49 vs sound 0.70, telemetry 0.46); docs/fdia.md",
-)
-def test_fused_is_not_worse_than_its_better_detector_on_stealthy(result):
-    ok, aucs = _fused_ok(result["results"]["stealthy"])
-    assert ok, aucs
-
-
-def test_fused_beats_chance_everywhere_and_alarms_on_battery(result):
+def test_fused_is_not_worse_than_its_better_detector(result):
     for kind, res in result["results"].items():
-        if kind == "stealthy":  # the known defect above, tested apart so it stays visible
-            continue
         aucs = {name: det["auc"] for name, det in res["detectors"].items()}
         assert aucs["fused"] > 0.5, kind
-        # fusing with a detector that sees nothing costs something, never everything
-        assert aucs["fused"] > max(aucs["telemetry"], aucs["sound"]) - 0.2, (kind, aucs)
+        # adding a detector that sees nothing costs something, never everything
+        assert aucs["fused"] > max(aucs["telemetry"], aucs["sound"]) - 0.15, (kind, aucs)
     delays = result["results"]["battery"]["detectors"]["telemetry"]["delays_min"]
     assert any(math.isfinite(d) for d in delays)
+
+
+def test_thresholds_hold_on_the_held_out_clean_nights(result):
+    # set for 1% of clean night intervals on other nights (telemetry: the calibration days;
+    # sound: the calibration deployments); on the test nights with no attack anywhere
+    # (4 lamps x 2 nights, whole nights at a time since the score accumulates) 4% is the
+    # target plus that clustering's sampling noise, and the ~30% of the first version is far
+    rates = result["clean_false_alarms"]
+    assert max(rates.values()) <= 0.04, rates
 
 
 def test_scores_are_finite_and_labels_cover_both_classes(result):
@@ -78,12 +112,3 @@ def test_scores_are_finite_and_labels_cover_both_classes(result):
             assert (run["y"] == 1).any() and (run["y"] == 0).any()
             for values in score.values():
                 assert np.all(np.isfinite(values))
-
-
-def test_sound_threshold_holds_on_the_held_out_night(result):
-    # the sound's threshold is set for 1% false alarms on the pooled clean nights (days 0-2);
-    # on the held-out night's clean intervals (3 lamps x ~66 night intervals: a binomial sd of
-    # ~0.7 points at 1%) it may drift with that night's weather, but must not ring on half of
-    # them as the single-night threshold did: <= 5% is 1% plus ~5 sd of sampling noise
-    rates = [result["results"][kind]["detectors"]["sound"]["false_alarm_rate"] for kind in COUNT_KINDS]
-    assert np.mean(rates) <= 0.05, rates

@@ -103,60 +103,44 @@ def detect_audio(path: str, plot: str | None) -> str:
 
 
 def detect_command(args) -> str:
-    """Train the detectors on a small deployment and score the given attack on its test days."""
+    """Fit the detectors on a small deployment's clean days and score the given attack on its test day."""
     if args.audio:
         return detect_audio(args.audio, args.plot)
-    from tessera.apps.sil_fdia.detectors import (
-        DETECTORS,
-        auc,
-        clean_inputs,
-        delays_min,
-        fit_detectors,
-        scenario,
-        score,
-        sound_threshold,
-    )
-    from tessera.apps.sil_fdia.experiment import ExperimentPlan, build_context, random_attack
+    from tessera.apps.sil_fdia.detectors import DETECTORS, auc, delays_min, fit_detectors, scenario
+    from tessera.apps.sil_fdia.experiment import ExperimentPlan, build_context
     from tessera.apps.sil_fdia.plots import plot_telemetry
 
     if not args.attack:
         raise ValueError("fdia detect needs --attack KIND (or --audio FILE.wav)")
-    plan = ExperimentPlan(num_lamps=args.lamps, train_days=2, fusion_days=1, test_days=1, seed=args.seed,
+    plan = ExperimentPlan(num_lamps=args.lamps, train_days=2, calib_days=1, test_days=1, seed=args.seed,
                           snr_db=args.snr_db, listen_night_s=args.listen_s, listen_day_s=10.0, scenarios_per_kind=1,
-                          targets=1, workers=1)  # fmt: skip
+                          targets=1, workers=1, sound_seeds=(args.seed + 101, args.seed + 102),
+                          sound_nights=1)  # fmt: skip
     test_h = (24.0 * 3, 24.0 * 4)
     if not (test_h[0] <= args.start_h < args.end_h <= test_h[1]):
         raise ValueError(
             f"attack window {args.start_h} h to {args.end_h} h is outside the test day {test_h[0]:g} h to {test_h[1]:g} h "
-            "(days 0-1 are clean training, day 2 trains the fusion)"
+            "(days 0-1 fit the telemetry's constants, day 2 its clean scores)"
         )
-    ctx = build_context(plan)
-    check_lamps(ctx.dep, parse_lamps(args.targets))
-    per_day = ctx.dep.config.intervals_per_day
-    rng = np.random.default_rng(args.seed)
-    from tessera.apps.sil_fdia.attacks import KINDS
-
-    fusion_span, test_span = slice(2 * per_day, 3 * per_day), slice(3 * per_day, 4 * per_day)
-    train = [
-        scenario(ctx, random_attack(k, range(2, 3), plan.num_lamps, 1, rng, 7), fusion_span) for k in KINDS
-    ]
-    models = fit_detectors(clean_inputs(ctx, fusion_span), train)
     attack = Attack(kind=args.attack, start_h=args.start_h, end_h=args.end_h, lamps=parse_lamps(args.targets),
                     magnitude=args.magnitude, seed=args.seed)  # fmt: skip
-    sc = scenario(ctx, attack, slice(0, ctx.dep.config.num_intervals))
-    scores = score(models, sc)
-    thr = {n: float(np.quantile(score(models, train[0])[n][train[0]["y"] == 0], 0.99)) for n in DETECTORS}
-    thr["sound"] = sound_threshold(ctx, models, 0.01)
+    ctx = build_context(plan)
+    check_lamps(ctx.dep, attack.lamps)
+    per_day = ctx.dep.config.intervals_per_day
+    models = fit_detectors(ctx, slice(2 * per_day, 3 * per_day), plan.false_alarm_rate)
+    test_span = slice(3 * per_day, 4 * per_day)
+    sc = scenario(ctx, attack, test_span)
+    scores = models.score(sc["x"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tel, changed = apply_attack(ctx.dep, attack)
-    window = (attack.start_h, attack.end_h)
-    plot_telemetry(ctx.dep, tel, changed, attack.lamps[0], out / "detect.png", scores, window)
+    plot_telemetry(
+        ctx.dep, tel, changed, attack.lamps[0], out / "detect.png", scores, (attack.start_h, attack.end_h)
+    )
     parts = []
     for n in DETECTORS:
-        y = sc["y"][:, test_span]
-        delay = delays_min(sc, scores[n], thr[n], ctx.dep.config.interval_s)
+        delay = delays_min(sc, scores[n], models.thresholds[n], ctx.dep.config.interval_s)
         parts.append(
-            f"{n} AUC {auc([scores[n][:, test_span]], [y]):.3f}, first alarm after {delay[0] if delay else float('nan'):g} min"
+            f"{n} AUC {auc([scores[n]], [sc['y']]):.3f}, first alarm after {delay[0] if delay else float('nan'):g} min"
         )
     return f"{attack.kind} on lamps {attack.lamps}: " + "; ".join(parts) + f"; wrote {out / 'detect.png'}"

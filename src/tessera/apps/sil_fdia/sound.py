@@ -18,7 +18,7 @@ import numpy as np
 from tessera.apps.sil_fdia.audio import Weather, synthesize
 from tessera.apps.sil_fdia.config import AudioConfig
 from tessera.apps.sil_fdia.simulate import Deployment
-from tessera.apps.sil_fdia.zaps import detect_zaps
+from tessera.apps.sil_fdia.zaps import listen as hear_clip
 
 SOUND_NAMES = ("sound_z", "sound_abs_z", "sound_z_ewma", "sound_abs_z_ewma")
 
@@ -73,99 +73,178 @@ def interval_audio(
     return clip, times
 
 
+@dataclass
+class Heard:
+    """(lamps, intervals) what the recorder made of each interval listened to (NaN elsewhere):
+    zaps counted, onsets rejected per second (rain clicks) and the zap band's floor (dB)."""
+
+    counts: np.ndarray
+    rejected: np.ndarray
+    level: np.ndarray
+
+    def rainy(self) -> np.ndarray:
+        """Intervals in which the recorder hears rain: raindrops are many rejected onsets a
+        second (tens), a dry night's hum and wind well under one."""
+        return np.nan_to_num(self.rejected) > RAIN_REJECTED_PER_S
+
+
+RAIN_REJECTED_PER_S = 5.0
+# the variance's floors (a, b): a fit on few intervals can come out near 0 or negative, and
+# a model that thinks one miss impossible calls every miss an attack (a: half a zap's sd)
+VAR_FLOOR = (0.25, 0.02)
+
+
 def _heard_lamp(dep: Deployment, lamp: int, intervals: np.ndarray, audio: AudioConfig, listen: Listening):
     night = dep.night_mask()
-    out = np.full(intervals.size, np.nan)
+    out = np.full((3, intervals.size), np.nan)
     for i, k in enumerate(intervals):
         seconds = listen.night_s if night[k] else listen.day_s
         clip, _ = interval_audio(dep, lamp, int(k), audio, seconds)
-        out[i] = detect_zaps(clip, audio.sample_rate).size
+        times, rejected, level = hear_clip(clip, audio.sample_rate)
+        out[:, i] = times.size, rejected, level
     return out
 
 
 def heard_counts(
     dep: Deployment, audio: AudioConfig, listen: Listening, intervals: np.ndarray, workers: int = 1
-) -> np.ndarray:
-    """(lamps, intervals) zaps heard (NaN for intervals not listened to)."""
-    heard = np.full(dep.true_kills.shape, np.nan)
-    jobs = [(dep, lamp, intervals, audio, listen) for lamp in range(dep.config.num_lamps)]
+) -> Heard:
+    """What the recorder hears at every lamp in ``intervals`` (NaN for intervals not listened to)."""
+    return hear_many([(dep, audio, intervals)], listen, workers)[0]
+
+
+def hear_many(
+    jobs: list[tuple[Deployment, AudioConfig, np.ndarray]], listen: Listening, workers: int = 1
+) -> list[Heard]:
+    """``heard_counts`` of several deployments, their lamps spread over ``workers`` processes."""
+    flat = [(dep, lamp, intervals, audio, listen) for dep, audio, intervals in jobs
+            for lamp in range(dep.config.num_lamps)]  # fmt: skip
     if workers > 1:
         with ProcessPoolExecutor(workers) as pool:
-            results = list(pool.map(_heard_lamp, *zip(*jobs, strict=True)))
+            results = iter(list(pool.map(_heard_lamp, *zip(*flat, strict=True))))
     else:
-        results = [_heard_lamp(*job) for job in jobs]
-    for lamp, counts in enumerate(results):
-        heard[lamp, intervals] = counts
-    return heard
+        results = iter([_heard_lamp(*job) for job in flat])
+    out = []
+    for dep, _, intervals in jobs:
+        heard = np.full((3, *dep.true_kills.shape), np.nan)
+        for lamp in range(dep.config.num_lamps):
+            heard[:, lamp, intervals] = next(results)
+        out.append(Heard(*heard))
+    return out
 
 
 @dataclass
-class SoundCalibration:
-    """heard ~ gain * (reported kills in the recorded part) + false per second;
-    variance ~ a + b * expected + c * expected**2.
+class CountModel:
+    """heard ~ gain * (reported kills in the recorded part) + false(r) per second, r the
+    onsets rejected per second (in rain: raindrops, fewer as the floor rises with heavier
+    rain); variance ~ a + b e + c e^2 at e expected zaps.
 
-    b is the count noise that grows like a Poisson's (misses and false zaps one by one, and
-    the thinning when only part of an interval is recorded); c is the night-to-night part
-    that grows with the count itself: rain or wind lowers the zap detector's recall for a
-    whole spell, so a busy rainy interval misses several zaps at once. Without c a scale
-    fitted on one dry night calls every busy rainy interval an attack.
+    b is the count noise that grows like a Poisson's (misses and false zaps one by one, the
+    thinning of a partial recording); c the part that grows with the count itself (a
+    night's wind or a spell's rain moving the recall for many zaps at once).
     """
 
     gain: float
     false_per_s: float
+    false_per_s_per_rejected: float  # 0 in the dry class
+    ref_rejected: float
     var_a: float
     var_b: float
     var_c: float
+    intervals: int  # clean intervals it was fitted on
+    # the rejected onsets per second it was fitted on (+-1): it does not speak beyond them
+    rejected_range: tuple[float, float] = (-np.inf, np.inf)
+
+    def covers(self, rejected: np.ndarray) -> np.ndarray:
+        r = np.nan_to_num(rejected)
+        return (r >= self.rejected_range[0]) & (r <= self.rejected_range[1])
+
+    def expected(self, x: np.ndarray, seconds: np.ndarray, rejected: np.ndarray) -> np.ndarray:
+        rate = self.false_per_s + self.false_per_s_per_rejected * (
+            np.nan_to_num(rejected) - self.ref_rejected
+        )
+        return self.gain * x + np.maximum(rate, 0.0) * seconds
+
+    def spread(self, expected: np.ndarray) -> np.ndarray:
+        return np.sqrt(self.var_a + self.var_b * expected + self.var_c * expected**2)
 
 
-def _recorded_share(dep: Deployment, listen: Listening) -> np.ndarray:
-    night = dep.night_mask()
-    return np.where(night, listen.night_s, listen.day_s) / dep.config.interval_s, np.where(
-        night, listen.night_s, listen.day_s
+@dataclass
+class SoundCalibration:
+    """A count model for intervals in which the recorder hears no rain and one for those in
+    which it does (None: too few rainy calibration intervals; rain then, and rain heavier or
+    lighter than any calibration night's, carries no sound evidence). Raindrops click in the zap's band: at 15 dB light rain passes for 4-8 zaps
+    an interval, heavy rain fewer but hides some, so one model for both calls every rainy
+    interval an attack and a rainy count is worth a few times less than a dry one."""
+
+    dry: CountModel
+    rain: CountModel | None
+    rain_intervals: int  # clean rainy intervals seen in calibration
+
+
+MIN_RAIN_INTERVALS = 40
+
+
+def _recorded(dep: Deployment, listen: Listening) -> tuple[np.ndarray, np.ndarray]:
+    """Per interval: the share of it recorded and the seconds recorded."""
+    seconds = np.where(dep.night_mask(), listen.night_s, listen.day_s)
+    return seconds / dep.config.interval_s, seconds
+
+
+def _fit_counts(
+    x: np.ndarray, s: np.ndarray, heard: np.ndarray, rejected: np.ndarray | None = None
+) -> CountModel:
+    ref = float(np.mean(rejected)) if rejected is not None else 0.0
+    cols = [x, s] + ([s * (rejected - ref)] if rejected is not None else [])
+    coef, *_ = np.linalg.lstsq(np.column_stack(cols), heard, rcond=None)
+    per_rejected = float(coef[2]) if rejected is not None else 0.0
+    model = CountModel(
+        float(coef[0]), float(coef[1]), per_rejected, ref, VAR_FLOOR[0], VAR_FLOOR[1], 0.0, int(x.size)
     )
-
-
-def fit_sound(
-    dep: Deployment, tel: dict, heard: np.ndarray, listen: Listening, clean: np.ndarray
-) -> SoundCalibration:
-    share, seconds = _recorded_share(dep, listen)
-    mask = clean & np.isfinite(heard)
-    x = (tel["kills"] * share)[mask]
-    s = np.broadcast_to(seconds, heard.shape)[mask]
-    (gain, false_per_s), *_ = np.linalg.lstsq(np.column_stack([x, s]), heard[mask], rcond=None)
-    expected = gain * x + false_per_s * s
-    resid2 = (heard[mask] - expected) ** 2
+    expected = model.expected(x, s, rejected if rejected is not None else np.zeros_like(x))
     design = np.column_stack([np.ones_like(x), expected, expected**2])
-    (var_a, var_b, var_c), *_ = np.linalg.lstsq(design, resid2, rcond=None)
-    # floors: a quarter count of rounding noise, a twentieth of a Poisson's spread, none
-    # between nights (a least-squares fit on few clean nights can come out negative)
-    return SoundCalibration(
-        float(gain), float(max(false_per_s, 0.0)), float(max(var_a, 0.25)), float(max(var_b, 0.05)),
-        float(max(var_c, 0.0)),
-    )  # fmt: skip
+    (var_a, var_b, var_c), *_ = np.linalg.lstsq(design, (heard - expected) ** 2, rcond=None)
+    model.var_a, model.var_b = float(max(var_a, VAR_FLOOR[0])), float(max(var_b, VAR_FLOOR[1]))
+    model.var_c = float(max(var_c, 0.0))
+    if rejected is not None:
+        model.rejected_range = (float(rejected.min()) - 1.0, float(rejected.max()) + 1.0)
+    return model
 
 
-def sound_spread(calib: SoundCalibration, expected: np.ndarray) -> np.ndarray:
-    """The standard deviation of the heard count where ``expected`` zaps are expected."""
-    return np.sqrt(calib.var_a + calib.var_b * expected + calib.var_c * expected**2)
+def fit_sound(pool: list[tuple[Deployment, Heard]], listen: Listening) -> SoundCalibration:
+    """The count models, fitted on the clean intervals listened to in ``pool`` (deployments
+    and what was heard there: their telemetry is clean, so reported = true kills)."""
+    cols = {"x": [], "s": [], "h": [], "r": [], "rain": []}
+    for dep, heard in pool:
+        share, seconds = _recorded(dep, listen)
+        mask = np.isfinite(heard.counts)
+        cols["x"].append((dep.telemetry["kills"] * share)[mask])
+        cols["s"].append(np.broadcast_to(seconds, mask.shape)[mask])
+        cols["h"].append(heard.counts[mask])
+        cols["r"].append(heard.rejected[mask])
+        cols["rain"].append(heard.rainy()[mask])
+    x, s, h, r, rain = (np.concatenate(cols[k]) for k in ("x", "s", "h", "r", "rain"))
+    wet = _fit_counts(x[rain], s[rain], h[rain], r[rain]) if rain.sum() >= MIN_RAIN_INTERVALS else None
+    return SoundCalibration(_fit_counts(x[~rain], s[~rain], h[~rain]), wet, int(rain.sum()))
 
 
-def ewma(x: np.ndarray, alpha: float = 0.3) -> np.ndarray:
-    """Causal exponentially weighted mean along the interval axis."""
-    out = np.empty_like(x)
-    acc = np.zeros(x.shape[0])
-    for k in range(x.shape[1]):
-        acc = alpha * x[:, k] + (1 - alpha) * acc
-        out[:, k] = acc
-    return out
-
-
-def sound_features(
-    dep: Deployment, tel: dict, heard: np.ndarray, listen: Listening, calib: SoundCalibration
+def sound_z(
+    dep: Deployment, tel: dict, heard: Heard, listen: Listening, calib: SoundCalibration
 ) -> np.ndarray:
-    """(lamps, intervals, len(SOUND_NAMES)): how far the heard count is from what the report implies."""
-    share, seconds = _recorded_share(dep, listen)
-    expected = calib.gain * tel["kills"] * share + calib.false_per_s * seconds
-    z = (np.nan_to_num(heard, nan=0.0) - expected) / sound_spread(calib, expected)
-    z = np.where(np.isfinite(heard), z, 0.0)
-    return np.stack([z, np.abs(z), ewma(z), ewma(np.abs(z))], axis=-1)
+    """(lamps, intervals): heard minus the zaps the report implies, in the count model's
+    standard deviations (NaN where nothing was recorded, or in rain no calibration night
+    heard like it: no evidence)."""
+    share, seconds = _recorded(dep, listen)
+    x = tel["kills"] * share
+    seconds = np.broadcast_to(seconds, x.shape)
+    rain = heard.rainy()
+    z = np.full(x.shape, np.nan)
+    for model, where in ((calib.dry, ~rain), (calib.rain, rain)):
+        if model is None:
+            continue
+        where = where & model.covers(heard.rejected)
+        expected = model.expected(x, seconds, heard.rejected)
+        # counts are whole zaps: half a zap of the gap is rounding (a continuity correction),
+        # or one false zap where 0.1 were expected reads as three standard deviations
+        gap = np.nan_to_num(heard.counts) - expected
+        z = np.where(where, np.sign(gap) * np.maximum(np.abs(gap) - 0.5, 0.0) / model.spread(expected), z)
+    return np.where(np.isfinite(heard.counts), z, np.nan)

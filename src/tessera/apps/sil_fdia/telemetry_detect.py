@@ -27,10 +27,16 @@ FEATURE_NAMES = (*PHYSICS_NAMES, "isolation")
 class Calibration:
     grid_v0: np.ndarray  # per lamp: mean grid kV with no kill
     grid_slope: np.ndarray  # per lamp: kV per kill
-    grid_sd: np.ndarray
+    grid_sd: np.ndarray  # with no kill: the sensor's noise
+    grid_var_per_kill: (
+        np.ndarray
+    )  # kV^2 per kill: each dip's depth is random, so the mean's spread grows with kills
     kill_share: np.ndarray  # per lamp: its share of all lamps' kills (its site; the weather is shared)
     energy_sd: np.ndarray  # (3,) for windows 1, 6, 18
     load_sd: float
+    share_var_c: float = (
+        0.0  # the share's variance beyond a binomial's, x expected^2: each lamp's night differs a little
+    )
     forest: IsolationForest | None = None
 
 
@@ -70,15 +76,24 @@ def fit_calibration(dep: Deployment, tel: dict, days: slice) -> Calibration:
     per_day = dep.config.intervals_per_day
     span = slice(days.start * per_day, days.stop * per_day)
     lamps = tel["kills"].shape[0]
-    v0, slope, sd = np.zeros(lamps), np.zeros(lamps), np.zeros(lamps)
+    v0, slope, sd, per_kill = (np.zeros(lamps) for _ in range(4))
     for lamp in range(lamps):
         on = tel["on"][lamp, span] > 0
         x, y = tel["kills"][lamp, span][on], tel["grid_kv_mean"][lamp, span][on]
         slope[lamp], v0[lamp] = np.polyfit(x, y, 1)
-        sd[lamp] = _robust_sd(y - (v0[lamp] + slope[lamp] * x))
+        resid = y - (v0[lamp] + slope[lamp] * x)
+        (var0, var1), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(x), x]), resid**2, rcond=None)
+        sd[lamp] = np.sqrt(max(var0, _robust_sd(resid[x == 0]) ** 2 if (x == 0).sum() > 10 else var0, 1e-8))
+        per_kill[lamp] = max(var1, 0.0)
     share = tel["kills"][:, span].sum(axis=1) / max(tel["kills"][:, span].sum(), 1.0)
     energy_sd = np.array([_robust_sd(_energy_residual(dep, tel, w)[:, span][:, 18:]) for w in (1, 6, 18)])
-    calib = Calibration(v0, slope, sd, share, energy_sd, _robust_sd(_load_residual(dep, tel)[:, span]))
+    calib = Calibration(
+        v0, slope, sd, per_kill, share, energy_sd, _robust_sd(_load_residual(dep, tel)[:, span])
+    )
+    expected, binomial = share_expected(tel, calib)
+    on = tel["on"][:, span] > 0
+    excess = ((tel["kills"] - expected) ** 2 - binomial)[:, span][on]
+    calib.share_var_c = float(max(excess.sum() / max((expected[:, span][on] ** 2).sum(), 1e-9), 0.0))
     feats = physics_features(dep, tel, calib)[:, span].reshape(-1, len(PHYSICS_NAMES))
     calib.forest = IsolationForest(n_estimators=200, random_state=0).fit(_forest_input(dep, tel, feats, span))
     return calib
@@ -93,15 +108,22 @@ def _forest_input(dep: Deployment, tel: dict, physics: np.ndarray, span: slice) 
     )
 
 
+def share_expected(tel: dict, calib: Calibration) -> tuple[np.ndarray, np.ndarray]:
+    """The lamp's kills its site's share of the field's implies, and their binomial variance (+1)."""
+    share = calib.kill_share[:, None]
+    expected = share * tel["kills"].sum(axis=0, keepdims=True)
+    return expected, expected * (1.0 - share) + 1.0
+
+
 def physics_features(dep: Deployment, tel: dict, calib: Calibration) -> np.ndarray:
     """(lamps, intervals, len(PHYSICS_NAMES)) residuals, each near 0 on clean telemetry."""
     on, kills = tel["on"] > 0, tel["kills"]
     v0, slope = calib.grid_v0[:, None], calib.grid_slope[:, None]
-    grid_z = np.where(on, (tel["grid_kv_mean"] - (v0 + slope * kills)) / calib.grid_sd[:, None], 0.0)
+    grid_spread = np.sqrt(calib.grid_sd[:, None] ** 2 + calib.grid_var_per_kill[:, None] * kills)
+    grid_z = np.where(on, (tel["grid_kv_mean"] - (v0 + slope * kills)) / grid_spread, 0.0)
     dipped = tel["grid_kv_min"] < 0.9 * v0
     # the night's weather moves every lamp's count together; a lamp's share of the total does not
-    share = calib.kill_share[:, None]
-    expected = share * kills.sum(axis=0, keepdims=True)
+    expected, binomial = share_expected(tel, calib)
     energy = [np.abs(_energy_residual(dep, tel, w)) / calib.energy_sd[i] for i, w in enumerate((1, 6, 18))]
     soc = _soc_from_voltage(dep, tel)
     feats = [
@@ -114,7 +136,7 @@ def physics_features(dep: Deployment, tel: dict, calib: Calibration) -> np.ndarr
         *energy,
         (tel["panel_v"] > 20.0) * np.clip(0.97 - soc, 0.0, None) / calib.energy_sd[0],
         np.abs(_load_residual(dep, tel)) / calib.load_sd,
-        (kills - expected) / np.sqrt(expected * (1.0 - share) + 1.0),
+        (kills - expected) / np.sqrt(binomial + calib.share_var_c * expected**2),
     ]
     return np.stack(feats, axis=-1)
 

@@ -44,14 +44,19 @@ def _floor(energy: np.ndarray, per_block: int) -> np.ndarray:
     return np.repeat(np.median(padded, axis=1), per_block)[: energy.size] + 1e-12
 
 
-def candidates(audio: np.ndarray, sample_rate: int) -> tuple[np.ndarray, np.ndarray]:
-    """Onset frame indices and a (candidates, features) matrix."""
+def candidates(
+    audio: np.ndarray, sample_rate: int, floor: list | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Onset frame indices and a (candidates, features) matrix; appends the clip's median
+    2.5-8 kHz frame energy (dB) to ``floor`` if given."""
     bands = band_energies(audio, sample_rate)
     if bands.shape[0] < 2 * NMS_FRAMES + 1:
         return np.zeros(0, dtype=int), np.zeros((0, NUM_FEATURES))
     high = bands[:, 2:].sum(axis=1)
     floors = np.stack([_floor(bands[:, b], sample_rate // HOP) for b in range(bands.shape[1])], axis=1)
     high_floor = floors[:, 2:].sum(axis=1)
+    if floor is not None:
+        floor.append(float(10 * np.log10(np.median(high) + 1e-12)))
     ratio = high / high_floor
     window = np.lib.stride_tricks.sliding_window_view(np.pad(high, NMS_FRAMES), 2 * NMS_FRAMES + 1)
     peaks = np.flatnonzero((ratio > ONSET_RATIO) & (high >= window.max(axis=1)))
@@ -125,13 +130,29 @@ def trained_classifier(
     return model.fit(np.concatenate(xs), np.concatenate(ys))
 
 
-def detect_zaps(audio: np.ndarray, sample_rate: int = 16000, threshold: float = 0.5) -> np.ndarray:
-    """Times (s) of the zaps heard in ``audio``."""
+def listen(
+    audio: np.ndarray, sample_rate: int = 16000, threshold: float = 0.5
+) -> tuple[np.ndarray, float, float]:
+    """(times (s) of the zaps heard in ``audio``, onsets the classifier rejected per second,
+    the median 2.5-8 kHz frame energy in dB).
+
+    The last two are what the recorder hears of the weather: raindrops click in the zap's
+    band and raise its floor, and the same rain hides zaps or passes for them (the sound's
+    count model is fitted per weather class).
+    """
     if sample_rate != 16000:
         raise ValueError(f"the zap detector is trained on 16000 Hz audio, got {sample_rate} Hz")
-    peaks, feats = candidates(np.ascontiguousarray(audio, dtype=np.float32), sample_rate)
+    floor: list[float] = []
+    peaks, feats = candidates(np.ascontiguousarray(audio, dtype=np.float32), sample_rate, floor)
+    level = floor[0] if floor else float("nan")
     if peaks.size == 0:
-        return np.zeros(0)
+        return np.zeros(0), 0.0, level
     keep = trained_classifier(sample_rate=sample_rate).predict_proba(feats)[:, 1] >= threshold
     # the onset frame starts up to a hop before the crack: report the frame's centre
-    return (peaks[keep] * HOP + FRAME / 2) / sample_rate
+    rejected = float((~keep).sum() / (audio.size / sample_rate))
+    return (peaks[keep] * HOP + FRAME / 2) / sample_rate, rejected, level
+
+
+def detect_zaps(audio: np.ndarray, sample_rate: int = 16000, threshold: float = 0.5) -> np.ndarray:
+    """Times (s) of the zaps heard in ``audio``."""
+    return listen(audio, sample_rate, threshold)[0]
