@@ -3,8 +3,10 @@ but every value is computed by the same ops in the same order (the chunk-by-chun
 runs the user's AdamW on one shard at a time; torch's CPU AdamW treats each tensor on its
 own). So the tolerance is zero, on 1 rank and on 2 (gloo), with a host budget (120 kB
 for 830 kB of model data) that evicts and re-fetches chunks of every kind every step;
-the moves are counted. Also: gradient accumulation, global-norm clipping, bf16 autocast,
-activation checkpointing, a tied embedding, an unused parameter, and the budget is kept (the host tier's peak).
+the moves are counted. Also: gradient accumulation, global-norm clipping, activation
+checkpointing, a tied embedding, an unused parameter, and the budget is kept (the host
+tier's peak). Under bf16 autocast offload gathers bf16 copies of the masters, which is not
+bit-exact: test_offload_bf16_copies.py, with its tolerance.
 """
 
 import dataclasses
@@ -40,7 +42,7 @@ def _check_moves(moves, chunks):
         assert step["fetches"] >= chunks, per_step
 
 
-@pytest.mark.parametrize("precision,recompute", [("fp32", False), ("bf16", False), ("fp32", True)])
+@pytest.mark.parametrize("precision,recompute", [("fp32", False), ("fp32", True)])
 def test_one_rank_offload_is_bit_exact(tmp_path, precision, recompute):
     plan = tessera.Plan(**BASE, precision=precision, activation_checkpointing=recompute)
     steps = batches()

@@ -18,12 +18,13 @@ import torch
 
 class ChunkKind(enum.Enum):
     """What a chunk holds. ``PARAM`` is a rank's fp32 master shard of a chunk of parameters,
-    ``COMPUTE`` the whole chunk the modules compute with (all-gathered from the shards; at
-    bf16 or fp16 it could be a low-precision copy, which Tessera does not make yet: autocast
-    casts per op), ``GRAD`` the rank's reduced gradient shard, ``OPTIM`` one per-element
-    optimizer state of a shard (Adam's two moments are two chunks)."""
+    ``PARAM_LOW`` its bf16 copy (offloaded under bf16 autocast: what forward and backward
+    move and all-gather, half the bytes), ``COMPUTE`` the whole chunk the modules compute
+    with (all-gathered from the shards), ``GRAD`` the rank's reduced gradient shard, ``OPTIM``
+    one per-element optimizer state of a shard (Adam's two moments are two chunks)."""
 
     PARAM = "param"
+    PARAM_LOW = "param_low"
     COMPUTE = "compute"
     GRAD = "grad"
     OPTIM = "optim"

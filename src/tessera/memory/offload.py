@@ -86,6 +86,7 @@ class ShardOffload:
         self.store, self.optimizer, self.shards = store, optimizer, shards
         self.state_keys: list[dict[str, str]] = [{} for _ in shards]
         self.need, self.budget_name = 0, "host_memory"  # set by create(), with layout and policy
+        self.low = False  # this step's forward ran under bf16 autocast: gather the bf16 copies
         for i, shard in enumerate(shards):
             store.register(f"p{i}", ChunkKind.PARAM, shard.data)
             store.done(f"p{i}", ChunkState.HOLD)
@@ -96,6 +97,43 @@ class ShardOffload:
         """Chunk ``i``'s master shard on the compute tier for an all-gather."""
         yield self.store.use(f"p{i}")
         self.store.done(f"p{i}", after)
+
+    def gather_into(self, buffer: torch.Tensor, i: int, after: ChunkState, comm, axis: str) -> None:
+        """All-gather chunk ``i`` into ``buffer`` (the whole fp32 chunk) from the master
+        shards; when forward runs under bf16 autocast (and in the backward after it), from
+        their bf16 copies ``b{i}`` instead (PatrickStar's low-precision parameter chunks):
+        half the bytes read from the slow tier and sent to the other ranks. Every op that
+        autocast runs in bf16 then sees the very weights it would have (its cast of the
+        master rounds to nearest even, as the copy did); ops it keeps in fp32 (embedding
+        lookups, layer norms) see the rounded values instead of the master's."""
+        if after is ChunkState.HOLD_AFTER_FWD:  # gather_all (export, saving) is never autocast
+            kind = buffer.device.type
+            self.low = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
+        if not self.low:
+            with self.master(i, after) as shard:
+                comm.all_gather_into(buffer, shard, axis)
+            return
+        staging = _nbytes(buffer) // 2  # the bf16 whole chunk, before it is widened into buffer
+        self.store.reserve_compute(staging, f"bf16 staging of whole chunk {i}")
+        try:
+            whole = torch.empty(buffer.shape, dtype=torch.bfloat16, device=buffer.device)
+            comm.all_gather_into(whole, self._low_copy(i, after), axis)
+            self.store.done(f"b{i}", after)
+            buffer.copy_(whole)
+            del whole
+        finally:
+            self.store.release_compute(staging)
+
+    def _low_copy(self, i: int, after: ChunkState) -> torch.Tensor:
+        """Chunk ``i``'s bf16 copy, in use; made from the master the first time (the
+        optimizer step refreshes it after that)."""
+        key = f"b{i}"
+        if key in self.store.chunks:
+            return self.store.use(key)
+        with self.master(i, after) as shard:
+            copy = shard.to(torch.bfloat16)
+        self.store.register(key, ChunkKind.PARAM_LOW, copy)
+        return copy
 
     def reduced_into(self, i: int, reduce) -> None:
         """``reduce(out)`` writes the rank's gradient shard of chunk ``i`` into ``out``; a
@@ -136,9 +174,18 @@ class ShardOffload:
         self.optimizer.step()  # only this shard has a gradient: torch skips the others
         shard.grad = None
         self.adopt_states(i)
-        self.store.done(f"p{i}", ChunkState.HOLD)
         self.store.done(f"g{i}", ChunkState.RELEASED)
         for key in self.state_keys[i].values():
+            self.store.done(key, ChunkState.HOLD)
+        self._refresh_low(i)
+        self.store.done(f"p{i}", ChunkState.HOLD)
+
+    def _refresh_low(self, i: int) -> None:
+        """The bf16 copy made again from the stepped master (in use): written whole, so an
+        evicted copy is given room without being read."""
+        key = f"b{i}"
+        if key in self.store.chunks:
+            self.store.use(key, fresh=True).copy_(self.shards[i].detach())
             self.store.done(key, ChunkState.HOLD)
 
     def adopt_states(self, i: int) -> None:
@@ -165,6 +212,8 @@ class ShardOffload:
             yield
             for i in range(len(self.shards)):
                 self.adopt_states(i)  # left in use: all_resident puts them back
+                if f"b{i}" in self.store.chunks:  # a loaded master: its bf16 copy follows
+                    self.store.chunks[f"b{i}"].tensor.copy_(self.shards[i].detach())
 
     @classmethod
     def create(cls, manager, optimizer, shards, whole: list[torch.Tensor], *, device, rank, **settings):

@@ -53,9 +53,10 @@ class Moves:
     evictions: int = 0
     prefetches: int = 0
     waited_s: float = 0.0
+    read_by_kind: dict = field(default_factory=dict)  # ChunkKind value -> bytes read
 
     def snapshot(self) -> dict:
-        return dict(self.__dict__)
+        return {**self.__dict__, "read_by_kind": dict(self.read_by_kind)}
 
 
 @dataclass
@@ -87,10 +88,13 @@ class TieredStore:
         self.policy.on_use(key, self._nonmodel())
         return chunk
 
-    def use(self, key: str, *, write: bool = False) -> torch.Tensor:
+    def use(self, key: str, *, write: bool = False, fresh: bool = False) -> torch.Tensor:
+        """The chunk's tensor, on the compute tier; ``fresh``: the caller overwrites all of
+        it, so a chunk off the tier gets its room back without being read."""
         chunk = self.chunks[key]
         self.policy.on_use(key, self._nonmodel())
-        self._fetch(chunk)
+        self._fetch(chunk, read=not fresh)
+        write = write or fresh
         self.manager.transition(chunk, ChunkState.COMPUTE)
         if write:
             chunk.saved = False
@@ -207,7 +211,7 @@ class TieredStore:
         chunk.tier = down
         self.moves.evictions += 1
 
-    def _fetch(self, chunk: TieredChunk) -> None:
+    def _fetch(self, chunk: TieredChunk, read: bool = True) -> None:
         if chunk.pending is not None:
             began = time.perf_counter()
             self._land(chunk)
@@ -215,6 +219,11 @@ class TieredStore:
         if chunk.tier == 0:
             return
         self._make_room(0, chunk.nbytes, keep=chunk, what=repr(chunk))
+        if not read and chunk.host is None:  # on disk, about to be overwritten: room only
+            self.tiers[0].reserve(chunk.nbytes, repr(chunk))
+            self._restore_storage(chunk.tensor)
+            chunk.tier = 0
+            return
         chunk.pending = self._start_fetch(chunk)
         self._land(chunk)
 
@@ -244,6 +253,8 @@ class TieredStore:
         self._restore_storage(chunk.tensor)
         source, chunk.tier = chunk.tier, 0
         self.moves.read += chunk.nbytes
+        kind = chunk.kind.value
+        self.moves.read_by_kind[kind] = self.moves.read_by_kind.get(kind, 0) + chunk.nbytes
         self.moves.fetches += 1
         if chunk.host is None:  # on disk
             if chunk.tensor.device.type != "cuda":

@@ -195,14 +195,15 @@ class ZeroEngine:
         if cg.resident:
             return
         i = self.groups.index(cg)
-        source = contextlib.nullcontext(shard)
         if self.offload is not None:
-            self.offload.store.reserve_compute(_nbytes(cg.chunk.buffer), f"whole chunk {i} for compute")
-            source = self.offload.master(i, after)
+            self.offload.store.reserve_compute(cg.chunk.buffer.nbytes, f"whole chunk {i} for compute")
         buffer = cg.restore()
         self.manager.transition(cg, ChunkState.COMPUTE)
-        with source as shard, torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
-            self.comm.all_gather_into(buffer, shard, self.axis)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
+            if self.offload is not None:  # from the master shards or, at bf16, their copies
+                self.offload.gather_into(buffer, i, after, self.comm, self.axis)
+            else:
+                self.comm.all_gather_into(buffer, shard, self.axis)
 
     def _release(self, cg: ParamChunk) -> None:  # stage 3: a whole chunk after its last use
         if not cg.resident:
@@ -210,7 +211,7 @@ class ZeroEngine:
         cg.free()
         self.manager.transition(cg, ChunkState.RELEASED)
         if self.offload is not None:
-            self.offload.store.release_compute(_nbytes(cg.chunk.buffer))
+            self.offload.store.release_compute(cg.chunk.buffer.nbytes)
 
     def finish_backward(self) -> None:
         """Reduce chunks some of whose parameters got no gradient this step (unused ones)."""
@@ -435,10 +436,6 @@ class ZeroEngine:
         with self.offload.store.unbounded() if self.offload is not None else contextlib.nullcontext():
             for cg, shard in zip(self.groups, self.shards, strict=True):
                 self.gather(cg, shard.detach())
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _scalar(value) -> torch.Tensor:
