@@ -22,12 +22,17 @@ from tiny_lm import SEQ, VOCAB, tiny_gpt2, tiny_llama
 
 import tessera
 from tessera.runtime import spawn
-from tessera.train.losses import causal_lm_loss
+from tessera.train.losses import causal_lm_loss, mse_loss
 
 STEPS, BATCH = 3, 8
 
 
 def _model(family: str, layers: int):
+    if family == "dit":
+        from tessera.models.dit import DiT, DiTConfig
+
+        torch.manual_seed(0)
+        return DiT(DiTConfig(image_size=8, patch_size=2, hidden_size=32, depth=layers, num_heads=4))
     if family == "gpt2":
         model = tiny_gpt2()  # head tied to the token embedding, 2 layers
         if layers != 2:
@@ -41,9 +46,23 @@ def _model(family: str, layers: int):
     return tiny_llama(layers=layers)
 
 
-def _batches():
+def _batches(family: str = "llama"):
     g = torch.Generator().manual_seed(3)
+    if family == "dit":  # (x_t, t, y, target velocity)
+        return [
+            (
+                torch.randn(BATCH, 1, 8, 8, generator=g),
+                torch.rand(BATCH, generator=g),
+                torch.randint(0, 10, (BATCH,), generator=g),
+                torch.randn(BATCH, 1, 8, 8, generator=g),
+            )
+            for _ in range(STEPS)
+        ]
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+def _loss(family: str):
+    return mse_loss if family == "dit" else causal_lm_loss
 
 
 def _optimizer(model, kind: str):
@@ -56,10 +75,10 @@ def reference(family, layers, kind, max_norm=None, precision="fp32"):
     model = _model(family, layers)
     opt = _optimizer(model, kind)
     losses = []
-    for batch in _batches():
+    for batch in _batches(family):
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = causal_lm_loss(model, batch)
+            loss = _loss(family)(model, batch)
         loss.backward()
         if max_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
@@ -73,7 +92,7 @@ def _worker(cases):
     for family, layers, kind, plan_kwargs in cases:
         model = _model(family, layers)
         model, opt = tessera.boost(model, _optimizer(model, kind), tessera.Plan(**plan_kwargs))
-        losses = [opt.train_step(batch, causal_lm_loss)["loss"] for batch in _batches()]
+        losses = [opt.train_step(batch, _loss(family))["loss"] for batch in _batches(family)]
         held = {}
         stepped = {id(p) for group in opt.param_groups for p in group["params"]}
         for name, p in model.named_parameters():
@@ -124,6 +143,7 @@ CASES_2 = [
     ("gpt2", 4, "adamw", dict(dp=1, pp=2, schedule="interleaved", virtual_stages=2, microbatches=2)),
     ("llama", 2, "sgd", dict(dp=1, pp=2, microbatches=2, precision="bf16", activation_checkpointing=True)),
     ("llama", 3, "sgd", dict(dp=1, pp=2, stage_layers="balanced", microbatches=2)),
+    ("dit", 3, "sgd", dict(dp=1, pp=2, microbatches=2, max_grad_norm=0.5)),  # (x_t, t, y) through stages
     ("llama", 2, "sgd", dict(dp=1, sp=2, sp_method="ring", max_grad_norm=0.5)),
     ("llama", 2, "adamw", dict(dp=1, sp=2, sp_method="ulysses", grad_accum=2)),
 ]
@@ -132,6 +152,7 @@ CASES_4 = [
     ("llama", 2, "sgd", dict(dp=1, pp=2, tp=2, schedule="gpipe", microbatches=2, max_grad_norm=0.5)),
     ("llama", 2, "sgd", dict(dp=2, sp=2, zero=1, sp_method="ring", chunk_mib=0.01, max_grad_norm=0.5)),
     ("llama", 2, "adamw", dict(dp=2, sp=2, zero=3, sp_method="ulysses", chunk_mib=0.01)),
+    ("llama", 2, "sgd", dict(dp=1, sp=2, tp=2, sp_method="ring", max_grad_norm=0.5)),
 ]
 CASES_SP_NORMS = [
     ("llama", 2, "sgd", dict(dp=1, tp=2, sequence_parallel_norms=True, max_grad_norm=0.5)),
@@ -174,7 +195,7 @@ def test_microbatches_that_do_not_divide_the_batch_are_refused():
         ),
         (dict(pp=2, schedule="zigzag"), r"Plan.schedule must be one of"),
         (dict(sp=2, sp_method="stripes"), r"Plan.sp_method must be one of"),
-        (dict(sp=2, tp=2), r"Plan\(sp=2\) with tp=2 is not supported yet"),
+        (dict(sp=2, zero=3, offload="auto"), r"Plan\(sp=2\) with offload='auto' is not supported yet"),
         (dict(sequence_parallel_norms=True), r"it needs tp > 1 \(got tp=1\)"),
     ],
 )

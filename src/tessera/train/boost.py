@@ -250,8 +250,8 @@ def boost(
         return _boost_pipelined(model, optimizer, plan, mesh, tp_plan, group_names)
     sp_mesh = None
     if plan.sp > 1:  # ZeRO and the gradient average span dp x sp; attention talks over sp
-        sp_mesh, mesh = mesh, Mesh(dp=plan.dp * plan.sp)
-        has_tp = False  # Plan refuses sp with tp
+        # (dp x sp, tp) lays the ranks out as (dp, sp, tp) does: the same tp groups
+        sp_mesh, mesh = mesh, Mesh(dp=plan.dp * plan.sp, **({"tp": plan.tp} if has_tp else {}))
     blocks = (
         blocks_or_error(model, "block_chunks" if plan.block_chunks else "activation_checkpointing")
         if plan.block_chunks or plan.activation_checkpointing

@@ -37,3 +37,25 @@ class CausalLMLoss:
 
 
 causal_lm_loss = CausalLMLoss()
+
+
+class MSELoss:
+    """Mean squared error of ``model(*inputs)`` against ``target`` for a batch
+    ``(*inputs, target)`` (e.g. a DiT's (x_t, t, y, velocity)); splits over pipeline stages."""
+
+    def __call__(self, model: nn.Module, batch) -> torch.Tensor:
+        inputs, target = self.pipeline_parts(batch)
+        return self.on_output(model(*inputs), target)
+
+    def pipeline_parts(self, batch) -> tuple[tuple, torch.Tensor]:
+        *inputs, target = batch
+        return tuple(inputs), target
+
+    def on_output(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(output.float(), target)
+
+    def __repr__(self) -> str:
+        return "mse_loss"
+
+
+mse_loss = MSELoss()

@@ -155,7 +155,7 @@ class Plan:
             raise ValueError(f"Plan.sp_method must be one of {SP_METHODS}, got {self.sp_method!r}")
         if self.sp == 1:
             return
-        for name, value, wanted in (("tp", self.tp, 1), ("offload", self.offload, None)):
+        for name, value, wanted in (("offload", self.offload, None),):
             if value != wanted:
                 raise ValueError(
                     f"Plan(sp={self.sp}) with {name}={value!r} is not supported yet; use {name}={wanted!r}"
