@@ -42,8 +42,12 @@ class PipelinedOptimizer:
             autocast=AUTOCAST.get(plan.precision),
         )
         kept = {id(p) for p in self.trainer.parameters()}
+        # ZeRO-1: each dp rank steps (and keeps optimizer states for) its share of the stage's
+        # parameters, then sends the updated values to the other replicas.
+        self.owner_rank = _partition(self.trainer.parameters(), mesh.size("dp") if plan.zero else 1)
+        mine = {i for i, r in self.owner_rank.items() if r == (mesh.rank("dp") if plan.zero else 0)}
         for group in optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if id(p) in kept]
+            group["params"] = [p for p in group["params"] if id(p) in kept and id(p) in mine]
         # a checkpoint records the model's own shapes, whichever stages a rank holds
         self.param_shapes = {
             n: list(p.shape)
@@ -51,7 +55,7 @@ class PipelinedOptimizer:
             if id(p) not in kept and not hasattr(p, "to_local")
         }
         _release(model, kept)
-        self.engine = StageEngine(self.trainer.parameters(), optimizer)
+        self.engine = StageEngine(self.trainer.parameters(), optimizer, zero=plan.zero)
         self.last_grad_norm: float | None = None
         self.loss_scaler = None  # fp16 is refused under pp
 
@@ -101,7 +105,12 @@ class PipelinedOptimizer:
         return torch.utils._pytree.tree_map(take, batch)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.inner.zero_grad(set_to_none=set_to_none)
+        """Every stage parameter's gradient (at ZeRO-1 the optimizer holds only a share)."""
+        for p in self.trainer.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
     def train_step(self, batch, loss_fn) -> dict:
         """One schedule over this replica's share of ``batch`` and one optimizer step.
@@ -123,6 +132,8 @@ class PipelinedOptimizer:
             self._loss = None
         self.last_grad_norm = self._clip()
         self.inner.step()
+        if self.plan.zero:
+            self._share_updates()
         # the last stage's loss, to every rank of the pipeline; then the mean over replicas
         total = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
         if loss is not None:
@@ -134,6 +145,17 @@ class PipelinedOptimizer:
             "grad_norm": self.last_grad_norm,
             "seconds": time.perf_counter() - began,
         }
+
+    def _share_updates(self) -> None:
+        """ZeRO-1: every parameter from the dp rank that stepped it."""
+        with torch.no_grad():
+            for p in self.trainer.parameters():
+                self.mesh.comm.broadcast(_local(p.data), "dp", src=self.owner_rank[id(p)])
+
+    @property
+    def stepped_parameters(self) -> list:
+        """The parameters of this rank's stages (at ZeRO-1 the optimizer steps a share)."""
+        return self.trainer.parameters()
 
     def _clip(self) -> float | None:
         """The global gradient norm over every stage (a tied weight once), and the clip."""
@@ -185,27 +207,26 @@ class StageEngine:
     parameters of its stages (whole, or their tp shards) and their optimizer states, the
     same pieces a ZeRO-0 engine has, so a checkpoint loads under any other plan."""
 
-    zero = 0
-
-    def __init__(self, params, optimizer: torch.optim.Optimizer):
+    def __init__(self, params, optimizer: torch.optim.Optimizer, *, zero: int = 0):
         self.owner = {p: None for p in params}
-        self.optimizer = optimizer
+        self.optimizer, self.zero = optimizer, zero
 
     def resident(self):
         return contextlib.nullcontext()
 
     def pieces(self, names: dict, mesh) -> list:
-        """(name, kind, flat local tensor, start, stop, local shape) this rank writes: dp rank
-        0 of each stage; a tp-replicated parameter on tp rank 0 only."""
-        if mesh.rank("dp") != 0:
-            return []
+        """(name, kind, flat local tensor, start, stop, local shape) this rank writes: the
+        parameters on dp rank 0 of each stage, the optimizer states where they are (dp rank 0,
+        or at ZeRO-1 the rank that steps them); a tp-replicated tensor on tp rank 0 only."""
         out = []
+        first = mesh.rank("dp") == 0
         for p in self.owner:
             local = _local(p)
             if not hasattr(p, "placements") or not any(pl.is_shard() for pl in p.placements):
                 if "tp" in mesh.axes and mesh.rank("tp") != 0:
                     continue
-            tensors = {"param": local, **self.optimizer.state.get(p, {})}
+            states = self.optimizer.state.get(p, {}) if (first or self.zero) else {}
+            tensors = ({"param": local} if first else {}) | states
             for kind, v in tensors.items():
                 v = _local(v)
                 if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == local.numel():
@@ -219,6 +240,8 @@ class StageEngine:
             if kind == "param":
                 _local(p.data).copy_(local)
                 return
+            if not any(p is q for g in self.optimizer.param_groups for q in g["params"]):
+                return  # ZeRO-1: another dp rank steps it
             value = local.clone()
             if hasattr(p, "placements"):
                 from torch.distributed.tensor import DTensor
@@ -231,3 +254,14 @@ class StageEngine:
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _partition(params: list, ranks: int) -> dict[int, int]:
+    """id(parameter) -> the dp rank that steps it: the largest first, each to the rank with
+    the fewest elements so far (the same on every rank: same parameters, same order)."""
+    load, owner = [0] * ranks, {}
+    for p in sorted(params, key=lambda p: -p.numel()):
+        r = min(range(ranks), key=lambda i: load[i])
+        owner[id(p)] = r
+        load[r] += p.numel()
+    return owner

@@ -125,16 +125,20 @@ class Plan:
                 f"Plan(schedule={self.schedule!r}) needs at least pp={self.pp} micro-batches, "
                 f"got microbatches={self.num_microbatches}"
             )
-        # ZeRO's reductions run in the backward hooks of one whole-model backward; the
+        # ZeRO-2/3 reduce and gather in the backward hooks of one whole-model backward; the
         # schedule runs a stage's backward once per micro-batch, so pipelined gradients are
-        # averaged over dp after the schedule instead (stage 0).
+        # averaged over dp after the schedule and only the optimizer states are sharded (ZeRO-1).
         refused = {
-            "zero": (self.zero, 0, "gradients are averaged over dp after the schedule (ZeRO stage 0)"),
             "grad_accum": (self.grad_accum, 1, "micro-batches are the accumulation: raise microbatches"),
             "offload": (self.offload, None, "offload moves ZeRO-3 chunks"),
             "block_chunks": (self.block_chunks, False, "block chunks are ZeRO chunks"),
             "sp": (self.sp, 1, "sequence parallel inside pipeline stages is not built yet"),
         }
+        if self.zero > 1:
+            raise ValueError(
+                f"Plan(pp={self.pp}) with zero={self.zero} is not supported (the gradients are averaged over dp "
+                "after the schedule, so optimizer states can be sharded but not gradients or parameters); use zero=1"
+            )
         for name, (value, wanted, why) in refused.items():
             if value != wanted:
                 raise ValueError(
