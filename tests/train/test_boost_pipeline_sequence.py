@@ -162,12 +162,17 @@ CASES_4 = [
     ("llama", 2, "sgd", dict(dp=2, sp=2, zero=1, sp_method="ring", chunk_mib=0.01, max_grad_norm=0.5)),
     ("llama", 2, "adamw", dict(dp=2, sp=2, zero=3, sp_method="ulysses", chunk_mib=0.01)),
     ("llama", 2, "sgd", dict(dp=1, sp=2, tp=2, sp_method="ring", max_grad_norm=0.5)),
+    ("llama", 2, "sgd", dict(dp=1, pp=2, sp=2, sp_method="ring", microbatches=2, max_grad_norm=0.5)),
+    ("gpt2", 2, "sgd", dict(dp=1, pp=2, sp=2, sp_method="ulysses", microbatches=2)),  # tied head
 ]
 CASES_SP_NORMS = [
     ("llama", 2, "sgd", dict(dp=1, tp=2, sequence_parallel_norms=True, max_grad_norm=0.5)),
     ("llama", 2, "adamw", dict(dp=1, tp=2, zero=1, sequence_parallel_norms=True, chunk_mib=0.01)),
 ]
-CASES_8 = [("llama", 2, "sgd", dict(dp=2, pp=2, tp=2, microbatches=2, max_grad_norm=0.5))]
+CASES_8 = [
+    ("llama", 2, "sgd", dict(dp=2, pp=2, tp=2, microbatches=2, max_grad_norm=0.5)),
+    ("llama", 2, "adamw", dict(dp=2, pp=2, sp=2, zero=1, microbatches=2)),
+]
 
 
 @pytest.mark.parametrize("world,cases", [(2, CASES_2), (4, CASES_4), (8, CASES_8)], ids=["2", "4", "8"])

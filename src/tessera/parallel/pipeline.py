@@ -114,11 +114,12 @@ def _paths(base: nn.Module) -> _Paths:
 class DecoderStage(nn.Module):
     """Layers [lo, hi) of a causal LM, with the embedding if first and the head if last."""
 
-    def __init__(self, model: nn.Module, lo: int, hi: int, *, first: bool, last: bool):
+    def __init__(self, model: nn.Module, lo: int, hi: int, *, first: bool, last: bool, sequence=None):
         super().__init__()
         base = model.base_model
         self.paths = p = _paths(base)
         self.first, self.last = first, last
+        self.sequence = sequence  # (comm, axis, method): this stage's tokens are a sequence slice
         self.layers = nn.ModuleList(getattr(base, p.layers)[lo:hi])
         self.embed = getattr(base, p.embed) if first else None
         self.positions = getattr(base, p.positions) if first and p.positions else None
@@ -126,21 +127,37 @@ class DecoderStage(nn.Module):
         self.norm = getattr(base, p.norm) if last else None
         self.head = model.get_output_embeddings() if last else None
 
+    def _positions(self, local: int, device) -> torch.Tensor:
+        """Global positions of this rank's tokens (the whole sequence without sp)."""
+        if self.sequence is None:
+            return torch.arange(local, device=device)
+        from tessera.parallel.sequence import sequence_positions
+
+        comm, axis, method = self.sequence
+        return sequence_positions(local, comm.mesh.size(axis), comm.mesh.rank(axis), method).to(device)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            ids = x
-            x = self.embed(ids)
-            if self.positions is not None:
-                x = x + self.positions(torch.arange(ids.shape[1], device=ids.device))
-        # An explicit additive causal mask: with none, eager attention would attend to the
-        # future (sdpa's is_causal shortcut is not the only implementation a config names).
         n = x.shape[1]
-        future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
-        mask = torch.zeros(n, n, device=x.device).masked_fill(future, torch.finfo(torch.float32).min)
-        kwargs = {"attention_mask": mask[None, None]}
+        pos = self._positions(n, x.device)
+        if self.first:
+            x = self.embed(x)
+            if self.positions is not None:
+                x = x + self.positions(pos)
+        if self.sequence is not None:  # causal sequence-parallel attention, no mask
+            from tessera.parallel.sequence import SP_KWARG
+
+            kwargs = {SP_KWARG: self.sequence, "position_ids": pos.unsqueeze(0)}
+        else:
+            # An explicit additive causal mask: with none, eager attention would attend to the
+            # future (sdpa's is_causal shortcut is not the only implementation a config names).
+            future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+            mask = torch.zeros(n, n, device=x.device).masked_fill(future, torch.finfo(torch.float32).min)
+            kwargs = {"attention_mask": mask[None, None]}
         if self.rotary is not None:
-            pos = torch.arange(n, device=x.device).unsqueeze(0)
-            kwargs |= {"position_ids": pos, "position_embeddings": self.rotary(x, pos)}
+            kwargs |= {
+                "position_ids": pos.unsqueeze(0),
+                "position_embeddings": self.rotary(x, pos.unsqueeze(0)),
+            }
         for layer in self.layers:
             x = layer(x, **kwargs)
             x = x[0] if isinstance(x, tuple) else x
@@ -181,12 +198,16 @@ class DiTStage(nn.Module):
         return dit.head(tokens, c, self.grid_width) if self.last else (tokens, c)
 
 
-def build_stage(model: nn.Module, lo: int, hi: int, *, first: bool, last: bool) -> nn.Module:
+def build_stage(model: nn.Module, lo: int, hi: int, *, first: bool, last: bool, sequence=None) -> nn.Module:
     """The stage module for ``model``: a DiT (``blocks`` + ``condition``/``embed``/``head``)
-    or a transformers causal LM."""
+    or a transformers causal LM (``sequence``: its tokens split over that sp axis)."""
     if all(hasattr(model, n) for n in ("blocks", "condition", "embed", "head")):
+        if sequence is not None:
+            raise ValueError(
+                "sequence parallel pipeline stages are built for transformers causal LMs, not the DiT"
+            )
         return DiTStage(model, lo, hi, first=first, last=last)
-    return DecoderStage(model, lo, hi, first=first, last=last)
+    return DecoderStage(model, lo, hi, first=first, last=last, sequence=sequence)
 
 
 def num_layers(model: nn.Module) -> int:
@@ -213,7 +234,9 @@ class PipelineTrainer:
     (same seed); each rank keeps only its stages' modules. With a ``dp`` axis on the mesh,
     each replica pipelines its own share of the batch and the stages' gradients are
     averaged over ``dp`` after the schedule (ZeRO stage 0). ``autocast``: a dtype the stages'
-    forwards run in (bf16 with fp32 weights)."""
+    forwards run in (bf16 with fp32 weights); ``sequence`` (comm, axis, method): each stage's
+    tokens are this rank's slice of the sequence and attention is sequence-parallel over
+    that axis (``tessera.parallel.sequence``)."""
 
     def __init__(
         self,
@@ -228,6 +251,7 @@ class PipelineTrainer:
         axis: str = "pp",
         dp_axis: str | None = "dp",
         autocast: torch.dtype | None = None,
+        sequence: tuple | None = None,
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -242,7 +266,9 @@ class PipelineTrainer:
         ids = [me + pp * v for v in range(virtual_stages)]  # interleaved: stage i on rank i % pp
         self.mesh, self.axis, self.pp = mesh, axis, pp
         self.dp_axis = dp_axis if dp_axis in mesh.names and mesh.size(dp_axis) > 1 else None
-        self.modules = [build_stage(model, *bounds[i], first=i == 0, last=i == total - 1) for i in ids]
+        self.modules = [
+            build_stage(model, *bounds[i], first=i == 0, last=i == total - 1, sequence=sequence) for i in ids
+        ]
         group = mesh.group(axis)
         run = self.modules if autocast is None else [_Autocast(m, autocast) for m in self.modules]
         stages = [PipelineStage(m, i, total, mesh.device, group=group) for m, i in zip(run, ids, strict=True)]

@@ -177,6 +177,15 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     return out.transpose(1, 2).contiguous(), None
 
 
+def sequence_positions(local: int, n: int, rank: int, method: str) -> torch.Tensor:
+    """Global positions of the ``local`` tokens rank ``rank`` of ``n`` holds (the layout
+    ``sequence_shard`` makes)."""
+    full = torch.arange(local * n).unsqueeze(0)
+    if method == "ring":
+        return zigzag_split(full, n, rank, dim=1)[0]
+    return full.chunk(n, dim=1)[rank][0]
+
+
 def sequence_shard(
     ids: torch.Tensor, n: int, rank: int, method: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

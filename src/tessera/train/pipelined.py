@@ -40,6 +40,7 @@ class PipelinedOptimizer:
             counts=plan.stage_layers,
             dp_axis="dp",
             autocast=AUTOCAST.get(plan.precision),
+            sequence=self._sequence(model, plan, mesh),
         )
         kept = {id(p) for p in self.trainer.parameters()}
         # ZeRO-1: each dp rank steps (and keeps optimizer states for) its share of the stage's
@@ -58,6 +59,31 @@ class PipelinedOptimizer:
         self.engine = StageEngine(self.trainer.parameters(), optimizer, zero=plan.zero)
         self.last_grad_norm: float | None = None
         self.loss_scaler = None  # fp16 is refused under pp
+
+    @staticmethod
+    def _sequence(model, plan, mesh):
+        """pp x sp: the stages' attention runs sequence-parallel over the sp axis."""
+        if plan.sp == 1:
+            return None
+        from tessera.parallel.sequence import IMPLEMENTATION
+
+        model.config._attn_implementation = IMPLEMENTATION  # the layers look it up per call
+        return (mesh.comm, "sp", plan.sp_method)
+
+    def _sequence_split(self, tokens: torch.Tensor, loss_fn):
+        """This sp rank's (input ids, next-token labels); the loss becomes the stage's share
+        of the global mean (the labels shifted before the split, as SequenceParallel does)."""
+        if not hasattr(loss_fn, "sequence_parallel"):
+            raise ValueError(
+                f"Plan(pp={self.plan.pp}, sp={self.plan.sp}) splits each sequence over ranks: {loss_fn!r} has no "
+                "sequence_parallel method (use tessera.train.losses.causal_lm_loss)"
+            )
+        from tessera.parallel.sequence import sequence_shard
+
+        ids, labels, _ = sequence_shard(
+            tokens, self.mesh.size("sp"), self.mesh.rank("sp"), self.plan.sp_method
+        )
+        return ids, labels, _SliceLoss(self.mesh)
 
     @property
     def param_groups(self):
@@ -123,13 +149,19 @@ class PipelinedOptimizer:
                 "or a loss object with both)"
             )
         began = time.perf_counter()
-        inputs, target = loss_fn.pipeline_parts(self.local_batch(batch))
+        local = self.local_batch(batch)
+        if self.plan.sp > 1:
+            inputs, target, stage_loss = self._sequence_split(local, loss_fn)
+        else:
+            (inputs, target), stage_loss = loss_fn.pipeline_parts(local), loss_fn
         self.zero_grad()
-        self._loss = loss_fn
+        self._loss = stage_loss
         try:
             loss = self.trainer.step(inputs, target)
         finally:
             self._loss = None
+        if self.plan.sp > 1:  # each sp rank saw a slice of every sequence: sum the slices
+            self._sum_over_sp()
         self.last_grad_norm = self._clip()
         self.inner.step()
         if self.plan.zero:
@@ -139,12 +171,21 @@ class PipelinedOptimizer:
         if loss is not None:
             total += float(loss.detach())
         self.mesh.comm.all_reduce(total, "pp")
+        if self.plan.sp > 1:
+            self.mesh.comm.all_reduce(total, "sp")  # the slices' shares of the mean
         self.mesh.comm.all_reduce(total, "dp", op="avg")
         return {
             "loss": float(total),
             "grad_norm": self.last_grad_norm,
             "seconds": time.perf_counter() - began,
         }
+
+    def _sum_over_sp(self) -> None:
+        grads = [_local(p.grad) for p in self.trainer.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.mesh.comm.all_reduce(flat, "sp")
+        for g, total in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            g.copy_(total.view_as(g))
 
     def _share_updates(self) -> None:
         """ZeRO-1: every parameter from the dp rank that stepped it."""
@@ -202,6 +243,22 @@ def _release(model: nn.Module, kept: set[int]) -> None:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
+class _SliceLoss:
+    """The last stage's loss on this sp rank's slice: its tokens' summed cross-entropy over
+    the count of every slice's tokens (a sum over sp gives the micro-batch's mean)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+
+    def on_output(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        total = nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="sum"
+        )
+        count = (labels != -100).sum().to(torch.float64).reshape(1)
+        self.mesh.comm.all_reduce(count, "sp")
+        return total / float(count)
+
+
 class StageEngine:
     """What ``tessera.train.sharded_checkpoint`` reads and writes of a pipelined rank: the
     parameters of its stages (whole, or their tp shards) and their optimizer states, the
@@ -220,6 +277,8 @@ class StageEngine:
         or at ZeRO-1 the rank that steps them); a tp-replicated tensor on tp rank 0 only."""
         out = []
         first = mesh.rank("dp") == 0
+        if "sp" in mesh.axes and mesh.rank("sp") != 0:  # sp ranks hold the same stage
+            return out
         for p in self.owner:
             local = _local(p)
             if not hasattr(p, "placements") or not any(pl.is_shard() for pl in p.placements):

@@ -132,7 +132,6 @@ class Plan:
             "grad_accum": (self.grad_accum, 1, "micro-batches are the accumulation: raise microbatches"),
             "offload": (self.offload, None, "offload moves ZeRO-3 chunks"),
             "block_chunks": (self.block_chunks, False, "block chunks are ZeRO chunks"),
-            "sp": (self.sp, 1, "sequence parallel inside pipeline stages is not built yet"),
         }
         if self.zero > 1:
             raise ValueError(
