@@ -1,5 +1,6 @@
 """Attention kernels for sequence-split inference: exact blockwise attention with
-log-sum-exp merging, Ulysses (all-to-all over heads) and Ring (K/V passed around).
+log-sum-exp merging (``tessera.parallel.attention_blocks``, the kernel training's Ring uses
+too), Ulysses (all-to-all over heads) and Ring (K/V passed around, overlapped with compute).
 
 Tensors are (batch, heads, tokens, head_dim). All math is plain PyTorch, so the same
 code runs on CPU/gloo and CUDA/NCCL (torch's own context-parallel attention has no CPU
@@ -8,12 +9,13 @@ sharding rule; see TORCH_ON_CPU.md).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
+from tessera.parallel.attention_blocks import attention_with_lse, merge_blocks
 from tessera.runtime.comm import Comm
+
+__all__ = ["attend", "attention", "attention_with_lse", "merge_blocks", "ring_attention", "ulysses_attention"]
 
 # Joint attention (SD3, Flux): the text tokens' (q, k, v), replicated on every rank, that
 # join the image tokens' attention. A kernel given ``text`` returns (image out, text out).
@@ -34,27 +36,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, text: Text = None)
     n = q.shape[2]
     out = attention(torch.cat([q, qt], dim=2), torch.cat([k, kt], dim=2), torch.cat([v, vt], dim=2))
     return out[:, :, :n], out[:, :, n:]
-
-
-def attention_with_lse(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of q over one block of keys, and the log-sum-exp of its scores
-    (B, H, Nq, 1): what is needed to merge blocks exactly (online softmax)."""
-    if q.device.type == "cpu":  # torch's fused CPU kernel returns the log-sum-exp too (~2x the math path)
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)[:2]
-        return out, lse.unsqueeze(-1)
-    scores = (q @ k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
-    lse = torch.logsumexp(scores.float(), dim=-1, keepdim=True)
-    out = torch.exp(scores.float() - lse).to(v.dtype) @ v
-    return out, lse
-
-
-def merge_blocks(out_a, lse_a, out_b, lse_b) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of two key blocks from the two partial results."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    out = out_a.float() * torch.exp(lse_a - lse) + out_b.float() * torch.exp(lse_b - lse)
-    return out.to(out_a.dtype), lse
 
 
 def ring_attention(

@@ -9,7 +9,8 @@ for its heads with torch's attention, and trades back. Causal masking is plain: 
 sees the whole sequence.
 
 Ring passes K/V blocks round the ring and merges the blocks' results by their
-log-sum-exp (online softmax). Its backward is written out (``_RingAttention``): the K/V
+log-sum-exp (online softmax), with the block kernel inference uses
+(``tessera.parallel.attention_blocks``). Its backward is written out (``_RingAttention``): the K/V
 blocks go round again, each rank adds its queries' contribution to the block's dK/dV, and
 the accumulated dK/dV travel with the block until they are back at its owner. For causal
 attention the sequence is laid out zig-zag (``zigzag_split``): with 2N chunks, rank r holds
@@ -24,6 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from tessera.parallel.attention_blocks import attention_with_lse, merge_blocks
 from tessera.runtime.comm import Comm
 
 
@@ -81,22 +83,23 @@ class _RingAttention(torch.autograd.Function):
         n, me = comm.mesh.size(axis), comm.mesh.rank(axis)
         parts = len(_chunk_ids(me, n, causal))
         qs = [c.float() for c in q.chunk(parts, dim=2)]
-        outs = [torch.zeros_like(c) for c in qs]
-        lses = [
-            torch.full((*c.shape[:-1], 1), float("-inf"), dtype=torch.float32, device=q.device) for c in qs
-        ]
+        outs: list = [None] * parts
+        lses: list = [None] * parts
         kv = torch.stack([k, v]).contiguous()
         for step in range(n):
             src = (me - step) % n
             for a, qi in enumerate(_chunk_ids(me, n, causal)):
                 for kb, ki in zip(kv.chunk(parts, dim=3), _chunk_ids(src, n, causal), strict=True):
-                    s = _scores(qs[a], kb[0].float(), qi, ki, causal)
-                    if s is None:
+                    if causal and ki > qi:  # a later chunk: masked whole
                         continue
-                    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-                    new = torch.logaddexp(lses[a], lse)
-                    outs[a] = outs[a] * torch.exp(lses[a] - new) + torch.exp(s - new) @ kb[1].float()
-                    lses[a] = new
+                    # the inference kernel; a diagonal chunk pair is causal within itself
+                    o, lse = attention_with_lse(
+                        qs[a], kb[0].float(), kb[1].float(), causal=causal and ki == qi
+                    )
+                    if outs[a] is None:
+                        outs[a], lses[a] = o, lse
+                    else:
+                        outs[a], lses[a] = merge_blocks(outs[a], lses[a], o, lse)
             if step < n - 1:
                 kv = _pass(comm, kv, axis, n, me)
         out = torch.cat(outs, dim=2)
