@@ -133,3 +133,24 @@ def test_transformers_lm_trains_sequence_parallel_like_one_process():
         assert abs(loss - ref.item()) < TOL * ref.item() and results[1][i][2] == loss, (family, method)
         for name, p in model.named_parameters():
             assert _rel(grads[name], p.grad) < TOL, (family, method, name)
+
+
+def test_a_sequence_parallel_model_still_runs_whole_sequences():
+    """SequenceParallel sets the model's attention for good (activation checkpointing
+    recomputes layers after the forward returned); called without its keyword, e.g. for
+    evaluation on one process, the model is the plain causal model (same logits; 1e-6: the
+    same sdpa call through another entry point)."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "train"))
+    from tiny_lm import VOCAB, tiny_llama
+
+    from tessera.parallel.sequence import IMPLEMENTATION, SequenceParallel
+
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(0))
+    plain = tiny_llama()
+    expected = plain(input_ids=ids).logits
+    model = tiny_llama()
+    SequenceParallel(model, Mesh(sp=1).comm, "sp", "ring")
+    assert model.config._attn_implementation == IMPLEMENTATION
+    torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)

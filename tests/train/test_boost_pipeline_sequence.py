@@ -154,6 +154,7 @@ CASES_2 = [
     ("dit", 3, "sgd", dict(dp=1, pp=2, microbatches=2, max_grad_norm=0.5)),  # (x_t, t, y) through stages
     ("llama", 2, "sgd", dict(dp=1, sp=2, sp_method="ring", max_grad_norm=0.5)),
     ("llama", 2, "adamw", dict(dp=1, sp=2, sp_method="ulysses", grad_accum=2)),
+    ("llama", 2, "sgd", dict(dp=1, sp=2, precision="bf16", activation_checkpointing=True)),
 ]
 CASES_4 = [
     ("gpt2", 2, "sgd", dict(dp=2, pp=2, microbatches=2, max_grad_norm=0.5)),

@@ -164,10 +164,11 @@ def _hf_attention(module, query, key, value, attention_mask, dropout=0.0, scalin
     heads repeated for grouped-query attention. Causal by construction (decoders). The
     communicator arrives as a forward keyword (transformers passes a model's extra keywords
     down to its attention function), so no state outside the call says which axis is used."""
-    if SP_KWARG not in kwargs:
-        raise ValueError(
-            f"attn_implementation={IMPLEMENTATION!r} runs under tessera.parallel.sequence.SequenceParallel, "
-            "which passes the axis it splits; call the model through it"
+    if SP_KWARG not in kwargs:  # called on a whole sequence (not through SequenceParallel)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=True
         )
     comm, axis, method = kwargs[SP_KWARG]
     if scaling is not None and abs(scaling - query.shape[-1] ** -0.5) > 1e-12:
@@ -217,20 +218,18 @@ class SequenceParallel:
         if method not in ("ring", "ulysses"):
             raise ValueError(f"unknown sequence-parallel method {method!r}; choose 'ring' or 'ulysses'")
         self.model, self.comm, self.axis, self.method = model, comm, axis, method
+        # Set for good, not per call: activation checkpointing recomputes the layers in
+        # backward, after a per-call switch would have been undone. Without the forward's
+        # keyword the implementation is plain causal sdpa, so the model still runs whole.
+        model.config._attn_implementation = IMPLEMENTATION
 
     def loss(self, ids: torch.Tensor) -> torch.Tensor:
         """Forward and the global mean next-token loss of the full batch ``ids`` (B, T)."""
         n, me = self.comm.mesh.size(self.axis), self.comm.mesh.rank(self.axis)
         local, labels, positions = sequence_shard(ids, n, me, self.method)
-        config = self.model.config
-        before = config._attn_implementation
-        config._attn_implementation = IMPLEMENTATION
-        try:
-            logits = self.model(
-                input_ids=local, position_ids=positions, **{SP_KWARG: (self.comm, self.axis, self.method)}
-            ).logits
-        finally:
-            config._attn_implementation = before
+        logits = self.model(
+            input_ids=local, position_ids=positions, **{SP_KWARG: (self.comm, self.axis, self.method)}
+        ).logits
         total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
         count = torch.tensor(float((labels != -100).sum()), device=total.device)
         self.comm.all_reduce(count, self.axis)
