@@ -1,0 +1,178 @@
+"""`tessera generate`: its command-line flags and handlers (sampling a Tessera DiT
+checkpoint or a saved diffusers pipeline, on one or several processes). The work is in
+tessera.diffusion."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _layout(args: argparse.Namespace):
+    from tessera.diffusion.layout import ParallelConfig
+
+    config = ParallelConfig(
+        pipefusion_degree=args.pipefusion,
+        num_patches=args.patches,
+        warmup_steps=args.warmup_steps,
+        ulysses_degree=args.ulysses,
+        ring_degree=args.ring,
+        cfg_parallel=args.cfg_parallel,
+        tp_degree=args.tp,
+        distrifusion_degree=args.distrifusion,
+    )
+    if config.world_size != args.nproc:
+        raise ValueError(
+            f"parallel layout {config.describe()} needs {config.world_size} processes but --nproc is {args.nproc}"
+        )
+    return config
+
+
+def _generate_rank(model_dir: str, labels, config, steps: int, guidance: float, seed: int, progress: bool):
+    from tessera.diffusion.parallel import parallel_sample
+    from tessera.diffusion.pipefusion import release_other_stages
+    from tessera.train.checkpoint import load_dit
+
+    model = load_dit(model_dir)
+    size = model.config.image_size
+    mesh = config.build_mesh()
+    if config.method == "pipefusion" and config.pipefusion_degree > 1:
+        release_other_stages(model, config, mesh)  # each stage holds only its own blocks
+    images = parallel_sample(
+        model,
+        labels,
+        config=config,
+        mesh=mesh,
+        height=size,
+        width=size,
+        num_steps=steps,
+        guidance_scale=guidance,
+        seed=seed,
+        progress=progress,
+    )
+    from tessera.runtime.mesh import global_rank
+
+    return images if global_rank() == 0 else None
+
+
+def _pipeline_rank(model_dir: str, args: dict, config):
+    from tessera.diffusion.pipelines import generate, load_pipeline
+    from tessera.runtime.mesh import global_rank
+
+    pipe = load_pipeline(model_dir, with_text_encoder=global_rank() == 0)
+    pipe.set_progress_bar_config(disable=True)
+    if not (args["height"] and args["width"]):  # the pipeline's own default size
+        latent = getattr(pipe, "default_sample_size", None) or pipe.transformer.config.sample_size
+        args = {
+            **args,
+            "height": args["height"] or latent * pipe.vae_scale_factor,
+            "width": args["width"] or latent * pipe.vae_scale_factor,
+        }
+    height, width = args["height"], args["width"]
+    image = generate(
+        pipe,
+        prompt=args["prompt"],
+        negative_prompt=args["negative_prompt"],
+        height=height,
+        width=width,
+        num_steps=args["steps"],
+        guidance_scale=args["guidance"],
+        seed=args["seed"],
+        config=config,
+        progress=global_rank() == 0,
+    )
+    return image
+
+
+def cmd_generate_pipeline(args: argparse.Namespace) -> None:
+    from tessera.diffusion.image_grid import check_writable
+    from tessera.runtime import spawn
+
+    if not args.prompt:
+        raise ValueError(f"{args.model} is a diffusers pipeline: give a --prompt")
+    out = check_writable(args.out)
+    config = _layout(args)
+    job = {
+        k: getattr(args, k)
+        for k in ("prompt", "negative_prompt", "height", "width", "steps", "guidance", "seed")
+    }
+    if args.nproc == 1:
+        image = _pipeline_rank(str(args.model), job, config)
+    else:
+        image = spawn(_pipeline_rank, args.nproc, str(args.model), job, config, timeout_s=args.timeout)[0]
+    partial = out.with_name(f".{out.name}.partial")
+    image.save(partial, format="PNG")
+    partial.replace(out)
+    print(
+        f"wrote a {image.width}x{image.height} image ({config.describe()}, {args.nproc} process(es)) to {out}"
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    import torch
+
+    from tessera.diffusion.pipelines import is_pipeline_dir
+
+    if is_pipeline_dir(args.model):
+        return cmd_generate_pipeline(args)
+
+    from tessera.data.digits import digit_classifier, parse_digits
+    from tessera.diffusion.image_grid import check_writable, save_grid
+    from tessera.runtime import spawn
+    from tessera.train.checkpoint import load_dit
+
+    digits = parse_digits(args.digits)
+    out = check_writable(args.out)
+    config = _layout(args)
+    model = load_dit(args.model)  # fail here, before any process starts, if it is unusable
+    labels = torch.tensor(digits).repeat_interleave(args.per_digit)
+    job = (str(args.model), labels, config, args.steps, args.guidance, args.seed)
+    if args.nproc == 1:
+        images = _generate_rank(*job, True)
+    else:
+        images = spawn(_generate_rank, args.nproc, *job, False, timeout_s=args.timeout)[0]
+    # One column per requested digit: each column shows `per_digit` samples of it.
+    grid = images.view(len(digits), args.per_digit, *images.shape[1:]).transpose(0, 1).flatten(0, 1)
+    save_grid(grid, out, columns=len(digits), scale=8)
+    print(f"wrote {len(images)} samples ({config.describe()}, {args.nproc} process(es)) to {out}")
+    cfg = model.config
+    if cfg.in_channels == 1 and cfg.image_size == 8 and cfg.num_classes == 10:
+        clf = digit_classifier()
+        accuracy = clf.accuracy(images, labels)
+        print(
+            f"class accuracy of the samples, by an independent classifier: {accuracy:.1%} "
+            f"(n={len(images)}; the classifier scores {clf.held_out_accuracy:.1%} on held-out real digits)"
+        )
+
+
+def add_generate_parser(sub, positive_int) -> None:
+    p = sub.add_parser(
+        "generate", help="sample a Tessera checkpoint or a saved diffusers pipeline into a PNG"
+    )
+    p.add_argument("--model", required=True, help="Tessera checkpoint folder or diffusers pipeline folder")
+    p.add_argument("--digits", default="0123456789", help="classes to draw, e.g. 0123456789")
+    p.add_argument("--per-digit", type=positive_int, default=10, help="samples per digit")
+    p.add_argument("--steps", type=positive_int, default=20, help="sampling steps")
+    p.add_argument("--guidance", type=float, default=2.0, help="classifier-free guidance scale")
+    p.add_argument("--prompt", help="text prompt (diffusers pipelines)")
+    p.add_argument("--negative-prompt", default="", help="negative prompt (diffusers pipelines)")
+    p.add_argument("--height", type=positive_int, help="image height in pixels (diffusers pipelines)")
+    p.add_argument("--width", type=positive_int, help="image width in pixels (diffusers pipelines)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="grid.png", help="output PNG")
+    p.add_argument(
+        "--nproc", type=positive_int, default=1, help="local processes; the product of the degrees"
+    )
+    p.add_argument("--pipefusion", type=positive_int, default=1, help="PipeFusion degree (pipeline stages)")
+    p.add_argument("--patches", type=positive_int, help="PipeFusion patches along the height")
+    p.add_argument("--warmup-steps", type=int, default=1, help="synchronous steps before stale K/V is used")
+    p.add_argument(
+        "--ulysses", type=positive_int, default=1, help="Ulysses (all-to-all) sequence parallel degree"
+    )
+    p.add_argument("--ring", type=positive_int, default=1, help="Ring attention sequence parallel degree")
+    p.add_argument("--cfg-parallel", action="store_true", help="guidance branches on two ranks")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel degree (baseline)")
+    p.add_argument("--distrifusion", type=positive_int, default=1, help="DistriFusion degree (baseline)")
+    p.add_argument(
+        "--timeout", type=float, default=1800.0, help="seconds before a multi-process run is ended"
+    )
+    p.set_defaults(handler=cmd_generate)
