@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-mib", type=float, help="ZeRO chunk size in MiB (default 32)")
     p.set_defaults(handler=cmd_train)
 
-    from tessera.diffusion.commands import add_generate_parser  # flags only: models load on use
+    from tessera.cli_generate import add_generate_parser  # flags only: models load on use
 
     add_generate_parser(sub, _positive_int)
 

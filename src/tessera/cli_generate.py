@@ -1,6 +1,6 @@
 """`tessera generate`: its command-line flags and handlers (sampling a Tessera DiT
 checkpoint or a saved diffusers pipeline, on one or several processes). The work is in
-tessera.diffusion."""
+tessera.diffusion; this sits beside cli.py because it also reads training checkpoints."""
 
 from __future__ import annotations
 
