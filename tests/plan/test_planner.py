@@ -179,7 +179,20 @@ def test_pipeline_1f1b_makespan_is_the_textbook_one():
     assert [k for k, _ in order[:4]] == ["F"] * 4 and sorted(order) == sorted(
         [(k, i) for k in "FB" for i in range(6)]
     )
-    assert TrainCandidate(dp=2, pp=2).flags() is None  # not runnable by `tessera train` yet
+    assert TrainCandidate(dp=2, pp=2).flags() is None  # 1F1B needs >= pp micro-batches
+    assert TrainCandidate(dp=2, pp=2, zero=2, micro_batches=4).flags() is None  # ZeRO 0-1 under pp
+    flags = TrainCandidate(dp=2, pp=2, zero=1, micro_batches=4).flags()
+    from tessera.cli import build_parser  # what `tessera train` accepts
+
+    args = build_parser().parse_args(["train", "--recipe", "gpt2-text", *flags.split()])
+    assert (args.nproc, args.dp, args.pp, args.microbatches, args.zero, args.schedule) == (
+        4,
+        2,
+        2,
+        4,
+        1,
+        "1f1b",
+    )
 
 
 def test_measured_profiles_are_read_and_bad_ones_refused(tmp_path, monkeypatch):

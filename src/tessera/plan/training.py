@@ -41,7 +41,7 @@ class TrainCandidate:
     tp: int = 1
     zero: int = 0
     activation_checkpointing: bool = False
-    pp: int = 1  # pipeline stages (tessera.plan.pipeline); `tessera train` cannot run pp > 1 yet
+    pp: int = 1  # pipeline stages (tessera.plan.pipeline), 1F1B
     micro_batches: int = 1  # per replica and step, with pp > 1
     offload: str | None = None  # "static" | "auto" with zero=3 (tessera.plan.offload)
 
@@ -57,11 +57,16 @@ class TrainCandidate:
         return text + (f" offload={self.offload}" if self.offload else "")
 
     def flags(self) -> str | None:
-        """The `tessera train` flags, or None where it cannot run the plan (pp > 1; offload
-        is a `Plan` setting the recipes do not take as a flag)."""
-        if self.pp > 1 or self.offload:
+        """The `tessera train` flags, or None where it cannot run the plan (offload is a
+        `Plan` setting the recipes do not take as a flag; pipelined plans take ZeRO 0-1 and
+        1F1B needs at least pp micro-batches)."""
+        if self.offload or (self.pp > 1 and (self.zero > 1 or self.micro_batches < self.pp)):
             return None
-        text = f"--nproc {self.world_size} --dp {self.dp} --tp {self.tp} --zero {self.zero} --block-chunks"
+        text = f"--nproc {self.world_size} --dp {self.dp} --tp {self.tp} --zero {self.zero}"
+        if self.pp > 1:
+            text += f" --pp {self.pp} --microbatches {self.micro_batches} --schedule 1f1b"
+        else:
+            text += " --block-chunks"  # block chunks are ZeRO chunks: not under pp
         return text + (" --activation-checkpointing" if self.activation_checkpointing else "")
 
 
