@@ -25,7 +25,8 @@ from tessera.data.digits import load_digits_images
 from tessera.models.dit import DiT, DiTConfig
 from tessera.runtime.mesh import Mesh
 from tessera.train import checkpoint as ckpt
-from tessera.train.boost import BoostedOptimizer, boost
+from tessera.train.boost import boost
+from tessera.train.boosted import BoostedOptimizer
 from tessera.train.optim_state import optimizer_from_tensors, optimizer_to_tensors
 from tessera.train.plan import Plan
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tessera.parallel.sequence import SequenceParallel
-from tessera.train.boost import BoostedOptimizer
+from tessera.train.boosted import BoostedOptimizer
 
 
 class SequenceParallelOptimizer(BoostedOptimizer):
