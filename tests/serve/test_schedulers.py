@@ -3,8 +3,9 @@ token budget, infinity-emb's sorted windows, one by one), and limits are validat
 
 import pytest
 
+from tessera.serve.choices import make_scheduler
 from tessera.serve.request import Request
-from tessera.serve.scheduler import BatchLimits, FifoPadded, OneByOne, SortWindow, make_scheduler
+from tessera.serve.scheduler import BatchLimits, FifoPadded, OneByOne, SortWindow
 
 
 def requests(lengths):

@@ -50,13 +50,3 @@ class PaddedRunner(Runner):
             return hidden[:, 0]
         weights = mask.unsqueeze(-1).to(hidden.dtype)
         return (hidden * weights).sum(1) / weights.sum(1)
-
-
-def make_runner(name: str, served: ServedModel, **options) -> Runner:
-    from tessera.serve.unpadded import UnpaddedRunner
-
-    if name == "padded":
-        return PaddedRunner(served)
-    if name == "unpadded":
-        return UnpaddedRunner(served, **options)
-    raise ValueError(f"unknown runner {name!r}; choose padded or unpadded")

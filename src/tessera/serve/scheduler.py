@@ -133,17 +133,3 @@ class SortWindow(Scheduler):
         if keep < len(batch):
             self._pending.appendleft(batch[keep:])
         return batch[:keep]
-
-
-def make_scheduler(name: str, limits: BatchLimits, cost=None) -> Scheduler:
-    """A scheduler by name; ``dp`` needs the measured ``cost`` table."""
-    from tessera.serve.dp_scheduler import DPScheduler
-
-    if name == "dp":
-        if cost is None:
-            raise ValueError("scheduler 'dp' needs a cost table (measure one with CostTable.measure)")
-        return DPScheduler(limits, cost)
-    known = {cls.name: cls for cls in (OneByOne, FifoPadded, SortWindow)}
-    if name not in known:
-        raise ValueError(f"unknown scheduler {name!r}; choose one of dp, {', '.join(known)}")
-    return known[name](limits)

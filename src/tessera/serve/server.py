@@ -18,12 +18,12 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from tessera.serve.choices import make_runner, make_scheduler
 from tessera.serve.cost import CostTable
 from tessera.serve.engine import Engine
 from tessera.serve.metrics import ServerMetrics
 from tessera.serve.model import check_choice, load_model
-from tessera.serve.runner import make_runner
-from tessera.serve.scheduler import BatchLimits, make_scheduler
+from tessera.serve.scheduler import BatchLimits
 from tessera.serve.service import LocalBackend, Service
 
 log = logging.getLogger(__name__)
