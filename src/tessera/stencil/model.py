@@ -7,19 +7,20 @@ Per sweep of an interior of P points:
     DRAM bytes = P x (4 x coefficient arrays streamed + 4 x field reads + 4 written)
                + grid-level decomposition: P x (split - 1) x (4 field + 8 output) more
     memory time  = reads / (read bandwidth x stream efficiency) + writes / write bandwidth
-    compute time = loads per point / (vector length x 2 loads a cycle) x cycles, per thread
+    compute time = per vector: field loads x FIELD_LOAD_CYCLES + other loads / 2, per thread
                    (field loads: the distinct values of ``ry`` jammed rows, per row)
     time = max(memory, compute) + passes x (per-row loop set-up) + the call
 
-Field reads: 1 per point when the planes a z sweep keeps live (2r + 1 planes of the tile's
-rows, or of whole planes when tiles are one plane thick) fit in the L2 / shared L3, else one
-per plane of the stencil that lies outside the cache (2r + 1).
+Field reads: 1 per point when the planes the tiles touch (tz + 2r whole planes per thread)
+fit in the shared L3, else one per plane of the stencil (2r + 1).
 
 Stream efficiency: a sweep reading S arrays at once keeps S read streams in flight per
 thread; past the hardware prefetcher's streams (``PREFETCH_STREAMS``) the prefetcher loses
 some and DRAM pages thrash. ``(PREFETCH_STREAMS / S) ** STREAM_EXPONENT`` is an estimate
 (two constants, not measured by the machine benchmark), and it is what makes decomposition
-(fewer arrays per pass, more passes over the output) a choice the model can weigh.
+(fewer arrays per pass, more passes over the output) a choice the model can weigh. Each
+stream is read in runs of a tile's rows (ty x row bytes, contiguous); a run's first
+``RAMP_BYTES`` come before the prefetcher is ahead, so taller tiles stream better.
 """
 
 from __future__ import annotations
@@ -33,7 +34,14 @@ from tessera.stencil.stencil import Stencil
 
 PREFETCH_STREAMS = 16
 STREAM_EXPONENT = 0.35
+RAMP_BYTES = 2048  # bytes of a run before the prefetcher is ahead of it (an estimate)
 LOADS_PER_CYCLE = 2
+# Cycles per vector of one field term (an unaligned load, often split across cache lines,
+# from one of up to 37 rows in flight, and its FMA): fitted to the constant-coefficient
+# rows of the first full `tessera bench stencil` run on this VM (star25, ete37, ete73 at
+# 256^3: 2.6-4.1 cycles with AVX2, 5 with AVX-512, whose 512-bit loads run as two halves
+# here). Coefficient and output loads are aligned streams: LOADS_PER_CYCLE.
+FIELD_LOAD_CYCLES = {"avx2": 3.0, "avx512": 5.0}
 ROW_CYCLES = 30  # a row's loop set-up and pointer arithmetic, per pass
 CALL_SECONDS = 5e-6
 
@@ -60,16 +68,14 @@ def _pass_arrays(stencil: Stencil, s: StencilSchedule) -> list[int]:
 
 
 def _field_reads(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int) -> float:
+    """Field reads from DRAM per point: 1 while the planes the threads' tiles touch (a tile's
+    tz planes and r on either side, whole planes since the tiles of a z-block run in y order)
+    fit in the shared L3, else one per plane of the stencil (2r + 1)."""
     nz, ny, nx = shape
     r = stencil.radius
-    row = 4.0 * (nx + 2 * stencil.halo)
-    if s.tz > 1:  # a tile's z sweep keeps 2r + 1 planes of its (ty + 2r) rows live
-        live, level_bytes = (2 * r + 1) * (min(s.ty, ny) + 2 * r) * row, m.cache_bytes["L2"]
-        halo = (min(s.tz, nz) + 2 * r) / min(s.tz, nz) * (min(s.ty, ny) + 2 * r) / min(s.ty, ny)
-    else:  # one-plane tiles: threads sweep whole planes, 2r + 1 of them live per thread
-        live, level_bytes = (2 * r + 1) * (ny + 2 * r) * row * threads, m.cache_bytes["L3"]
-        halo = 1.0
-    return halo if live <= 0.75 * level_bytes else float(2 * r + 1)
+    plane = 4.0 * (ny + 2 * stencil.halo) * (nx + 2 * stencil.halo)
+    live = (min(s.tz, nz) + 2 * r) * plane * threads
+    return 1.0 if live <= 0.75 * m.cache_bytes["L3"] else float(2 * r + 1)
 
 
 def traffic(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int) -> Traffic:
@@ -99,8 +105,10 @@ def _field_loads(stencil: Stencil, shape, ry: int) -> float:
     return len({o + j * px for o in offsets for j in range(ry)}) / ry
 
 
-def stream_efficiency(streams: int) -> float:
-    return min(1.0, (PREFETCH_STREAMS / streams) ** STREAM_EXPONENT)
+def stream_efficiency(streams: int, run_bytes: float) -> float:
+    """Read bandwidth kept with ``streams`` streams per thread, each read in contiguous runs
+    of ``run_bytes`` (a tile's rows of one plane) that the prefetcher must ramp up on."""
+    return min(1.0, (PREFETCH_STREAMS / streams) ** STREAM_EXPONENT) * run_bytes / (run_bytes + RAMP_BYTES)
 
 
 def predict_stencil(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int = 1) -> float:
@@ -110,7 +118,8 @@ def predict_stencil(stencil: Stencil, shape, s: StencilSchedule, m: Machine, thr
     t = traffic(stencil, shape, s, m, threads)
     tiles = math.ceil(nz / s.tz) * math.ceil(ny / s.ty)
     busy = math.ceil(tiles / threads) * threads / tiles  # the static schedule's last round
-    read_bw = m.bandwidth("DRAM", threads) * stream_efficiency(t.streams)
+    run = 4.0 * (min(s.ty, ny) if not s.tx or s.tx >= nx else 1) * min(s.tx or nx, nx)
+    read_bw = m.bandwidth("DRAM", threads) * stream_efficiency(t.streams, run)
     t_mem = points * (t.read_bytes / read_bw + t.write_bytes / m.write_bw[min(threads, max(m.write_bw))])
     isa_vl = 16 if s.isa == "avx512" else 8
     vl = isa_vl if s.vectorize else 1
@@ -118,7 +127,9 @@ def predict_stencil(stencil: Stencil, shape, s: StencilSchedule, m: Machine, thr
     tx = s.tx or nx
     fill = tx / (math.ceil(tx / vl) * vl)
     passes = len(_pass_arrays(stencil, s))
-    t_compute = points * t.loads / (vl * fill * LOADS_PER_CYCLE) * cycle * busy / threads
+    field = _field_loads(stencil, shape, s.ry)
+    per_vector = field * FIELD_LOAD_CYCLES[s.isa] + (t.loads - field) / LOADS_PER_CYCLE
+    t_compute = points * per_vector / (vl * fill) * cycle * busy / threads
     t_rows = nz * ny * math.ceil(nx / tx) * passes * ROW_CYCLES * cycle / threads
     return CALL_SECONDS + max(t_mem, t_compute) + t_rows
 

@@ -72,9 +72,18 @@ def rank(stencil: Stencil, shape, *, threads: int, machine: Machine) -> list[Tri
 
 
 def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
-    """The ``top_k`` best predicted, plus the best undecomposed and the best decomposed one
+    """The ``top_k`` best predicted, at most one per (tile depth tz, decomposition) family (the
+    model's near-ties within a family are where it is least sure, so the timed set spreads
+    over tile shapes and splits), plus the best undecomposed and the best decomposed one
     when those are not among them (both are reported)."""
-    picked = trials[:top_k]
+    picked, seen = [], set()
+    for t in trials:
+        family = (t.schedule.tz, t.schedule.split, t.schedule.split_level)
+        if family not in seen:
+            picked.append(t)
+            seen.add(family)
+        if len(picked) == top_k:
+            break
     for want in (False, True):
         if not any(t.schedule.decomposed == want for t in picked):
             extra = next((t for t in trials if t.schedule.decomposed == want), None)
