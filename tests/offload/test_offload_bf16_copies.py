@@ -84,3 +84,23 @@ def test_two_ranks_gather_half_the_bytes_within_tolerance(tmp_path):
     ):
         _close(losses, ref_losses, masters, ref_masters)
         assert 2 * gathered == ref_bytes, (gathered, ref_bytes)
+
+
+def test_a_loaded_checkpoint_refreshes_the_copies(tmp_path):
+    """Loading into a run whose copies exist makes them again from the loaded masters:
+    the step after loading repeats, bit for bit, the step first taken from that state."""
+    from offload_lm import model, optimizer
+
+    from tessera.train.losses import causal_lm_loss
+    from tessera.train.sharded_checkpoint import load_sharded, save_sharded
+
+    steps = batches()
+    plan = _offloaded(tessera.Plan(**BASE, precision="bf16"), tmp_path / "o", "auto")
+    m = model()
+    m, opt = tessera.boost(m, optimizer(m), plan)
+    for batch in steps[:2]:
+        opt.train_step(batch, causal_lm_loss)
+    save_sharded(m, opt, tmp_path / "ckpt")
+    first = opt.train_step(steps[2], causal_lm_loss)["loss"]  # copies now hold step-3 weights
+    load_sharded(m, opt, tmp_path / "ckpt")
+    assert opt.train_step(steps[2], causal_lm_loss)["loss"] == first
