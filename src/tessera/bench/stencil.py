@@ -50,10 +50,26 @@ class StencilPlan:
     wave_steps: int
 
 
-FULL = StencilPlan(grid=256, shapes=("star7", "star25", "ete37", "ete73"), repeats=3, top_k=4, devito=True,
-                   install_devito=True, wave_grid=256, wave_steps=8)
-QUICK = StencilPlan(grid=40, shapes=("star7", "ete37"), repeats=3, top_k=2, devito=True, install_devito=False,
-                    wave_grid=40, wave_steps=4)
+FULL = StencilPlan(
+    grid=256,
+    shapes=("star7", "star25", "ete37", "ete73"),
+    repeats=3,
+    top_k=4,
+    devito=True,
+    install_devito=True,
+    wave_grid=256,
+    wave_steps=8,
+)
+QUICK = StencilPlan(
+    grid=40,
+    shapes=("star7", "ete37"),
+    repeats=3,
+    top_k=2,
+    devito=True,
+    install_devito=False,
+    wave_grid=40,
+    wave_steps=4,
+)
 
 
 # ---- the peers -------------------------------------------------------------------------------
@@ -67,7 +83,7 @@ def numpy_stencil(st, u: np.ndarray, coeffs: dict, out: np.ndarray, tmp: np.ndar
     acc[...] = 0
     for p in st.points:
         dz, dy, dx = p.offset
-        view = u[h + dz:h + dz + nz, h + dy:h + dy + ny, h + dx:h + dx + nx]
+        view = u[h + dz : h + dz + nz, h + dy : h + dy + ny, h + dx : h + dx + nx]
         c = coeffs[p.coeff] if isinstance(p.coeff, str) else np.float32(p.coeff)
         np.multiply(c, view, out=tmp)
         acc += tmp
@@ -112,8 +128,13 @@ def ensure_devito(install: bool) -> str | None:
     try:
         subprocess.run([sys.executable, "-m", "venv", str(DEVITO_VENV)], check=True, capture_output=True)
         # Devito pins numpy < Tessera's, so it gets a venv of its own; it needs no torch.
-        subprocess.run([str(DEVITO_VENV / "bin" / "pip"), "install", "-q", DEVITO_PIN], check=True,
-                       capture_output=True, text=True, timeout=1800)
+        subprocess.run(
+            [str(DEVITO_VENV / "bin" / "pip"), "install", "-q", DEVITO_PIN],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         return f"could not install {DEVITO_PIN}: {str(detail).strip().splitlines()[-1:] or exc}"
@@ -124,10 +145,22 @@ def _devito_spec(st, shape_name: str, grid, repeats: int, check_dir: str | None)
     from tessera.stencil.shapes import shape_weights
 
     weights = shape_weights(shape_name)
-    points = [[*p.offset, float(p.coeff) if not isinstance(p.coeff, str) else float(weights[p.offset]),
-               p.coeff if isinstance(p.coeff, str) else None] for p in st.points]
-    return {"points": points, "halo": st.halo, "grid": list(grid), "repeats": repeats, "steps": 4,
-            "check_dir": check_dir}
+    points = [
+        [
+            *p.offset,
+            float(p.coeff) if not isinstance(p.coeff, str) else float(weights[p.offset]),
+            p.coeff if isinstance(p.coeff, str) else None,
+        ]
+        for p in st.points
+    ]
+    return {
+        "points": points,
+        "halo": st.halo,
+        "grid": list(grid),
+        "repeats": repeats,
+        "steps": 4,
+        "check_dir": check_dir,
+    }
 
 
 def run_devito(st, shape_name: str, grid, threads: int, repeats: int) -> dict:
@@ -135,8 +168,13 @@ def run_devito(st, shape_name: str, grid, threads: int, repeats: int) -> dict:
     from tessera.stencil import padded_shape, weight_arrays
     from tessera.stencil import reference as ref
 
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), DEVITO_LANGUAGE="openmp", DEVITO_AUTOTUNING="aggressive",
-               DEVITO_LOGGING="WARNING")
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        DEVITO_LANGUAGE="openmp",
+        DEVITO_AUTOTUNING="aggressive",
+        DEVITO_LOGGING="WARNING",
+    )
     with tempfile.TemporaryDirectory() as tmp:
         small = (9, 10, 23)
         rng = np.random.default_rng(1)
@@ -147,8 +185,13 @@ def run_devito(st, shape_name: str, grid, threads: int, repeats: int) -> dict:
             np.save(Path(tmp) / f"{k}.npy", v)
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(_devito_spec(st, shape_name, grid, repeats, tmp)))
-        done = subprocess.run([str(DEVITO_VENV / "bin" / "python"), str(WORKER), str(spec_path), str(result_path)],
-                              env=env, capture_output=True, text=True, timeout=1200)
+        done = subprocess.run(
+            [str(DEVITO_VENV / "bin" / "python"), str(WORKER), str(spec_path), str(result_path)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
         if done.returncode != 0:
             return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
         result = json.loads(result_path.read_text())
@@ -171,8 +214,14 @@ def _roofline(st, points: int, bw: dict) -> float:
 
 
 def _row(case: str, method: str, seconds: float, grid_points: int, roof: float, **extra) -> dict:
-    return {"case": case, "method": method, "ms": seconds * 1e3, "gpts_s": grid_points / seconds / 1e9,
-            "roofline_fraction": roof / seconds, **extra}
+    return {
+        "case": case,
+        "method": method,
+        "ms": seconds * 1e3,
+        "gpts_s": grid_points / seconds / 1e9,
+        "roofline_fraction": roof / seconds,
+        **extra,
+    }
 
 
 def _local_rows(plan: StencilPlan, st, case: str, kind: str, machine, bw: dict) -> list[dict]:
@@ -185,28 +234,68 @@ def _local_rows(plan: StencilPlan, st, case: str, kind: str, machine, bw: dict) 
     points = math.prod(grid)
     u, coeffs = sample_inputs(st, grid)
     roof = _roofline(st, points, bw)
-    tuned = tune_stencil(st, grid, threads=plan.threads, machine=machine, top_k=plan.top_k, repeats=plan.repeats,
-                         inputs=(u, coeffs))
+    tuned = tune_stencil(
+        st,
+        grid,
+        threads=plan.threads,
+        machine=machine,
+        top_k=plan.top_k,
+        repeats=plan.repeats,
+        inputs=(u, coeffs),
+    )
     ours = compile_stencil(st, grid, tuned.best)(u, coeffs, threads=plan.threads)
     base = {"arrays": len(st.arrays), "stencil_points": len(st.points), "roofline_ms": roof * 1e3}
     best = min((t for t in tuned.trials if t.measured), key=lambda t: t.measured)
     rows = []
-    for label, trial in (("tessera", best), ("tessera undecomposed", tuned.best_of(False)),
-                         ("tessera decomposed", tuned.best_of(True))):
+    for label, trial in (
+        ("tessera", best),
+        ("tessera undecomposed", tuned.best_of(False)),
+        ("tessera decomposed", tuned.best_of(True)),
+    ):
         if trial is not None:
-            rows.append(_row(case, label, trial.measured, points, roof, schedule=trial.schedule.short(),
-                             predicted_ms=trial.predicted * 1e3, **base))
+            rows.append(
+                _row(
+                    case,
+                    label,
+                    trial.measured,
+                    points,
+                    roof,
+                    schedule=trial.schedule.short(),
+                    predicted_ms=trial.predicted * 1e3,
+                    **base,
+                )
+            )
     rows[0]["model_spearman"] = tuned.spearman
     out, tmp = np.zeros_like(u), np.empty(grid, np.float32)
     times = _timed(lambda: numpy_stencil(st, u, coeffs, out, tmp), 1)
     scale = float(np.abs(out).max())
-    rows.append(_row(case, "numpy (1 thread)", min(times), points, roof,
-                     max_rel_diff=float(np.abs(out - ours).max()) / scale, **base))
+    rows.append(
+        _row(
+            case,
+            "numpy (1 thread)",
+            min(times),
+            points,
+            roof,
+            max_rel_diff=float(np.abs(out - ours).max()) / scale,
+            **base,
+        )
+    )
     if kind == "constant":
-        times, conv = torch_conv3d(st, u, plan.threads, min(plan.repeats, 2))  # its direct conv: seconds a call
+        times, conv = torch_conv3d(
+            st, u, plan.threads, min(plan.repeats, 2)
+        )  # its direct conv: seconds a call
         h = st.halo
-        rows.append(_row(case, "torch conv3d", statistics.median(times), points, roof,
-                         max_rel_diff=float(np.abs(conv - ours[h:-h, h:-h, h:-h]).max()) / scale, **base))
+        rows.append(
+            _row(
+                case,
+                "torch conv3d",
+                statistics.median(times),
+                points,
+                roof,
+                max_rel_diff=float(np.abs(conv - ours[h:-h, h:-h, h:-h]).max()) / scale,
+                **base,
+            )
+        )
     return rows
 
 
@@ -222,10 +311,20 @@ def run_case(plan: StencilPlan, shape_name: str, kind: str, machine, bw: dict, d
         if "error" in res:
             rows.append({"case": case, "method": "devito", "error": res["error"]})
         else:
-            rows.append(_row(case, "devito", statistics.median(res["kernel_seconds"]), math.prod(grid),
-                             _roofline(st, math.prod(grid), bw), wall_ms=statistics.median(res["wall_seconds"]) * 1e3,
-                             check_ok=res["check_ok"], setup_s=res["setup_seconds"], arrays=len(st.arrays),
-                             stencil_points=len(st.points)))
+            rows.append(
+                _row(
+                    case,
+                    "devito",
+                    statistics.median(res["kernel_seconds"]),
+                    math.prod(grid),
+                    _roofline(st, math.prod(grid), bw),
+                    wall_ms=statistics.median(res["wall_seconds"]) * 1e3,
+                    check_ok=res["check_ok"],
+                    setup_s=res["setup_seconds"],
+                    arrays=len(st.arrays),
+                    stencil_points=len(st.points),
+                )
+            )
     return rows
 
 
@@ -245,10 +344,20 @@ def run_wave_rows(plan: StencilPlan, bw: dict) -> list[dict]:
     rows = []
     for tb in (1, 2, 4):
         kernel = compile_wave(st, grid, StencilSchedule(time_block=tb, isa=_isa()))
-        times = _timed(lambda k=kernel: k.run(prev, cur, coeffs, src, (1, 1, 1), threads=plan.threads), plan.repeats)
+        times = _timed(
+            lambda k=kernel: k.run(prev, cur, coeffs, src, (1, 1, 1), threads=plan.threads), plan.repeats
+        )
         per_step = statistics.median(times) / plan.wave_steps
-        rows.append(_row(f"wave ete37 constant {plan.wave_steps} steps", f"tessera time_block={tb}", per_step,
-                         math.prod(grid), roof, roofline_ms=roof * 1e3))
+        rows.append(
+            _row(
+                f"wave ete37 constant {plan.wave_steps} steps",
+                f"tessera time_block={tb}",
+                per_step,
+                math.prod(grid),
+                roof,
+                roofline_ms=roof * 1e3,
+            )
+        )
     return rows
 
 
@@ -265,21 +374,31 @@ def _headline(rows: list[dict], bw: dict, threads: int, devito_note: str) -> dic
     ours = {r["case"]: r for r in rows if r["method"] == "tessera"}
     var = [r["roofline_fraction"] for c, r in ours.items() if "variable" in c]
     const = [r["roofline_fraction"] for c, r in ours.items() if "constant" in c and not c.startswith("wave")]
-    ratios = {r["case"]: ours[r["case"]]["gpts_s"] / r["gpts_s"] for r in rows
-              if r["method"] == "devito" and "gpts_s" in r and r["case"] in ours}
+    ratios = {
+        r["case"]: ours[r["case"]]["gpts_s"] / r["gpts_s"]
+        for r in rows
+        if r["method"] == "devito" and "gpts_s" in r and r["case"] in ours
+    }
     head = {
-        "threads": threads, "dram_read_gbs": round(bw["read"] / 1e9, 2), "dram_write_gbs": round(bw["write"] / 1e9, 2),
+        "threads": threads,
+        "dram_read_gbs": round(bw["read"] / 1e9, 2),
+        "dram_read_one_stream_gbs": round(bw.get("one_stream", bw["read"]) / 1e9, 2),
+        "dram_write_gbs": round(bw["write"] / 1e9, 2),
         "roofline_fraction_variable_min": round(min(var), 3) if var else None,
         "roofline_fraction_variable_max": round(max(var), 3) if var else None,
         "roofline_fraction_constant_min": round(min(const), 3) if const else None,
         "roofline_fraction_constant_max": round(max(const), 3) if const else None,
         "speed_vs_devito_geomean": round(math.exp(statistics.fmean(math.log(x) for x in ratios.values())), 3)
-        if ratios else None,
+        if ratios
+        else None,
         "speed_vs_devito_min": round(min(ratios.values()), 3) if ratios else None,
         "devito": devito_note,
     }
     by = {(r["case"], r["method"]): r for r in rows}
-    und, dec = by.get(("ete73 variable", "tessera undecomposed")), by.get(("ete73 variable", "tessera decomposed"))
+    und, dec = (
+        by.get(("ete73 variable", "tessera undecomposed")),
+        by.get(("ete73 variable", "tessera decomposed")),
+    )
     head["decomposition_gain_ete73_variable"] = round(und["ms"] / dec["ms"], 3) if und and dec else None
     wave = [r for r in rows if r["case"].startswith("wave")]
     if len(wave) > 1:
@@ -288,12 +407,16 @@ def _headline(rows: list[dict], bw: dict, threads: int, devito_note: str) -> dic
 
 
 def run_stencil_bench(quick: bool = False) -> BenchResult:
-    from tessera.kernels.machine import dram_bandwidth, load_machine
+    from tessera.kernels.machine import dram_bandwidth, dram_streams_read_bandwidth, load_machine
 
     plan = QUICK if quick else FULL
     machine = load_machine()
-    read, write = dram_bandwidth(plan.threads)
-    bw = {"read": read, "write": write}
+    one_stream, write = dram_bandwidth(plan.threads)
+    # the roofline is the best read rate this machine attains: a kernel reading one array
+    # per stencil point keeps more misses in flight than one stream does
+    by_streams = dram_streams_read_bandwidth(plan.threads)
+    read = max(one_stream, *by_streams.values())
+    bw = {"read": read, "write": write, "one_stream": one_stream}
     why_not = ensure_devito(plan.install_devito) if plan.devito else "skipped"
     rows = []
     for shape_name in plan.shapes:
@@ -305,16 +428,33 @@ def run_stencil_bench(quick: bool = False) -> BenchResult:
         f"{plan.threads} threads for Tessera, torch and Devito (OMP_NUM_THREADS={plan.threads}, DEVITO_LANGUAGE=openmp,"
         " opt='advanced', autotuning='aggressive'); numpy is single-threaded.",
         f"grid {plan.grid}^3 interior, float32; variable = one coefficient array per offset; roofline = ideal bytes "
-        f"per point over this run's measured DRAM bandwidth (read {read / 1e9:.1f} GB/s, write {write / 1e9:.1f} GB/s "
-        f"on {plan.threads} threads).",
+        f"per point over this run's measured DRAM bandwidth (read {read / 1e9:.1f} GB/s, the best of one stream "
+        f"{one_stream / 1e9:.1f} and of k streams at once "
+        + ", ".join(f"k={k} {v / 1e9:.1f}" for k, v in by_streams.items())
+        + f"; write {write / 1e9:.1f} GB/s; {plan.threads} threads).",
         "Tessera's time: median of the tuner's timed runs of the schedule; Devito's: its own operator timer per sweep "
         "(a 4-step time loop, as its autotuner needs one); its answer checked on a 9x10x23 grid against float64.",
         f"Devito: {devito_note}.",
     ]
-    columns = ["case", "method", "ms", "gpts_s", "roofline_fraction", "schedule", "predicted_ms", "max_rel_diff",
-               "check_ok"]
-    return BenchResult(name="stencil", headline=_headline(rows, bw, plan.threads, devito_note), rows=rows,
-                       columns=columns, notes=notes, extra={"plan": plan.__dict__})
+    columns = [
+        "case",
+        "method",
+        "ms",
+        "gpts_s",
+        "roofline_fraction",
+        "schedule",
+        "predicted_ms",
+        "max_rel_diff",
+        "check_ok",
+    ]
+    return BenchResult(
+        name="stencil",
+        headline=_headline(rows, bw, plan.threads, devito_note),
+        rows=rows,
+        columns=columns,
+        notes=notes,
+        extra={"plan": plan.__dict__},
+    )
 
 
 def plot_stencil(result: BenchResult, path: Path) -> None:
@@ -332,7 +472,9 @@ def plot_stencil(result: BenchResult, path: Path) -> None:
     for i, method in enumerate(methods):
         sel = [r for r in rows if r["method"] == method]
         ai = [2 * r["stencil_points"] / (4 * (r["arrays"] + 2)) for r in sel]  # flops per ideal byte
-        ax1.scatter(ai, [r["gpts_s"] * 2 * r["stencil_points"] for r in sel], label=method, marker="os^vDP*"[i % 7])
+        ax1.scatter(
+            ai, [r["gpts_s"] * 2 * r["stencil_points"] for r in sel], label=method, marker="os^vDP*"[i % 7]
+        )
     xs = np.logspace(-1.5, 1.5, 50)
     read_bw = head["dram_read_gbs"]  # a stencil's bytes are nearly all reads: the read roof bounds it
     ax1.plot(xs, xs * read_bw, "k--", label=f"DRAM read roof ({read_bw:.0f} GB/s)")
@@ -345,7 +487,9 @@ def plot_stencil(result: BenchResult, path: Path) -> None:
     cases = list(dict.fromkeys(r["case"] for r in rows))
     width = 0.8 / max(1, len(methods))
     for i, method in enumerate(methods):
-        vals = [next((r["gpts_s"] for r in rows if r["case"] == c and r["method"] == method), 0) for c in cases]
+        vals = [
+            next((r["gpts_s"] for r in rows if r["case"] == c and r["method"] == method), 0) for c in cases
+        ]
         ax2.bar(np.arange(len(cases)) + i * width, vals, width, label=method)
     ax2.set_xticks(np.arange(len(cases)) + 0.4 - width / 2, cases, rotation=30, ha="right", fontsize=8)
     ax2.set_ylabel("GPts/s")

@@ -135,6 +135,8 @@ def _bench_lib(isa: str) -> ctypes.CDLL:
     for fn in (lib.tk_read_gbps, lib.tk_write_gbps):
         fn.restype = ctypes.c_double
         fn.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_double]
+    lib.tk_streams_read_gbps.restype = ctypes.c_double
+    lib.tk_streams_read_gbps.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_double]
     return lib
 
 
@@ -213,6 +215,22 @@ def dram_bandwidth(threads: int, *, seconds: float = 0.3, isa: str | None = None
     lib = _bench_lib(isa)
     return (lib.tk_read_gbps(total // threads, threads, seconds) * 1e9,
             lib.tk_write_gbps(total // threads, threads, seconds) * 1e9)
+
+
+STREAM_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def dram_streams_read_bandwidth(
+    threads: int, *, seconds: float = 0.3, isa: str | None = None
+) -> dict[int, float]:
+    """DRAM read bytes/s on ``threads`` threads when each reads that many arrays at once
+    (a variable-coefficient stencil reads one per point): the many-stream figure is the
+    bandwidth such kernels can attain, which one stream alone under-measures."""
+    isa = isa or cpu_isas()[-1]
+    sizes, _ = cache_sizes()
+    total = max(4 * sizes["L3"], 256 << 20)
+    lib = _bench_lib(isa)
+    return {k: lib.tk_streams_read_gbps(total // threads, threads, k, seconds) * 1e9 for k in STREAM_COUNTS}
 
 
 def machine_path() -> Path:

@@ -7,6 +7,10 @@
  *                                      thread, summed into independent accumulators: the
  *                                      bandwidth of the cache level that buffer fits in
  *   tk_write_gbps(bytes, threads, s)   streaming vector stores of such a buffer
+ *   tk_streams_read_gbps(bytes, threads, streams, s)
+ *                                      the same reads from `streams` arrays at once, as a
+ *                                      stencil with one coefficient array per point reads:
+ *                                      more concurrent streams keep more misses in flight
  *
  * Each runs rounds until `seconds` have passed and reports its best round. Compiled with
  * TK_VEC = 256 (AVX2 + FMA) or 512 (AVX-512F).
@@ -145,3 +149,57 @@ static double stream(long bytes, int threads, double seconds, int write) {
 
 double tk_read_gbps(long bytes, int threads, double seconds) { return stream(bytes, threads, seconds, 0); }
 double tk_write_gbps(long bytes, int threads, double seconds) { return stream(bytes, threads, seconds, 1); }
+
+static float read_streams(float *const *bufs, int streams, long floats) {
+    vf a[8];
+    for (int j = 0; j < 8; ++j) a[j] = SET1(0);
+    /* 8 vectors of each stream in turn, into 8 independent sums (no add-latency chain) */
+    for (long i = 0; i + 8 * VL <= floats; i += 8 * VL)
+        for (int k = 0; k < streams; ++k)
+            for (int j = 0; j < 8; ++j) a[j] = ADD(a[j], LOAD(bufs[k] + i + j * VL));
+    vf s = ADD(ADD(ADD(a[0], a[1]), ADD(a[2], a[3])), ADD(ADD(a[4], a[5]), ADD(a[6], a[7])));
+    float out[VL] __attribute__((aligned(64)));
+    STORE(out, s);
+    return out[0];
+}
+
+double tk_streams_read_gbps(long bytes, int threads, int streams, double seconds) {
+    long floats = (bytes / 4 / streams) / (8 * VL) * (8 * VL); /* per stream, per thread */
+    if (floats < 8 * VL) floats = 8 * VL;
+    double best = 0.0, began = now();
+    float ***bufs = malloc(sizeof(float **) * threads);
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num();
+        bufs[t] = malloc(sizeof(float *) * streams);
+        for (int k = 0; k < streams; ++k) {
+            bufs[t][k] = aligned_alloc(64, floats * 4);
+            for (long i = 0; i < floats; ++i) bufs[t][k][i] = (float)(i & 7);
+        }
+    }
+    do {
+        double t0 = 0.0, t1 = 0.0;
+#pragma omp parallel num_threads(threads)
+        {
+            float *const *mine = bufs[omp_get_thread_num()];
+#pragma omp barrier
+#pragma omp master
+            t0 = now();
+            float r = read_streams(mine, streams, floats);
+            __asm__ volatile("" ::: "memory");
+#pragma omp atomic
+            tk_sink += r;
+#pragma omp barrier
+#pragma omp master
+            t1 = now();
+        }
+        double rate = 4.0 * floats * streams * threads / (t1 - t0) / 1e9;
+        if (rate > best) best = rate;
+    } while (now() - began < seconds);
+    for (int t = 0; t < threads; ++t) {
+        for (int k = 0; k < streams; ++k) free(bufs[t][k]);
+        free(bufs[t]);
+    }
+    free(bufs);
+    return best;
+}
