@@ -19,7 +19,15 @@ from tqdm.auto import tqdm
 from tessera.apps.sil_fdia.attacks import KINDS, Attack
 from tessera.apps.sil_fdia.audio import Weather, synthesize
 from tessera.apps.sil_fdia.config import AudioConfig, SimConfig
-from tessera.apps.sil_fdia.detectors import DETECTORS, Context, auc, delays_min, fit_detectors, scenario
+from tessera.apps.sil_fdia.detectors import (
+    DETECTORS,
+    Context,
+    auc,
+    delays_min,
+    fit_detectors,
+    inputs,
+    scenario,
+)
 from tessera.apps.sil_fdia.simulate import simulate
 from tessera.apps.sil_fdia.sound import fit_sound, hear_many, listening
 from tessera.apps.sil_fdia.telemetry_detect import fit_calibration
@@ -108,8 +116,6 @@ def build_context(plan: ExperimentPlan) -> Context:
 
 def _clean_false_alarms(ctx: Context, models, span: slice) -> dict[str, float]:
     """Share of the test days' clean night intervals (no attack anywhere) above each threshold."""
-    from tessera.apps.sil_fdia.detectors import inputs
-
     scores = models.score(inputs(ctx, ctx.dep.telemetry))
     on = ctx.dep.telemetry["on"][:, span] > 0
     return {n: float(np.mean(scores[n][:, span][on] > models.thresholds[n])) for n in DETECTORS}
