@@ -87,6 +87,14 @@ double tk_peak_gflops(int threads, double seconds) {
     return best;
 }
 
+/* Buffer contents no two pages share: a buffer of one repeated page can be merged by the
+ * host (same-page merging) into a few physical pages, whose reads then hit the cache and
+ * report far more than DRAM bandwidth (measured here: 33 GB/s one run, 86 another). */
+static float fill(long i, long salt) {
+    unsigned long h = (unsigned long)(i + salt * 0x9E3779B97F4A7C15UL) * 0xBF58476D1CE4E5B9UL;
+    return (float)((h >> 40) & 0xFFFF) * (1.0f / 65536.0f);
+}
+
 static float read_pass(const float *buf, long floats) {
     vf a0 = SET1(0), a1 = SET1(0), a2 = SET1(0), a3 = SET1(0), a4 = SET1(0), a5 = SET1(0), a6 = SET1(0), a7 = SET1(0);
     for (long i = 0; i + 8 * VL <= floats; i += 8 * VL) {
@@ -117,7 +125,7 @@ static double stream(long bytes, int threads, double seconds, int write) {
     {
         int t = omp_get_thread_num();
         bufs[t] = aligned_alloc(64, floats * 4);
-        for (long i = 0; i < floats; ++i) bufs[t][i] = (float)(i & 7);
+        for (long i = 0; i < floats; ++i) bufs[t][i] = fill(i, t);
     }
     do {
         double t0 = 0.0, t1 = 0.0;
@@ -174,7 +182,7 @@ double tk_streams_read_gbps(long bytes, int threads, int streams, double seconds
         bufs[t] = malloc(sizeof(float *) * streams);
         for (int k = 0; k < streams; ++k) {
             bufs[t][k] = aligned_alloc(64, floats * 4);
-            for (long i = 0; i < floats; ++i) bufs[t][k][i] = (float)(i & 7);
+            for (long i = 0; i < floats; ++i) bufs[t][k][i] = fill(i, t * 64 + k);
         }
     }
     do {
