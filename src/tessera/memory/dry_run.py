@@ -20,7 +20,7 @@ import torch
 
 from tessera.memory.chunk import ChunkKind, ChunkState
 from tessera.memory.chunk_manager import ChunkManager
-from tessera.memory.offload import build_store
+from tessera.memory.store import build_store
 from tessera.memory.tiers import DiskTier, Tier, TierFull, check_dir
 
 MiB = 2**20

@@ -23,40 +23,11 @@ name): Tessera does not substitute its own, so results stay those of the user's 
 from __future__ import annotations
 
 import contextlib
-import os
-from pathlib import Path
 
 import torch
 
 from tessera.memory.chunk import ChunkKind, ChunkState
-from tessera.memory.placement import StaticPolicy, TracePolicy
-from tessera.memory.store import TieredStore
-from tessera.memory.tiers import DiskTier, Tier
-
-
-def build_store(
-    manager,
-    *,
-    policy: str,
-    device: torch.device,
-    device_memory: int | None,
-    host_memory: int | None,
-    offload_dir: str | os.PathLike | None,
-    rank: int,
-    disk_need: int,
-) -> TieredStore:
-    """Tiers fastest first: CUDA device (``device_memory``), host (``host_memory``; pinned
-    on CUDA), disk under ``offload_dir/rank<r>`` (the last tier: where everything else goes)."""
-    if device.type != "cuda" and device_memory is not None:
-        raise ValueError(
-            f"Plan.device_memory={device_memory} is for a CUDA device; this mesh computes on {device.type}: "
-            "use Plan.host_memory"
-        )
-    tiers = [Tier("device", device_memory, device)] if device.type == "cuda" else []
-    tiers.append(Tier("host", host_memory, torch.device("cpu")))
-    if offload_dir is not None:
-        tiers.append(DiskTier(Path(offload_dir) / f"rank{rank}", disk_need))
-    return TieredStore(tiers, TracePolicy() if policy == "auto" else StaticPolicy(), manager)
+from tessera.memory.store import TieredStore, build_store
 
 
 def _check_need(name: str, budget: int | None, need: int) -> None:
