@@ -29,14 +29,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 
+from tessera.bench.offload_report import VARIANTS, params_of, plot_offload, result
+
 MiB = 2**20
-VARIANTS = ["none", "tessera", "static", "deepspeed"]
-LABEL = {
-    "none": "no offload (ZeRO-3 in memory)",
-    "static": "static offload (working set only)",
-    "deepspeed": "DeepSpeed ZeRO-3 offload",
-    "tessera": "Tessera planned placement",
-}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,11 +69,6 @@ QUICK = OffloadBenchConfig(
     steps=2,
     chunk_mib=1.0,
 )
-
-
-def params_of(cfg: OffloadBenchConfig, depth: int) -> int:
-    w = cfg.width
-    return depth * (12 * w * w + 13 * w) + cfg.vocab * w + cfg.seq * w + 2 * w
 
 
 # ---- one trial, in a fresh process ------------------------------------------------------------
@@ -351,8 +341,6 @@ def run_offload_bench(cfg: OffloadBenchConfig | None = None, *, quick: bool = Fa
         common.append(row)
         if progress:
             print(_progress(row) + " (common size, timed)", file=sys.stderr, flush=True)
-    from tessera.bench.offload_report import result
-
     return result(cfg, rows, largest, variants, common)
 
 
@@ -376,7 +364,5 @@ def _progress(row: dict) -> str:
     peak = f"{row['peak_mib']:.0f} MiB" if "peak_mib" in row else "-"
     return f"offload bench: {row['variant']:<9} depth {row['depth']:>3} ({row['params_m']:.1f} M) peak {peak} {what}"
 
-
-from tessera.bench.offload_report import plot_offload  # noqa: E402  (the CLI imports it from here)
 
 __all__ = ["FULL", "QUICK", "OffloadBenchConfig", "plot_offload", "run_offload_bench", "trial"]

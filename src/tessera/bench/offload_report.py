@@ -6,7 +6,20 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from tessera.bench.harness import BenchResult
-from tessera.bench.offload import LABEL, VARIANTS, params_of
+
+VARIANTS = ["none", "tessera", "static", "deepspeed"]
+LABEL = {
+    "none": "no offload (ZeRO-3 in memory)",
+    "static": "static offload (working set only)",
+    "deepspeed": "DeepSpeed ZeRO-3 offload",
+    "tessera": "Tessera planned placement",
+}
+
+
+def params_of(cfg, depth: int) -> int:
+    """GPT-2 parameters at ``depth`` layers of the bench config's width, vocabulary and sequence."""
+    w = cfg.width
+    return depth * (12 * w * w + 13 * w) + cfg.vocab * w + cfg.seq * w + 2 * w
 
 
 def _common(rows, variant, depth):
