@@ -16,24 +16,15 @@ sections, no Python call overhead) per sweep, the more favourable of its two fig
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from tessera.bench.harness import BenchResult
-
-DEVITO_VENV = Path(".cache/devito-venv")
-DEVITO_PIN = "devito==4.8.23"
-WORKER = Path(__file__).with_name("stencil_devito.py")
+from tessera.bench.stencil_peers import ensure_devito, numpy_stencil, run_devito, timed, torch_conv3d
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,137 +61,6 @@ QUICK = StencilPlan(
     wave_grid=40,
     wave_steps=4,
 )
-
-
-# ---- the peers -------------------------------------------------------------------------------
-
-
-def numpy_stencil(st, u: np.ndarray, coeffs: dict, out: np.ndarray, tmp: np.ndarray) -> None:
-    """Vectorised slicing, in place (no temporaries per term beyond ``tmp``)."""
-    h = st.halo
-    nz, ny, nx = tmp.shape
-    acc = out[h:-h, h:-h, h:-h] if h else out
-    acc[...] = 0
-    for p in st.points:
-        dz, dy, dx = p.offset
-        view = u[h + dz : h + dz + nz, h + dy : h + dy + ny, h + dx : h + dx + nx]
-        c = coeffs[p.coeff] if isinstance(p.coeff, str) else np.float32(p.coeff)
-        np.multiply(c, view, out=tmp)
-        acc += tmp
-
-
-def _timed(fn, repeats: int) -> list[float]:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return times
-
-
-def torch_conv3d(st, u: np.ndarray, threads: int, repeats: int) -> tuple[list[float], np.ndarray]:
-    """Constant coefficients as a dense (2h+1)^3 conv3d kernel (zeros off the stencil)."""
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    h = st.halo
-    w = torch.zeros((1, 1, 2 * h + 1, 2 * h + 1, 2 * h + 1))
-    for p in st.points:
-        w[0, 0, p.offset[0] + h, p.offset[1] + h, p.offset[2] + h] = p.coeff
-    x = torch.from_numpy(u)[None, None]
-    with torch.no_grad():
-        times = _timed(lambda: torch.nn.functional.conv3d(x, w), repeats)
-        out = torch.nn.functional.conv3d(x, w)[0, 0].numpy()
-    torch.set_num_threads(old)
-    return times, out
-
-
-def ensure_devito(install: bool) -> str | None:
-    """None when Devito is ready in its venv, else why it is absent."""
-    python = DEVITO_VENV / "bin" / "python"
-    probe = [str(python), "-c", "import devito"]
-    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return None
-    if not install:
-        return f"not installed ({DEVITO_VENV} missing; the full benchmark installs it)"
-    try:
-        subprocess.run([sys.executable, "-m", "venv", str(DEVITO_VENV)], check=True, capture_output=True)
-        # Devito pins numpy < Tessera's, so it gets a venv of its own; it needs no torch.
-        subprocess.run(
-            [str(DEVITO_VENV / "bin" / "pip"), "install", "-q", DEVITO_PIN],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=1800,
-        )
-    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
-        detail = getattr(exc, "stderr", "") or str(exc)
-        return f"could not install {DEVITO_PIN}: {str(detail).strip().splitlines()[-1:] or exc}"
-    return None if subprocess.run(probe, capture_output=True).returncode == 0 else "devito does not import"
-
-
-def _devito_spec(st, shape_name: str, grid, repeats: int, check_dir: str | None) -> dict:
-    from tessera.stencil.shapes import shape_weights
-
-    weights = shape_weights(shape_name)
-    points = [
-        [
-            *p.offset,
-            float(p.coeff) if not isinstance(p.coeff, str) else float(weights[p.offset]),
-            p.coeff if isinstance(p.coeff, str) else None,
-        ]
-        for p in st.points
-    ]
-    return {
-        "points": points,
-        "halo": st.halo,
-        "grid": list(grid),
-        "repeats": repeats,
-        "steps": 4,
-        "check_dir": check_dir,
-    }
-
-
-def run_devito(st, shape_name: str, grid, threads: int, repeats: int) -> dict:
-    """Check Devito's answer on a small grid against the float64 reference, then time it."""
-    from tessera.stencil import padded_shape, weight_arrays
-    from tessera.stencil import reference as ref
-
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS=str(threads),
-        DEVITO_LANGUAGE="openmp",
-        DEVITO_AUTOTUNING="aggressive",
-        DEVITO_LOGGING="WARNING",
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        small = (9, 10, 23)
-        rng = np.random.default_rng(1)
-        u = rng.standard_normal(padded_shape(small, st.halo), dtype=np.float32)
-        co = weight_arrays(st, shape_name, small, rng=rng)
-        np.save(Path(tmp) / "u.npy", u)
-        for k, v in co.items():
-            np.save(Path(tmp) / f"{k}.npy", v)
-        spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec_path.write_text(json.dumps(_devito_spec(st, shape_name, grid, repeats, tmp)))
-        done = subprocess.run(
-            [str(DEVITO_VENV / "bin" / "python"), str(WORKER), str(spec_path), str(result_path)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-        if done.returncode != 0:
-            return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
-        result = json.loads(result_path.read_text())
-        h = st.halo
-        got = np.load(Path(tmp) / "out.npy")
-        exact = ref.apply_float64(st, u, co)[h:-h, h:-h, h:-h]
-        bound = ref.error_bound(st, u, co)[h:-h, h:-h, h:-h]
-        result["check_ok"] = bool((np.abs(got - exact) <= 2 * bound).all())  # 2x: Devito may reassociate
-    return result
 
 
 # ---- one case ---------------------------------------------------------------------------------
@@ -267,7 +127,7 @@ def _local_rows(plan: StencilPlan, st, case: str, kind: str, machine, bw: dict) 
             )
     rows[0]["model_spearman"] = tuned.spearman
     out, tmp = np.zeros_like(u), np.empty(grid, np.float32)
-    times = _timed(lambda: numpy_stencil(st, u, coeffs, out, tmp), 1)
+    times = timed(lambda: numpy_stencil(st, u, coeffs, out, tmp), 1)
     scale = float(np.abs(out).max())
     rows.append(
         _row(
@@ -344,7 +204,7 @@ def run_wave_rows(plan: StencilPlan, bw: dict) -> list[dict]:
     rows = []
     for tb in (1, 2, 4):
         kernel = compile_wave(st, grid, StencilSchedule(time_block=tb, isa=_isa()))
-        times = _timed(
+        times = timed(
             lambda k=kernel: k.run(prev, cur, coeffs, src, (1, 1, 1), threads=plan.threads), plan.repeats
         )
         per_step = statistics.median(times) / plan.wave_steps

@@ -188,10 +188,17 @@ class PipelinedOptimizer:
             g.copy_(total.view_as(g))
 
     def _share_updates(self) -> None:
-        """ZeRO-1: every parameter from the dp rank that stepped it."""
+        """ZeRO-1: every parameter from the dp rank that stepped it, one flat broadcast per
+        owner rank (not one per parameter)."""
         with torch.no_grad():
-            for p in self.trainer.parameters():
-                self.mesh.comm.broadcast(_local(p.data), "dp", src=self.owner_rank[id(p)])
+            for rank in range(self.mesh.size("dp")):
+                mine = [_local(p.data) for p in self.trainer.parameters() if self.owner_rank[id(p)] == rank]
+                if not mine:
+                    continue
+                flat = torch.cat([t.reshape(-1) for t in mine])
+                self.mesh.comm.broadcast(flat, "dp", src=rank)
+                for t, new in zip(mine, flat.split([t.numel() for t in mine]), strict=True):
+                    t.copy_(new.view_as(t))
 
     @property
     def stepped_parameters(self) -> list:
