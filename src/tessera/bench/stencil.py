@@ -5,8 +5,10 @@ For star-7, star-25, ete37 and ete73, each with constant and with variable coeff
 3-D array per offset), on an N^3 interior: the tuner's best schedule, its best undecomposed
 and best decomposed one (reported apart), in GPts/s and as a fraction of the memory
 roofline: the ideal bytes per point (each coefficient array and the field read once, the
-output written once) over the DRAM read and write bandwidth the machine benchmark measures
-at the start of this run. Plus the wave kernel with and without temporal blocking.
+output written once) over the DRAM read and write bandwidth measured by probes interleaved
+with the kernel's timed rounds (``stencil_roofline``: this VM's bandwidth drifts, so a
+figure from the start of the run would not repeat). Plus the wave kernel with and without
+temporal blocking, and Tessera alone on a larger grid for the cases that fit in memory.
 
 Devito runs in its own venv (.cache/devito-venv; it pins numpy below Tessera's), installed
 by the full run when missing; opt='advanced', autotuning='aggressive', DEVITO_LANGUAGE=openmp
@@ -25,6 +27,7 @@ import numpy as np
 
 from tessera.bench.harness import BenchResult
 from tessera.bench.stencil_peers import ensure_devito, numpy_stencil, run_devito, timed, torch_conv3d
+from tessera.bench.stencil_roofline import BandwidthLog, interleaved, roofline_seconds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +42,9 @@ class StencilPlan:
     install_devito: bool
     wave_grid: int
     wave_steps: int
+    rounds: int  # interleaved (bandwidth probe, timed kernel) rounds per case
+    large_grid: int = 0  # 0: no larger grid
+    large_memory_fraction: float = 0.45  # of MemAvailable, for one large case's arrays
 
 
 FULL = StencilPlan(
@@ -50,6 +56,8 @@ FULL = StencilPlan(
     install_devito=True,
     wave_grid=256,
     wave_steps=8,
+    rounds=5,
+    large_grid=384,
 )
 QUICK = StencilPlan(
     grid=40,
@@ -60,17 +68,12 @@ QUICK = StencilPlan(
     install_devito=False,
     wave_grid=40,
     wave_steps=4,
+    rounds=2,
+    large_grid=48,
 )
 
 
 # ---- one case ---------------------------------------------------------------------------------
-
-
-def _roofline(st, points: int, bw: dict) -> float:
-    from tessera.stencil.model import roofline_bytes
-
-    read, write = roofline_bytes(st)
-    return points * (read / bw["read"] + write / bw["write"])
 
 
 def _row(case: str, method: str, seconds: float, grid_points: int, roof: float, **extra) -> dict:
@@ -84,141 +87,155 @@ def _row(case: str, method: str, seconds: float, grid_points: int, roof: float, 
     }
 
 
-def _local_rows(plan: StencilPlan, st, case: str, kind: str, machine, bw: dict) -> list[dict]:
-    """Tessera (tuned; best, best undecomposed, best decomposed), numpy and torch: the arrays
-    live only in here, so they are freed before Devito allocates its own."""
+def _tessera_rows(plan: StencilPlan, st, case: str, grid, machine, log: BandwidthLog, inputs, top_k: int,
+                  repeats: int, rounds: int) -> tuple[list[dict], float, np.ndarray]:
+    """The tuner's best undecomposed and best decomposed schedules, timed in interleaved
+    rounds with bandwidth probes; the faster is the "tessera" row. Returns the rows, the
+    roofline seconds at the case's median probe, and Tessera's answer."""
     from tessera.stencil import compile_stencil
-    from tessera.stencil.tune import sample_inputs, tune_stencil
+    from tessera.stencil.tune import tune_stencil
+
+    points = math.prod(grid)
+    u, coeffs = inputs
+    tuned = tune_stencil(st, grid, threads=plan.threads, machine=machine, top_k=top_k, repeats=repeats,
+                         inputs=inputs)
+    picks = {label: t for label, t in (("tessera undecomposed", tuned.best_of(False)),
+                                       ("tessera decomposed", tuned.best_of(True))) if t is not None}
+    kernels = {label: compile_stencil(st, grid, t.schedule) for label, t in picks.items()}
+    out = np.zeros_like(u)
+    runs = {label: (lambda k=k: k(u, coeffs, out=out, threads=plan.threads)) for label, k in kernels.items()}
+    timed_rounds = interleaved(runs, lambda r, w: roofline_seconds(st, points, r, w), log, rounds)
+    probes = log.samples[-rounds:]
+    roof = roofline_seconds(st, points, statistics.median(r for r, _ in probes),
+                            statistics.median(w for _, w in probes))
+    base = {"arrays": len(st.arrays), "stencil_points": len(st.points), "roofline_ms": roof * 1e3,
+            "grid": grid[0]}
+    rows = []
+    for label, trial in picks.items():
+        got = timed_rounds[label]
+        row = _row(case, label, got.seconds, points, roof, schedule=trial.schedule.short(),
+                   predicted_ms=trial.predicted * 1e3, tuner_ms=trial.measured * 1e3, **base)
+        rows.append({**row, **got.fields()})
+    fastest = min(rows, key=lambda r: r["ms"])
+    ours = kernels[fastest["method"]](u, coeffs, threads=plan.threads)
+    return [dict(fastest, method="tessera", model_spearman=tuned.spearman), *rows], roof, ours
+
+
+def _local_rows(plan: StencilPlan, st, case: str, kind: str, machine, log: BandwidthLog) -> list[dict]:
+    """Tessera, numpy and torch: the arrays live only in here, so they are freed before
+    Devito allocates its own."""
+    from tessera.stencil.tune import sample_inputs
 
     grid = (plan.grid,) * 3
     points = math.prod(grid)
     u, coeffs = sample_inputs(st, grid)
-    roof = _roofline(st, points, bw)
-    tuned = tune_stencil(
-        st,
-        grid,
-        threads=plan.threads,
-        machine=machine,
-        top_k=plan.top_k,
-        repeats=plan.repeats,
-        inputs=(u, coeffs),
-    )
-    ours = compile_stencil(st, grid, tuned.best)(u, coeffs, threads=plan.threads)
+    rows, roof, ours = _tessera_rows(plan, st, case, grid, machine, log, (u, coeffs), plan.top_k, plan.repeats,
+                                     plan.rounds)
     base = {"arrays": len(st.arrays), "stencil_points": len(st.points), "roofline_ms": roof * 1e3}
-    best = min((t for t in tuned.trials if t.measured), key=lambda t: t.measured)
-    rows = []
-    for label, trial in (
-        ("tessera", best),
-        ("tessera undecomposed", tuned.best_of(False)),
-        ("tessera decomposed", tuned.best_of(True)),
-    ):
-        if trial is not None:
-            rows.append(
-                _row(
-                    case,
-                    label,
-                    trial.measured,
-                    points,
-                    roof,
-                    schedule=trial.schedule.short(),
-                    predicted_ms=trial.predicted * 1e3,
-                    **base,
-                )
-            )
-    rows[0]["model_spearman"] = tuned.spearman
     out, tmp = np.zeros_like(u), np.empty(grid, np.float32)
     times = timed(lambda: numpy_stencil(st, u, coeffs, out, tmp), 1)
     scale = float(np.abs(out).max())
-    rows.append(
-        _row(
-            case,
-            "numpy (1 thread)",
-            min(times),
-            points,
-            roof,
-            max_rel_diff=float(np.abs(out - ours).max()) / scale,
-            **base,
-        )
-    )
+    rows.append(_row(case, "numpy (1 thread)", min(times), points, roof,
+                     max_rel_diff=float(np.abs(out - ours).max()) / scale, **base))
     if kind == "constant":
-        times, conv = torch_conv3d(
-            st, u, plan.threads, min(plan.repeats, 2)
-        )  # its direct conv: seconds a call
+        times, conv = torch_conv3d(st, u, plan.threads, min(plan.repeats, 2))  # its direct conv: seconds a call
         h = st.halo
-        rows.append(
-            _row(
-                case,
-                "torch conv3d",
-                statistics.median(times),
-                points,
-                roof,
-                max_rel_diff=float(np.abs(conv - ours[h:-h, h:-h, h:-h]).max()) / scale,
-                **base,
-            )
-        )
+        rows.append(_row(case, "torch conv3d", statistics.median(times), points, roof,
+                         max_rel_diff=float(np.abs(conv - ours[h:-h, h:-h, h:-h]).max()) / scale, **base))
     return rows
 
 
-def run_case(plan: StencilPlan, shape_name: str, kind: str, machine, bw: dict, devito_ok: bool) -> list[dict]:
+def _devito_row(plan: StencilPlan, st, shape_name: str, case: str, log: BandwidthLog) -> dict:
+    """Devito's timed sweeps between two probes; its roofline at their mean."""
+    grid = (plan.grid,) * 3
+    before = log.probe()
+    res = run_devito(st, shape_name, grid, plan.threads, plan.repeats)
+    after = log.probe()
+    if "error" in res:
+        return {"case": case, "method": "devito", "error": res["error"]}
+    read, write = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
+    points = math.prod(grid)
+    return _row(case, "devito", statistics.median(res["kernel_seconds"]), points,
+                roofline_seconds(st, points, read, write), wall_ms=statistics.median(res["wall_seconds"]) * 1e3,
+                check_ok=res["check_ok"], setup_s=res["setup_seconds"], arrays=len(st.arrays),
+                stencil_points=len(st.points), probe_read_gbs=round(read / 1e9, 2))
+
+
+def _case_name(shape_name: str, kind: str) -> str:
+    return f"{shape_name} {'variable' if kind == 'point' else kind}"
+
+
+def run_case(plan: StencilPlan, shape_name: str, kind: str, machine, log: BandwidthLog, devito_ok: bool) -> list[dict]:
     from tessera.stencil import make_stencil
 
     st = make_stencil(shape_name, kind)
-    case = f"{shape_name} {'variable' if kind == 'point' else kind}"
-    rows = _local_rows(plan, st, case, kind, machine, bw)
+    case = _case_name(shape_name, kind)
+    rows = _local_rows(plan, st, case, kind, machine, log)
     if devito_ok:
-        grid = (plan.grid,) * 3
-        res = run_devito(st, shape_name, grid, plan.threads, plan.repeats)
-        if "error" in res:
-            rows.append({"case": case, "method": "devito", "error": res["error"]})
-        else:
-            rows.append(
-                _row(
-                    case,
-                    "devito",
-                    statistics.median(res["kernel_seconds"]),
-                    math.prod(grid),
-                    _roofline(st, math.prod(grid), bw),
-                    wall_ms=statistics.median(res["wall_seconds"]) * 1e3,
-                    check_ok=res["check_ok"],
-                    setup_s=res["setup_seconds"],
-                    arrays=len(st.arrays),
-                    stencil_points=len(st.points),
-                )
-            )
+        rows.append(_devito_row(plan, st, shape_name, case, log))
     return rows
 
 
-def run_wave_rows(plan: StencilPlan, bw: dict) -> list[dict]:
-    """The wave kernel (ete37, constant medium) with and without temporal blocking."""
+def _available_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_large_rows(plan: StencilPlan, machine, log: BandwidthLog) -> tuple[list[dict], list[str]]:
+    """Tessera alone on a ``large_grid``^3 interior, for each case whose arrays (field,
+    output and coefficients) fit in ``large_memory_fraction`` of the memory available now;
+    the others are named as skipped."""
+    from tessera.stencil import make_stencil, padded_shape
+    from tessera.stencil.tune import sample_inputs
+
+    grid = (plan.large_grid,) * 3
+    rows, skipped = [], []
+    for shape_name in plan.shapes:
+        for kind in plan.kinds:
+            st = make_stencil(shape_name, kind)
+            need = 4 * (len(st.arrays) * math.prod(grid) + 2 * math.prod(padded_shape(grid, st.halo)))
+            budget = plan.large_memory_fraction * _available_bytes()
+            case = f"{_case_name(shape_name, kind)} {plan.large_grid}^3"
+            if need > budget:
+                skipped.append(f"{case} ({need / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB)")
+                continue
+            got, _, _ = _tessera_rows(plan, st, case, grid, machine, log, sample_inputs(st, grid), 2, 2,
+                                      max(2, plan.rounds - 2))
+            rows.append(got[0])
+    return rows, skipped
+
+
+def run_wave_rows(plan: StencilPlan, log: BandwidthLog) -> list[dict]:
+    """The wave kernel (ete37, constant medium) with and without temporal blocking, timed in
+    interleaved rounds."""
     from tessera.stencil import StencilSchedule, compile_wave, padded_shape
     from tessera.stencil.wave import WaveConfig, wave_stencil
 
     grid = (plan.wave_grid,) * 3
+    points = math.prod(grid)
     cfg = WaveConfig(shape="ete37", grid=grid, velocity="constant", steps=plan.wave_steps)
     st, coeffs = wave_stencil(cfg)
     rng = np.random.default_rng(0)
     prev = rng.standard_normal(padded_shape(grid, st.halo), dtype=np.float32) * 1e-3
     cur = prev.copy()
     src = np.zeros(plan.wave_steps, np.float32)
-    roof = math.prod(grid) * (8 / bw["read"] + 4 / bw["write"])  # one step: two fields read, one written
-    rows = []
+    runs = {}
     for tb in (1, 2, 4):
         kernel = compile_wave(st, grid, StencilSchedule(time_block=tb, isa=_isa()))
-        times = timed(
-            lambda k=kernel: k.run(prev, cur, coeffs, src, (1, 1, 1), threads=plan.threads), plan.repeats
-        )
-        per_step = statistics.median(times) / plan.wave_steps
-        rows.append(
-            _row(
-                f"wave ete37 constant {plan.wave_steps} steps",
-                f"tessera time_block={tb}",
-                per_step,
-                math.prod(grid),
-                roof,
-                roofline_ms=roof * 1e3,
-            )
-        )
-    return rows
+        runs[f"tessera time_block={tb}"] = lambda k=kernel: k.run(prev, cur, coeffs, src, (1, 1, 1),
+                                                                   threads=plan.threads)
+
+    def roof(read: float, write: float) -> float:  # all steps: two fields read, one written per step
+        return plan.wave_steps * points * (8 / read + 4 / write)
+
+    got = interleaved(runs, roof, log, plan.rounds)
+    probes = log.samples[-plan.rounds:]
+    step_roof = roof(statistics.median(r for r, _ in probes), statistics.median(w for _, w in probes)) / plan.wave_steps
+    case = f"wave ete37 constant {plan.wave_steps} steps"
+    return [{**_row(case, label, g.seconds / plan.wave_steps, points, step_roof, roofline_ms=step_roof * 1e3),
+             **g.fields()} for label, g in got.items()]
 
 
 def _isa() -> str:
@@ -230,30 +247,46 @@ def _isa() -> str:
 # ---- the run, its headline and figure -----------------------------------------------------------
 
 
-def _headline(rows: list[dict], bw: dict, threads: int, devito_note: str) -> dict:
-    ours = {r["case"]: r for r in rows if r["method"] == "tessera"}
-    var = [r["roofline_fraction"] for c, r in ours.items() if "variable" in c]
-    const = [r["roofline_fraction"] for c, r in ours.items() if "constant" in c and not c.startswith("wave")]
+def _fractions(ours: dict, word: str) -> dict:
+    got = [r["roofline_fraction"] for c, r in ours.items() if word in c]
+    return {"min": round(min(got), 3), "max": round(max(got), 3)} if got else {"min": None, "max": None}
+
+
+def _headline(rows: list[dict], sweep: dict, log: BandwidthLog, plan: StencilPlan, devito_note: str) -> dict:
+    ours = {r["case"]: r for r in rows if r["method"] == "tessera" and r.get("grid") == plan.grid}
+    large = {r["case"]: r for r in rows if r["method"] == "tessera" and r.get("grid") == plan.large_grid}
+    var, const = _fractions(ours, "variable"), _fractions(ours, "constant")
     ratios = {
         r["case"]: ours[r["case"]]["gpts_s"] / r["gpts_s"]
         for r in rows
         if r["method"] == "devito" and "gpts_s" in r and r["case"] in ours
     }
+    spreads = [r["fraction_max"] - r["fraction_min"] for r in rows if "fraction_max" in r]
+    probes = log.summary()
     head = {
-        "threads": threads,
-        "dram_read_gbs": round(bw["read"] / 1e9, 2),
-        "dram_read_one_stream_gbs": round(bw.get("one_stream", bw["read"]) / 1e9, 2),
-        "dram_write_gbs": round(bw["write"] / 1e9, 2),
-        "roofline_fraction_variable_min": round(min(var), 3) if var else None,
-        "roofline_fraction_variable_max": round(max(var), 3) if var else None,
-        "roofline_fraction_constant_min": round(min(const), 3) if const else None,
-        "roofline_fraction_constant_max": round(max(const), 3) if const else None,
+        "threads": plan.threads,
+        "dram_read_gbs_median": probes.get("read_gbs_median"),
+        "dram_read_gbs_min": probes.get("read_gbs_min"),
+        "dram_read_gbs_max": probes.get("read_gbs_max"),
+        "dram_write_gbs_median": probes.get("write_gbs_median"),
+        "bandwidth_probes": probes["probes"],
+        "dram_read_sweep_gbs": round(sweep["read"] / 1e9, 2),
+        "dram_read_one_stream_gbs": round(sweep["one_stream"] / 1e9, 2),
+        "roofline_fraction_variable_min": var["min"],
+        "roofline_fraction_variable_max": var["max"],
+        "roofline_fraction_constant_min": const["min"],
+        "roofline_fraction_constant_max": const["max"],
+        "roofline_fraction_round_spread_max": round(max(spreads), 3) if spreads else None,
         "speed_vs_devito_geomean": round(math.exp(statistics.fmean(math.log(x) for x in ratios.values())), 3)
         if ratios
         else None,
         "speed_vs_devito_min": round(min(ratios.values()), 3) if ratios else None,
         "devito": devito_note,
     }
+    if large:
+        fr = [r["roofline_fraction"] for r in large.values()]
+        head.update(large_grid=plan.large_grid, roofline_fraction_large_min=round(min(fr), 3),
+                    roofline_fraction_large_max=round(max(fr), 3))
     by = {(r["case"], r["method"]): r for r in rows}
     und, dec = (
         by.get(("ete73 variable", "tessera undecomposed")),
@@ -266,54 +299,61 @@ def _headline(rows: list[dict], bw: dict, threads: int, devito_note: str) -> dic
     return head
 
 
+def _notes(plan: StencilPlan, sweep: dict, log: BandwidthLog, devito_note: str, skipped: list[str]) -> list[str]:
+    probes = log.summary()
+    return [
+        f"{plan.threads} threads for Tessera, torch and Devito (OMP_NUM_THREADS={plan.threads}, DEVITO_LANGUAGE=openmp,"
+        " opt='advanced', autotuning='aggressive'); numpy is single-threaded.",
+        f"grid {plan.grid}^3 interior, float32; variable = one coefficient array per offset; roofline = ideal bytes "
+        "per point over the DRAM bandwidth of probes interleaved with the kernels (read: the best of 8 and 16 "
+        f"arrays streamed at once over 1 GiB). {probes['probes']} probes this run: read median "
+        f"{probes.get('read_gbs_median')} GB/s, range {probes.get('read_gbs_min')}-{probes.get('read_gbs_max')}; "
+        f"write median {probes.get('write_gbs_median')} GB/s.",
+        f"Tessera rows: median of {plan.rounds} rounds, each a probe then 3 timed sweeps of every kernel compared; "
+        "roofline_fraction is the median of the rounds' fractions (each at its own probe), fraction_min/max "
+        "their range. Devito: between two probes, at their mean.",
+        f"The bandwidth sweep at the start: one stream {sweep['one_stream'] / 1e9:.1f} GB/s; k streams at once "
+        + ", ".join(f"k={k} {v / 1e9:.1f}" for k, v in sweep["by_streams"].items())
+        + f"; write {sweep['write'] / 1e9:.1f} GB/s.",
+        "Devito's time is its own operator timer per sweep (a 4-step time loop, as its autotuner needs one); "
+        "its answer checked on a 9x10x23 grid against float64.",
+        f"Devito: {devito_note}.",
+        f"Larger grid {plan.large_grid}^3: Tessera alone (tuner top 2, {max(2, plan.rounds - 2)} rounds); "
+        + (f"skipped for memory: {', '.join(skipped)}." if skipped else "every case fitted."),
+    ]
+
+
 def run_stencil_bench(quick: bool = False) -> BenchResult:
     from tessera.kernels.machine import dram_bandwidth, dram_streams_read_bandwidth, load_machine
 
     plan = QUICK if quick else FULL
     machine = load_machine()
     one_stream, write = dram_bandwidth(plan.threads)
-    # the roofline is the best read rate this machine attains: a kernel reading one array
-    # per stencil point keeps more misses in flight than one stream does
     by_streams = dram_streams_read_bandwidth(plan.threads)
-    read = max(one_stream, *by_streams.values())
-    bw = {"read": read, "write": write, "one_stream": one_stream}
+    sweep = {"read": max(one_stream, *by_streams.values()), "write": write, "one_stream": one_stream,
+             "by_streams": by_streams}
+    log = BandwidthLog(plan.threads)
     why_not = ensure_devito(plan.install_devito) if plan.devito else "skipped"
     rows = []
     for shape_name in plan.shapes:
         for kind in plan.kinds:
-            rows += run_case(plan, shape_name, kind, machine, bw, why_not is None)
-    rows += run_wave_rows(plan, bw)
+            rows += run_case(plan, shape_name, kind, machine, log, why_not is None)
+    rows += run_wave_rows(plan, log)
+    skipped = []
+    if plan.large_grid:
+        large, skipped = run_large_rows(plan, machine, log)
+        rows += large
     devito_note = "devito 4.8.23 (own venv)" if why_not is None else f"absent: {why_not}"
-    notes = [
-        f"{plan.threads} threads for Tessera, torch and Devito (OMP_NUM_THREADS={plan.threads}, DEVITO_LANGUAGE=openmp,"
-        " opt='advanced', autotuning='aggressive'); numpy is single-threaded.",
-        f"grid {plan.grid}^3 interior, float32; variable = one coefficient array per offset; roofline = ideal bytes "
-        f"per point over this run's measured DRAM bandwidth (read {read / 1e9:.1f} GB/s, the best of one stream "
-        f"{one_stream / 1e9:.1f} and of k streams at once "
-        + ", ".join(f"k={k} {v / 1e9:.1f}" for k, v in by_streams.items())
-        + f"; write {write / 1e9:.1f} GB/s; {plan.threads} threads).",
-        "Tessera's time: median of the tuner's timed runs of the schedule; Devito's: its own operator timer per sweep "
-        "(a 4-step time loop, as its autotuner needs one); its answer checked on a 9x10x23 grid against float64.",
-        f"Devito: {devito_note}.",
-    ]
-    columns = [
-        "case",
-        "method",
-        "ms",
-        "gpts_s",
-        "roofline_fraction",
-        "schedule",
-        "predicted_ms",
-        "max_rel_diff",
-        "check_ok",
-    ]
+    columns = ["case", "method", "ms", "gpts_s", "roofline_fraction", "fraction_min", "fraction_max",
+               "probe_read_gbs", "schedule", "predicted_ms", "max_rel_diff", "check_ok"]
     return BenchResult(
         name="stencil",
-        headline=_headline(rows, bw, plan.threads, devito_note),
+        headline=_headline(rows, sweep, log, plan, devito_note),
         rows=rows,
         columns=columns,
-        notes=notes,
-        extra={"plan": plan.__dict__},
+        notes=_notes(plan, sweep, log, devito_note, skipped),
+        extra={"plan": plan.__dict__, "bandwidth_probes_gbs": [[round(r / 1e9, 2), round(w / 1e9, 2)]
+                                                                for r, w in log.samples]},
     )
 
 
@@ -325,7 +365,7 @@ def plot_stencil(result: BenchResult, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in result.rows if "gpts_s" in r and not r["case"].startswith("wave")]
+    rows = [r for r in result.rows if "gpts_s" in r and not r["case"].startswith("wave") and "^3" not in r["case"]]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
     head = result.headline
     methods = sorted({r["method"] for r in rows})
@@ -336,8 +376,10 @@ def plot_stencil(result: BenchResult, path: Path) -> None:
             ai, [r["gpts_s"] * 2 * r["stencil_points"] for r in sel], label=method, marker="os^vDP*"[i % 7]
         )
     xs = np.logspace(-1.5, 1.5, 50)
-    read_bw = head["dram_read_gbs"]  # a stencil's bytes are nearly all reads: the read roof bounds it
-    ax1.plot(xs, xs * read_bw, "k--", label=f"DRAM read roof ({read_bw:.0f} GB/s)")
+    read_bw = head["dram_read_gbs_median"]  # a stencil's bytes are nearly all reads: the read roof bounds it
+    ax1.plot(xs, xs * read_bw, "k--", label=f"DRAM read roof (median probe {read_bw:.0f} GB/s)")
+    ax1.fill_between(xs, xs * head["dram_read_gbs_min"], xs * head["dram_read_gbs_max"], color="0.85",
+                     label="probes' range")
     ax1.set_xscale("log")
     ax1.set_yscale("log")
     ax1.set_xlabel("flops per ideal byte")

@@ -240,6 +240,21 @@ def dram_streams_read_bandwidth(
     return {k: lib.tk_streams_read_gbps(total // threads, threads, k, seconds) * 1e9 for k in STREAM_COUNTS}
 
 
+PROBE_STREAMS = (8, 16)  # where the full sweep of stream counts peaks on this VM
+
+
+def dram_probe(threads: int, *, seconds: float = 0.15, isa: str | None = None) -> tuple[float, float]:
+    """(read, write) DRAM bytes/s right now: the read as the best of ``PROBE_STREAMS`` arrays
+    at once over the same buffer as ``dram_streams_read_bandwidth``, in about a second. This
+    VM's bandwidth drifts by up to 2x within an hour while kernel times repeat, so a
+    benchmark takes a probe beside each kernel it times and divides by that."""
+    isa = isa or cpu_isas()[-1]
+    total = dram_buffer_bytes(cache_sizes()[0])
+    lib = _bench_lib(isa)
+    read = max(lib.tk_streams_read_gbps(total // threads, threads, k, seconds) for k in PROBE_STREAMS)
+    return read * 1e9, lib.tk_write_gbps(total // threads, threads, seconds) * 1e9
+
+
 def machine_path() -> Path:
     return cache_dir() / f"machine-v2-{fingerprint()}.json"  # v2: with the micro-kernel rates
 
