@@ -5,9 +5,9 @@ For star-7, star-25, ete37 and ete73, each with constant and with variable coeff
 3-D array per offset), on an N^3 interior: the tuner's best schedule, its best undecomposed
 and best decomposed one (reported apart), in GPts/s and as a fraction of the memory
 roofline: the ideal bytes per point (each coefficient array and the field read once, the
-output written once) over the DRAM read and write bandwidth measured by probes interleaved
-with the kernel's timed rounds (``stencil_roofline``: this VM's bandwidth drifts, so a
-figure from the start of the run would not repeat). Plus the wave kernel with and without
+output written once) timed on the sweep's own buffers right before and after each timed
+sweep (``stencil_roofline``: this VM's bandwidth moves in time, so a figure from the start
+of the run would not repeat). Plus the wave kernel with and without
 temporal blocking, and Tessera alone on a larger grid for the cases that fit in memory.
 
 Devito runs in its own venv (.cache/devito-venv; it pins numpy below Tessera's), installed
@@ -27,7 +27,7 @@ import numpy as np
 
 from tessera.bench.harness import BenchResult
 from tessera.bench.stencil_peers import ensure_devito, numpy_stencil, run_devito, timed, torch_conv3d
-from tessera.bench.stencil_roofline import BandwidthLog, interleaved, roofline_seconds
+from tessera.bench.stencil_roofline import BandwidthLog, ideal_bytes, same_memory_probe, sandwiched
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,7 +42,7 @@ class StencilPlan:
     install_devito: bool
     wave_grid: int
     wave_steps: int
-    rounds: int  # interleaved (bandwidth probe, timed kernel) rounds per case
+    rounds: int  # timed sweeps of each kernel compared, each between two roofline probes
     large_grid: int = 0  # 0: no larger grid
     large_memory_fraction: float = 0.45  # of MemAvailable, for one large case's arrays
 
@@ -56,7 +56,7 @@ FULL = StencilPlan(
     install_devito=True,
     wave_grid=256,
     wave_steps=8,
-    rounds=5,
+    rounds=7,
     large_grid=384,
 )
 QUICK = StencilPlan(
@@ -89,14 +89,15 @@ def _row(case: str, method: str, seconds: float, grid_points: int, roof: float, 
 
 def _tessera_rows(plan: StencilPlan, st, case: str, grid, machine, log: BandwidthLog, inputs, top_k: int,
                   repeats: int, rounds: int) -> tuple[list[dict], float, np.ndarray]:
-    """The tuner's best undecomposed and best decomposed schedules, timed in interleaved
-    rounds with bandwidth probes; the faster is the "tessera" row. Returns the rows, the
-    roofline seconds at the case's median probe, and Tessera's answer."""
+    """The tuner's best undecomposed and best decomposed schedules, each sweep timed between
+    two roofline probes on the same buffers; the faster is the "tessera" row. Returns the
+    rows, the median probe (the roofline seconds) and Tessera's answer."""
     from tessera.stencil import compile_stencil
     from tessera.stencil.tune import tune_stencil
 
     points = math.prod(grid)
     u, coeffs = inputs
+    log.probe()  # the machine's drift, reported beside the run
     tuned = tune_stencil(st, grid, threads=plan.threads, machine=machine, top_k=top_k, repeats=repeats,
                          inputs=inputs)
     picks = {label: t for label, t in (("tessera undecomposed", tuned.best_of(False)),
@@ -104,24 +105,21 @@ def _tessera_rows(plan: StencilPlan, st, case: str, grid, machine, log: Bandwidt
     kernels = {label: compile_stencil(st, grid, t.schedule) for label, t in picks.items()}
     out = np.zeros_like(u)
     runs = {label: (lambda k=k: k(u, coeffs, out=out, threads=plan.threads)) for label, k in kernels.items()}
-    timed_rounds = interleaved(runs, lambda r, w: roofline_seconds(st, points, r, w), log, rounds)
-    probes = log.samples[-rounds:]
-    roof = roofline_seconds(st, points, statistics.median(r for r, _ in probes),
-                            statistics.median(w for _, w in probes))
-    base = {"arrays": len(st.arrays), "stencil_points": len(st.points), "roofline_ms": roof * 1e3,
-            "grid": grid[0]}
+    probe = same_memory_probe(out, [u, *(coeffs[n] for n in st.arrays)], points, plan.threads)
+    got = sandwiched(runs, probe, rounds)
+    roof = next(iter(got.values())).roof_seconds
+    base = {"arrays": len(st.arrays), "stencil_points": len(st.points), "grid": grid[0]}
     rows = []
     for label, trial in picks.items():
-        got = timed_rounds[label]
-        row = _row(case, label, got.seconds, points, roof, schedule=trial.schedule.short(),
+        row = _row(case, label, got[label].seconds, points, roof, schedule=trial.schedule.short(),
                    predicted_ms=trial.predicted * 1e3, tuner_ms=trial.measured * 1e3, **base)
-        rows.append({**row, **got.fields()})
+        rows.append({**row, **got[label].fields(ideal_bytes(st, points))})
     fastest = min(rows, key=lambda r: r["ms"])
     ours = kernels[fastest["method"]](u, coeffs, threads=plan.threads)
     return [dict(fastest, method="tessera", model_spearman=tuned.spearman), *rows], roof, ours
 
 
-def _local_rows(plan: StencilPlan, st, case: str, kind: str, machine, log: BandwidthLog) -> list[dict]:
+def _local_rows(plan: StencilPlan, st, case: str, kind: str, machine, log: BandwidthLog) -> tuple[list[dict], float]:
     """Tessera, numpy and torch: the arrays live only in here, so they are freed before
     Devito allocates its own."""
     from tessera.stencil.tune import sample_inputs
@@ -142,23 +140,19 @@ def _local_rows(plan: StencilPlan, st, case: str, kind: str, machine, log: Bandw
         h = st.halo
         rows.append(_row(case, "torch conv3d", statistics.median(times), points, roof,
                          max_rel_diff=float(np.abs(conv - ours[h:-h, h:-h, h:-h]).max()) / scale, **base))
-    return rows
+    return rows, roof
 
 
-def _devito_row(plan: StencilPlan, st, shape_name: str, case: str, log: BandwidthLog) -> dict:
-    """Devito's timed sweeps between two probes; its roofline at their mean."""
+def _devito_row(plan: StencilPlan, st, shape_name: str, case: str, roof: float) -> dict:
+    """Devito's timed sweeps (its own arrays, in its own process) against the roofline
+    probed on Tessera's buffers for the same case just before."""
     grid = (plan.grid,) * 3
-    before = log.probe()
     res = run_devito(st, shape_name, grid, plan.threads, plan.repeats)
-    after = log.probe()
     if "error" in res:
         return {"case": case, "method": "devito", "error": res["error"]}
-    read, write = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
-    points = math.prod(grid)
-    return _row(case, "devito", statistics.median(res["kernel_seconds"]), points,
-                roofline_seconds(st, points, read, write), wall_ms=statistics.median(res["wall_seconds"]) * 1e3,
-                check_ok=res["check_ok"], setup_s=res["setup_seconds"], arrays=len(st.arrays),
-                stencil_points=len(st.points), probe_read_gbs=round(read / 1e9, 2))
+    return _row(case, "devito", statistics.median(res["kernel_seconds"]), math.prod(grid), roof,
+                wall_ms=statistics.median(res["wall_seconds"]) * 1e3, check_ok=res["check_ok"],
+                setup_s=res["setup_seconds"], arrays=len(st.arrays), stencil_points=len(st.points))
 
 
 def _case_name(shape_name: str, kind: str) -> str:
@@ -170,9 +164,9 @@ def run_case(plan: StencilPlan, shape_name: str, kind: str, machine, log: Bandwi
 
     st = make_stencil(shape_name, kind)
     case = _case_name(shape_name, kind)
-    rows = _local_rows(plan, st, case, kind, machine, log)
+    rows, roof = _local_rows(plan, st, case, kind, machine, log)
     if devito_ok:
-        rows.append(_devito_row(plan, st, shape_name, case, log))
+        rows.append(_devito_row(plan, st, shape_name, case, roof))
     return rows
 
 
@@ -208,8 +202,9 @@ def run_large_rows(plan: StencilPlan, machine, log: BandwidthLog) -> tuple[list[
 
 
 def run_wave_rows(plan: StencilPlan, log: BandwidthLog) -> list[dict]:
-    """The wave kernel (ete37, constant medium) with and without temporal blocking, timed in
-    interleaved rounds."""
+    """The wave kernel (ete37, constant medium) with and without temporal blocking; each run
+    of all steps between two probes of one step's ideal traffic (two fields read, one
+    written) on the wave's own fields."""
     from tessera.stencil import StencilSchedule, compile_wave, padded_shape
     from tessera.stencil.wave import WaveConfig, wave_stencil
 
@@ -219,23 +214,23 @@ def run_wave_rows(plan: StencilPlan, log: BandwidthLog) -> list[dict]:
     st, coeffs = wave_stencil(cfg)
     rng = np.random.default_rng(0)
     prev = rng.standard_normal(padded_shape(grid, st.halo), dtype=np.float32) * 1e-3
-    cur = prev.copy()
+    cur, scratch = prev.copy(), np.zeros_like(prev)
     src = np.zeros(plan.wave_steps, np.float32)
     runs = {}
     for tb in (1, 2, 4):
         kernel = compile_wave(st, grid, StencilSchedule(time_block=tb, isa=_isa()))
         runs[f"tessera time_block={tb}"] = lambda k=kernel: k.run(prev, cur, coeffs, src, (1, 1, 1),
                                                                    threads=plan.threads)
-
-    def roof(read: float, write: float) -> float:  # all steps: two fields read, one written per step
-        return plan.wave_steps * points * (8 / read + 4 / write)
-
-    got = interleaved(runs, roof, log, plan.rounds)
-    probes = log.samples[-plan.rounds:]
-    step_roof = roof(statistics.median(r for r, _ in probes), statistics.median(w for _, w in probes)) / plan.wave_steps
+    log.probe()
+    got = sandwiched(runs, same_memory_probe(scratch, [prev, cur], points, plan.threads), plan.rounds,
+                     scale=plan.wave_steps)
     case = f"wave ete37 constant {plan.wave_steps} steps"
-    return [{**_row(case, label, g.seconds / plan.wave_steps, points, step_roof, roofline_ms=step_roof * 1e3),
-             **g.fields()} for label, g in got.items()]
+    rows = []
+    for label, g in got.items():
+        step_roof = g.roof_seconds / plan.wave_steps
+        row = _row(case, label, g.seconds / plan.wave_steps, points, step_roof)
+        rows.append({**row, **g.fields(12 * points * plan.wave_steps), "roofline_ms": step_roof * 1e3})
+    return rows
 
 
 def _isa() -> str:
@@ -263,6 +258,7 @@ def _headline(rows: list[dict], sweep: dict, log: BandwidthLog, plan: StencilPla
     }
     spreads = [r["fraction_max"] - r["fraction_min"] for r in rows if "fraction_max" in r]
     probes = log.summary()
+    same = [r["same_memory_gbs"] for r in ours.values() if "same_memory_gbs" in r]
     head = {
         "threads": plan.threads,
         "dram_read_gbs_median": probes.get("read_gbs_median"),
@@ -270,6 +266,9 @@ def _headline(rows: list[dict], sweep: dict, log: BandwidthLog, plan: StencilPla
         "dram_read_gbs_max": probes.get("read_gbs_max"),
         "dram_write_gbs_median": probes.get("write_gbs_median"),
         "bandwidth_probes": probes["probes"],
+        "same_memory_gbs_median": round(statistics.median(same), 2) if same else None,
+        "same_memory_gbs_min": min(same) if same else None,
+        "same_memory_gbs_max": max(same) if same else None,
         "dram_read_sweep_gbs": round(sweep["read"] / 1e9, 2),
         "dram_read_one_stream_gbs": round(sweep["one_stream"] / 1e9, 2),
         "roofline_fraction_variable_min": var["min"],
@@ -304,14 +303,17 @@ def _notes(plan: StencilPlan, sweep: dict, log: BandwidthLog, devito_note: str, 
     return [
         f"{plan.threads} threads for Tessera, torch and Devito (OMP_NUM_THREADS={plan.threads}, DEVITO_LANGUAGE=openmp,"
         " opt='advanced', autotuning='aggressive'); numpy is single-threaded.",
-        f"grid {plan.grid}^3 interior, float32; variable = one coefficient array per offset; roofline = ideal bytes "
-        "per point over the DRAM bandwidth of probes interleaved with the kernels (read: the best of 8 and 16 "
-        f"arrays streamed at once over 1 GiB). {probes['probes']} probes this run: read median "
-        f"{probes.get('read_gbs_median')} GB/s, range {probes.get('read_gbs_min')}-{probes.get('read_gbs_max')}; "
-        f"write median {probes.get('write_gbs_median')} GB/s.",
-        f"Tessera rows: median of {plan.rounds} rounds, each a probe then 3 timed sweeps of every kernel compared; "
-        "roofline_fraction is the median of the rounds' fractions (each at its own probe), fraction_min/max "
-        "their range. Devito: between two probes, at their mean.",
+        f"grid {plan.grid}^3 interior, float32; variable = one coefficient array per offset; roofline = the ideal "
+        "traffic (each coefficient array and the field read once, the output written once) timed on the case's own "
+        "buffers (plain vector loads, 16 arrays at a time, and stores) right before and after each timed sweep: "
+        "this VM's bandwidth moves within seconds, so a sweep is only compared with the machine of its moment.",
+        f"Tessera rows: {plan.rounds} sweeps of each kernel compared (best undecomposed and best decomposed, "
+        "interleaved), each between two probes; roofline_fraction is the median over sweeps of (mean of its two "
+        "probes) / (its time), fraction_min/max their range; same_memory_gbs = ideal bytes / median probe. "
+        "numpy, torch and Devito (its own arrays, in its own process) are divided by the case's median probe.",
+        f"Fresh-buffer DRAM probes (best of 8 and 16 streams over 1 GiB; one per case, the machine's drift): "
+        f"{probes['probes']}, read median {probes.get('read_gbs_median')} GB/s, range "
+        f"{probes.get('read_gbs_min')}-{probes.get('read_gbs_max')}; write median {probes.get('write_gbs_median')} GB/s.",
         f"The bandwidth sweep at the start: one stream {sweep['one_stream'] / 1e9:.1f} GB/s; k streams at once "
         + ", ".join(f"k={k} {v / 1e9:.1f}" for k, v in sweep["by_streams"].items())
         + f"; write {sweep['write'] / 1e9:.1f} GB/s.",
@@ -345,7 +347,7 @@ def run_stencil_bench(quick: bool = False) -> BenchResult:
         rows += large
     devito_note = "devito 4.8.23 (own venv)" if why_not is None else f"absent: {why_not}"
     columns = ["case", "method", "ms", "gpts_s", "roofline_fraction", "fraction_min", "fraction_max",
-               "probe_read_gbs", "schedule", "predicted_ms", "max_rel_diff", "check_ok"]
+               "same_memory_gbs", "schedule", "predicted_ms", "max_rel_diff", "check_ok"]
     return BenchResult(
         name="stencil",
         headline=_headline(rows, sweep, log, plan, devito_note),
@@ -376,10 +378,10 @@ def plot_stencil(result: BenchResult, path: Path) -> None:
             ai, [r["gpts_s"] * 2 * r["stencil_points"] for r in sel], label=method, marker="os^vDP*"[i % 7]
         )
     xs = np.logspace(-1.5, 1.5, 50)
-    read_bw = head["dram_read_gbs_median"]  # a stencil's bytes are nearly all reads: the read roof bounds it
-    ax1.plot(xs, xs * read_bw, "k--", label=f"DRAM read roof (median probe {read_bw:.0f} GB/s)")
-    ax1.fill_between(xs, xs * head["dram_read_gbs_min"], xs * head["dram_read_gbs_max"], color="0.85",
-                     label="probes' range")
+    read_bw = head["same_memory_gbs_median"]  # the ideal traffic's rate on the cases' own buffers
+    ax1.plot(xs, xs * read_bw, "k--", label=f"memory roof (median same-memory probe {read_bw:.0f} GB/s)")
+    ax1.fill_between(xs, xs * head["same_memory_gbs_min"], xs * head["same_memory_gbs_max"], color="0.85",
+                     label="cases' range")
     ax1.set_xscale("log")
     ax1.set_yscale("log")
     ax1.set_xlabel("flops per ideal byte")

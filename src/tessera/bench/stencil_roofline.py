@@ -1,23 +1,33 @@
-"""The memory roofline `tessera bench stencil` divides by, measured beside each kernel.
+"""The memory roofline `tessera bench stencil` divides by: the sweep's ideal traffic timed on
+the sweep's own buffers, right before and right after each timed sweep.
 
-On this VM the DRAM bandwidth drifts (45 to 86 GB/s within one hour) while the kernels'
-times repeat within about 10%, so one figure taken at the start of a run does not make a
-fraction that repeats. Instead each case takes bandwidth probes (``kernels.machine.
-dram_probe``: read with 8 and 16 streams at once, and write) interleaved with timed rounds
-of its kernel; each round's fraction is the roofline time at that round's probe over the
-round's kernel time, and a row reports the median round and the spread. Every probe is
-kept, so the run's bandwidth is reported as a median with its range.
+Why not one bandwidth figure per run: on this VM the memory bandwidth moves in time (a
+kernel's sweep takes 34 ms one second and 85 ms a few seconds later; probes range 30-76
+GB/s within minutes), and a fresh buffer's bandwidth also differs from one allocation to
+the next. A figure taken at the start of the run, or on other memory, divides one moment's
+kernel by another moment's machine.
+
+So the roofline probe (``kernels.machine.arrays_stream_seconds``) reads the field and every
+coefficient array once (the first N^3 floats of each, 16 arrays at a time, in runs like a
+stencil's rows) and writes N^3 floats of the output: exactly the ideal bytes, on the same
+pages, in plain vector loads and stores. Each timed sweep sits between two probes and its
+fraction is their mean over its time; a row reports the median over its sweeps and their
+range. A fresh-buffer DRAM probe (``kernels.machine.dram_probe``) per case is kept too, to
+show the machine's drift.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass, field
+
+PROBE_GROUP = 16  # arrays read at once: where this VM's many-stream sweep peaks
 
 
 @dataclass
 class BandwidthLog:
-    """Every (read, write) probe of a run, in bytes/s."""
+    """Every fresh-buffer (read, write) DRAM probe of a run, in bytes/s."""
 
     threads: int
     samples: list[tuple[float, float]] = field(default_factory=list)
@@ -31,7 +41,6 @@ class BandwidthLog:
 
     def summary(self) -> dict:
         reads = [r for r, _ in self.samples]
-        writes = [w for _, w in self.samples]
         if not reads:
             return {"probes": 0}
         return {
@@ -39,54 +48,68 @@ class BandwidthLog:
             "read_gbs_median": round(statistics.median(reads) / 1e9, 2),
             "read_gbs_min": round(min(reads) / 1e9, 2),
             "read_gbs_max": round(max(reads) / 1e9, 2),
-            "write_gbs_median": round(statistics.median(writes) / 1e9, 2),
+            "write_gbs_median": round(statistics.median(w for _, w in self.samples) / 1e9, 2),
         }
 
 
-def roofline_seconds(st, points: int, read_bw: float, write_bw: float) -> float:
-    """Ideal bytes (each coefficient array and the field read once, the output written once)
-    over the given bandwidths."""
+def ideal_bytes(st, points: int) -> int:
     from tessera.stencil.model import roofline_bytes
 
     read, write = roofline_bytes(st)
-    return points * (read / read_bw + write / write_bw)
+    return points * (read + write)
+
+
+def same_memory_probe(out, arrays, points: int, threads: int, repeat: int = 1):
+    """A function timing the ideal traffic over these buffers (``repeat`` passes, seconds
+    per pass): ``points`` floats read from each of ``arrays``, written to ``out``."""
+    from tessera.kernels.machine import arrays_stream_seconds
+
+    def probe() -> float:
+        return sum(
+            arrays_stream_seconds(out, arrays, points, threads, group=PROBE_GROUP) for _ in range(repeat)
+        ) / repeat
+
+    return probe
 
 
 @dataclass(frozen=True)
-class Interleaved:
-    seconds: float  # median round
-    fraction: float  # median of the rounds' fractions
+class Sandwiched:
+    seconds: float  # median sweep
+    fraction: float  # median over sweeps of (mean of the two probes around it) / its time
     fraction_min: float
     fraction_max: float
-    read_bw: float  # bytes/s, median of the probes beside the rounds
+    roof_seconds: float  # median probe
 
-    def fields(self) -> dict:
+    def fields(self, nbytes: int) -> dict:
         return {
             "roofline_fraction": self.fraction,
             "fraction_min": round(self.fraction_min, 4),
             "fraction_max": round(self.fraction_max, 4),
-            "probe_read_gbs": round(self.read_bw / 1e9, 2),
+            "roofline_ms": self.roof_seconds * 1e3,
+            "same_memory_gbs": round(nbytes / self.roof_seconds / 1e9, 2),
         }
 
 
-def interleaved(runs: dict, roof, log: BandwidthLog, rounds: int, per_round: int = 3) -> dict[str, Interleaved]:
-    """``rounds`` x (a probe, then for each of ``runs`` ``per_round`` timed calls whose median
-    is its round time); ``roof(read, write)`` is the roofline seconds at a probe's
-    bandwidths. Kernels compared with each other share the same probes."""
-    from tessera.bench.stencil_peers import timed
-
+def sandwiched(runs: dict, probe, rounds: int, scale: float = 1.0) -> dict[str, Sandwiched]:
+    """``rounds`` x each of ``runs`` (label -> a call), every call between two probes
+    (consecutive calls share one): P K1 P K2 P K1 P ... ``scale`` multiplies a probe's
+    time into the run's roofline (a wave run of several steps)."""
+    for run in runs.values():  # warm-up: first-touch and instruction caches
+        run()
     times: dict[str, list[float]] = {k: [] for k in runs}
     fractions: dict[str, list[float]] = {k: [] for k in runs}
-    reads = []
+    probes = [probe()]
     for _ in range(rounds):
-        read, write = log.probe()
-        reads.append(read)
         for label, run in runs.items():
-            t = statistics.median(timed(run, per_round))
+            began = time.perf_counter()
+            run()
+            t = time.perf_counter() - began
+            probes.append(probe())
             times[label].append(t)
-            fractions[label].append(roof(read, write) / t)
+            fractions[label].append(scale * (probes[-2] + probes[-1]) / 2 / t)
+    roof = scale * statistics.median(probes)
     return {
-        k: Interleaved(statistics.median(times[k]), statistics.median(fractions[k]), min(fractions[k]),
-                       max(fractions[k]), statistics.median(reads))
+        k: Sandwiched(statistics.median(times[k]), statistics.median(fractions[k]), min(fractions[k]),
+                      max(fractions[k]), roof)
         for k in runs
     }

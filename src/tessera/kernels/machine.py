@@ -137,6 +137,9 @@ def _bench_lib(isa: str) -> ctypes.CDLL:
         fn.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_double]
     lib.tk_streams_read_gbps.restype = ctypes.c_double
     lib.tk_streams_read_gbps.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_double]
+    lib.tk_arrays_seconds.restype = ctypes.c_double
+    lib.tk_arrays_seconds.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int,
+                                      ctypes.c_int]
     return lib
 
 
@@ -253,6 +256,19 @@ def dram_probe(threads: int, *, seconds: float = 0.15, isa: str | None = None) -
     lib = _bench_lib(isa)
     read = max(lib.tk_streams_read_gbps(total // threads, threads, k, seconds) for k in PROBE_STREAMS)
     return read * 1e9, lib.tk_write_gbps(total // threads, threads, seconds) * 1e9
+
+
+def arrays_stream_seconds(out, arrays, count: int, threads: int, *, group: int = 16, isa: str | None = None) -> float:
+    """Seconds of one pass that reads the first ``count`` float32s of each array (numpy,
+    C-contiguous), ``group`` at a time, and writes ``count`` of ``out``: a sweep's ideal
+    traffic timed on its own buffers (their pages' placement included)."""
+    for a in (out, *arrays):
+        if a.dtype.name != "float32" or not a.flags.c_contiguous or a.size < count:
+            raise ValueError(f"arrays must be C-contiguous float32 with at least {count} elements; got {a.dtype} "
+                             f"{a.shape}")
+    ptrs = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
+    lib = _bench_lib(isa or cpu_isas()[-1])
+    return lib.tk_arrays_seconds(out.ctypes.data, ptrs, len(arrays), count, group, threads)
 
 
 def machine_path() -> Path:

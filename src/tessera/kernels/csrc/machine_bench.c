@@ -11,6 +11,11 @@
  *                                      the same reads from `streams` arrays at once, as a
  *                                      stencil with one coefficient array per point reads:
  *                                      more concurrent streams keep more misses in flight
+ *   tk_arrays_seconds(out, arrays, n, count, group, threads)
+ *                                      one pass reading `count` floats of each of the caller's
+ *                                      `n` arrays (`group` at a time) and writing `count` of
+ *                                      `out`: the ideal traffic of a sweep over those very
+ *                                      buffers, in seconds
  *
  * Each runs rounds until `seconds` have passed and reports its best round. Compiled with
  * TK_VEC = 256 (AVX2 + FMA) or 512 (AVX-512F).
@@ -24,7 +29,9 @@
 typedef __m512 vf;
 #define VL 16
 #define LOAD _mm512_load_ps
+#define LOADU _mm512_loadu_ps
 #define STORE _mm512_store_ps
+#define STOREU _mm512_storeu_ps
 #define SET1 _mm512_set1_ps
 #define FMA _mm512_fmadd_ps
 #define ADD _mm512_add_ps
@@ -33,7 +40,9 @@ typedef __m512 vf;
 typedef __m256 vf;
 #define VL 8
 #define LOAD _mm256_load_ps
+#define LOADU _mm256_loadu_ps
 #define STORE _mm256_store_ps
+#define STOREU _mm256_storeu_ps
 #define SET1 _mm256_set1_ps
 #define FMA _mm256_fmadd_ps
 #define ADD _mm256_add_ps
@@ -210,4 +219,44 @@ double tk_streams_read_gbps(long bytes, int threads, int streams, double seconds
     }
     free(bufs);
     return best;
+}
+
+/* The caller's own buffers (numpy's: any alignment), so the figure carries their pages'
+ * placement: on this VM a fresh buffer's bandwidth varies by 2x from one allocation to the
+ * next while a kernel over the same arrays repeats. */
+#ifndef RUN
+#define RUN 1024
+#endif
+double tk_arrays_seconds(float *out, const float *const *arrays, int n, long count, int group, int threads) {
+    double t0 = now();
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        long per = count / nt / VL * VL;
+        long lo = t * per, hi = (t == nt - 1) ? count : lo + per;
+        vf a[8];
+        float tail = 0.0f;
+        for (int j = 0; j < 8; ++j) a[j] = SET1(0);
+        for (int g = 0; g < n; g += group) {
+            int end = g + group < n ? g + group : n;
+            long i = lo;
+            /* a run of RUN floats of each array in turn, as a stencil reads a row of each */
+            for (; i + RUN <= hi; i += RUN)
+                for (int k = g; k < end; ++k)
+                    for (long r = i; r < i + RUN; r += 8 * VL)
+                        for (int j = 0; j < 8; ++j) a[j] = ADD(a[j], LOADU(arrays[k] + r + j * VL));
+            for (; i < hi; ++i)
+                for (int k = g; k < end; ++k) tail += arrays[k][i];
+        }
+        vf x = SET1(tail);
+        long i = lo;
+        for (; i + VL <= hi; i += VL) STOREU(out + i, x);
+        for (; i < hi; ++i) out[i] = tail;
+        vf s = ADD(ADD(ADD(a[0], a[1]), ADD(a[2], a[3])), ADD(ADD(a[4], a[5]), ADD(a[6], a[7])));
+        float r[VL] __attribute__((aligned(64)));
+        STORE(r, s);
+#pragma omp atomic
+        tk_sink += r[0];
+    }
+    return now() - t0;
 }

@@ -1,0 +1,20 @@
+"""Fixtures shared by several test folders."""
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def kernel_cache(tmp_path_factory):
+    """One temporary kernel cache for the session: every kernel compiles once, later tests
+    reuse it, and the user's cache is never touched. The folders whose tests compile kernels
+    make it autouse in their own conftest."""
+    old = os.environ.get("TESSERA_KERNEL_CACHE")
+    path = tmp_path_factory.mktemp("kernel-cache")
+    os.environ["TESSERA_KERNEL_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("TESSERA_KERNEL_CACHE", None)
+    else:
+        os.environ["TESSERA_KERNEL_CACHE"] = old
