@@ -5,11 +5,15 @@ This file imports neither Tessera nor torch: `tessera bench stencil` runs it as 
     python stencil_devito.py SPEC.json RESULT.json
 
 SPEC: {"points": [[dz, dy, dx, weight, array-or-null], ...], "halo": h, "grid": [nz, ny, nx],
-"repeats": n, "steps": sweeps per timed apply, "check_dir": folder or null}. With ``check_dir`` it first applies the operator
+"repeats": n, "steps": sweeps per timed apply, "check_dir": folder or null, "probe": null or
+{"lib": path, "arrays": k, "group": g, "run": r, "threads": t}}. With ``check_dir`` it first applies the operator
 to the small inputs there (u.npy with its halo, one .npy per coefficient array) and saves
 out.npy, so the caller can check that Devito computes the same sum. Then it times the full
 grid: opt='advanced' and autotuning='aggressive' (Devito's recommendation for performance;
-DEVITO_LANGUAGE=openmp and OMP_NUM_THREADS come from the caller's environment).
+DEVITO_LANGUAGE=openmp and OMP_NUM_THREADS come from the caller's environment). With
+``probe``, every timed apply sits between two roofline probes: the caller's compiled
+``tk_arrays_seconds`` over ``arrays`` fresh grid-sized arrays (a sweep's ideal traffic at
+that moment; this VM's bandwidth moves within seconds).
 """
 
 from __future__ import annotations
@@ -66,6 +70,25 @@ def check(spec: dict, folder: Path) -> None:
     np.save(folder / "out.npy", np.asarray(u.data[1]))
 
 
+def _probe(spec: dict, points: int):
+    """The caller's same-traffic probe, or None."""
+    import ctypes
+
+    cfg = spec.get("probe")
+    if not cfg:
+        return None
+    lib = ctypes.CDLL(cfg["lib"])
+    fn = lib.tk_arrays_seconds
+    fn.restype = ctypes.c_double
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_long,
+                   ctypes.c_int]
+    rng = np.random.default_rng(2)
+    arrays = [rng.random(points, dtype=np.float32) for _ in range(cfg["arrays"])]
+    out = np.zeros(points, np.float32)
+    ptrs = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
+    return lambda: fn(out.ctypes.data, ptrs, len(arrays), points, cfg["group"], cfg["run"], cfg["threads"])
+
+
 def timed(spec: dict) -> dict:
     shape, steps = tuple(spec["grid"]), spec.get("steps", 4)
     op, u, coeffs = build(spec, shape)
@@ -76,13 +99,17 @@ def timed(spec: dict) -> dict:
     began = time.perf_counter()
     op.apply(time_m=0, time_M=steps - 1, autotune="aggressive")  # compiles, autotunes the blocks
     setup = time.perf_counter() - began
-    walls, kernels = [], []
+    probe = _probe(spec, int(np.prod(shape)))
+    walls, kernels, probes = [], [], [probe()] if probe else []
     for _ in range(spec["repeats"]):
         t0 = time.perf_counter()
         summary = op.apply(time_m=0, time_M=steps - 1)
         walls.append((time.perf_counter() - t0) / steps)
         kernels.append(sum(entry.time for entry in summary.values()) / steps)
-    return {"wall_seconds": walls, "kernel_seconds": kernels, "setup_seconds": setup, "steps": steps}
+        if probe:
+            probes.append(probe())
+    return {"wall_seconds": walls, "kernel_seconds": kernels, "setup_seconds": setup, "steps": steps,
+            "probe_seconds": probes}
 
 
 def main(argv: list[str]) -> int:

@@ -8,8 +8,8 @@ the next. A figure taken at the start of the run, or on other memory, divides on
 kernel by another moment's machine.
 
 So the roofline probe (``kernels.machine.arrays_stream_seconds``) reads the field and every
-coefficient array once (the first N^3 floats of each, 16 arrays at a time, in runs like a
-stencil's rows) and writes N^3 floats of the output: exactly the ideal bytes, on the same
+coefficient array once (the first N^3 floats of each, 8 arrays at a time, 4096 floats of
+each in turn) and writes N^3 floats of the output: exactly the ideal bytes, on the same
 pages, in plain vector loads and stores. Each timed sweep sits between two probes and its
 fraction is their mean over its time; a row reports the median over its sweeps and their
 range. A fresh-buffer DRAM probe (``kernels.machine.dram_probe``) per case is kept too, to
@@ -22,7 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-PROBE_GROUP = 16  # arrays read at once: where this VM's many-stream sweep peaks
+PROBE_GROUP, PROBE_RUN = 8, 4096  # arrays read at once, floats of each in turn: the best of 8-32 x 256-16384 here
 
 
 @dataclass
@@ -66,7 +66,8 @@ def same_memory_probe(out, arrays, points: int, threads: int, repeat: int = 1):
 
     def probe() -> float:
         return sum(
-            arrays_stream_seconds(out, arrays, points, threads, group=PROBE_GROUP) for _ in range(repeat)
+            arrays_stream_seconds(out, arrays, points, threads, group=PROBE_GROUP, run=PROBE_RUN)
+            for _ in range(repeat)
         ) / repeat
 
     return probe
@@ -113,3 +114,16 @@ def sandwiched(runs: dict, probe, rounds: int, scale: float = 1.0) -> dict[str, 
                       max(fractions[k]), roof)
         for k in runs
     }
+
+
+def devito_probe_spec(st, threads: int) -> dict:
+    """What the Devito worker needs to sandwich its applies between the same probes."""
+    from tessera.kernels.machine import probe_library
+
+    return {"lib": probe_library(), "arrays": len(st.arrays) + 1, "group": PROBE_GROUP, "run": PROBE_RUN,
+            "threads": threads}
+
+
+def sandwich_fractions(probes: list[float], times: list[float]) -> list[float]:
+    """Each time between probes[i] and probes[i + 1]: their mean over it."""
+    return [(a + b) / 2 / t for a, b, t in zip(probes[:-1], probes[1:], times, strict=False)]

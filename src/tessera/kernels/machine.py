@@ -11,6 +11,7 @@ a fingerprint of the CPU, so the tuner measures a machine once.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -127,9 +128,9 @@ def fingerprint() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+@functools.cache
 def _bench_lib(isa: str) -> ctypes.CDLL:
-    source = f"#define TK_VEC {256 if isa == 'avx2' else 512}\n" + (CSRC / "machine_bench.c").read_text()
-    lib = ctypes.CDLL(str(compile_source(source, isa=isa, name="machine_bench").path))
+    lib = ctypes.CDLL(probe_library(isa))
     lib.tk_peak_gflops.restype = ctypes.c_double
     lib.tk_peak_gflops.argtypes = [ctypes.c_int, ctypes.c_double]
     for fn in (lib.tk_read_gbps, lib.tk_write_gbps):
@@ -139,7 +140,7 @@ def _bench_lib(isa: str) -> ctypes.CDLL:
     lib.tk_streams_read_gbps.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_double]
     lib.tk_arrays_seconds.restype = ctypes.c_double
     lib.tk_arrays_seconds.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int,
-                                      ctypes.c_int]
+                                      ctypes.c_long, ctypes.c_int]
     return lib
 
 
@@ -258,17 +259,29 @@ def dram_probe(threads: int, *, seconds: float = 0.15, isa: str | None = None) -
     return read * 1e9, lib.tk_write_gbps(total // threads, threads, seconds) * 1e9
 
 
-def arrays_stream_seconds(out, arrays, count: int, threads: int, *, group: int = 16, isa: str | None = None) -> float:
+def probe_library(isa: str | None = None) -> str:
+    """Path of the compiled micro-benchmark (``tk_arrays_seconds`` and the others), for a
+    process that loads it without Tessera (the Devito worker)."""
+    isa = isa or cpu_isas()[-1]
+    source = f"#define TK_VEC {256 if isa == 'avx2' else 512}\n" + (CSRC / "machine_bench.c").read_text()
+    return str(compile_source(source, isa=isa, name="machine_bench").path)
+
+
+def arrays_stream_seconds(out, arrays, count: int, threads: int, *, group: int = 16, run: int = 1024,
+                          isa: str | None = None) -> float:
     """Seconds of one pass that reads the first ``count`` float32s of each array (numpy,
-    C-contiguous), ``group`` at a time, and writes ``count`` of ``out``: a sweep's ideal
-    traffic timed on its own buffers (their pages' placement included)."""
+    C-contiguous), ``group`` at a time and ``run`` floats of each in turn, and writes
+    ``count`` of ``out``: a sweep's ideal traffic timed on its own buffers (their pages'
+    placement included)."""
+    if run < 128 or run % 128:
+        raise ValueError(f"run={run} must be a positive multiple of 128 floats (8 vectors of 16)")
     for a in (out, *arrays):
         if a.dtype.name != "float32" or not a.flags.c_contiguous or a.size < count:
             raise ValueError(f"arrays must be C-contiguous float32 with at least {count} elements; got {a.dtype} "
                              f"{a.shape}")
     ptrs = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
     lib = _bench_lib(isa or cpu_isas()[-1])
-    return lib.tk_arrays_seconds(out.ctypes.data, ptrs, len(arrays), count, group, threads)
+    return lib.tk_arrays_seconds(out.ctypes.data, ptrs, len(arrays), count, group, run, threads)
 
 
 def machine_path() -> Path:

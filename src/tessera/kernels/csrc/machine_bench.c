@@ -11,9 +11,10 @@
  *                                      the same reads from `streams` arrays at once, as a
  *                                      stencil with one coefficient array per point reads:
  *                                      more concurrent streams keep more misses in flight
- *   tk_arrays_seconds(out, arrays, n, count, group, threads)
+ *   tk_arrays_seconds(out, arrays, n, count, group, run, threads)
  *                                      one pass reading `count` floats of each of the caller's
- *                                      `n` arrays (`group` at a time) and writing `count` of
+ *                                      `n` arrays (`group` at a time, `run` floats of each in
+ *                                      turn, a multiple of 8 vectors) and writing `count` of
  *                                      `out`: the ideal traffic of a sweep over those very
  *                                      buffers, in seconds
  *
@@ -227,7 +228,7 @@ double tk_streams_read_gbps(long bytes, int threads, int streams, double seconds
 #ifndef RUN
 #define RUN 1024
 #endif
-double tk_arrays_seconds(float *out, const float *const *arrays, int n, long count, int group, int threads) {
+double tk_arrays_seconds(float *out, const float *const *arrays, int n, long count, int group, long run, int threads) {
     double t0 = now();
 #pragma omp parallel num_threads(threads)
     {
@@ -241,9 +242,9 @@ double tk_arrays_seconds(float *out, const float *const *arrays, int n, long cou
             int end = g + group < n ? g + group : n;
             long i = lo;
             /* a run of RUN floats of each array in turn, as a stencil reads a row of each */
-            for (; i + RUN <= hi; i += RUN)
+            for (; i + run <= hi; i += run)
                 for (int k = g; k < end; ++k)
-                    for (long r = i; r < i + RUN; r += 8 * VL)
+                    for (long r = i; r < i + run; r += 8 * VL)
                         for (int j = 0; j < 8; ++j) a[j] = ADD(a[j], LOADU(arrays[k] + r + j * VL));
             for (; i < hi; ++i)
                 for (int k = g; k < end; ++k) tail += arrays[k][i];
