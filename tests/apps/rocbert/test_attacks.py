@@ -78,6 +78,17 @@ def test_deterministic_under_a_seed(syn):
     assert Synthesizer(syn.features).attack(TEXT, seed=7) == syn.attack(TEXT, seed=7)
 
 
+def test_preferred_positions_are_attacked_first(syn):
+    hanzi = [i for i, ch in enumerate(TEXT) if is_hanzi(ch)]
+    prefer = [TEXT.index("，"), *hanzi[::-1]]  # a comma cannot be attacked: it is passed over
+    attacked, edits = syn.attack(TEXT, seed=3, prefer=prefer)
+    assert sorted(e.position for e in edits) == sorted(hanzi[::-1][: syn.num_edits(TEXT)])
+    assert (attacked, edits) == syn.attack(TEXT, seed=3, prefer=prefer)
+    # fewer preferred positions than edits: the rest are drawn as without a preference
+    _, some = syn.attack(TEXT, seed=3, prefer=[hanzi[0]])
+    assert hanzi[0] in {e.position for e in some} and len(some) == syn.num_edits(TEXT)
+
+
 def test_every_transform_is_used_by_the_mix(syn):
     seen = {e.transform for s in range(60) for e in syn.attack(TEXT, seed=s)[1]}
     assert seen == set(TRANSFORMS)

@@ -43,3 +43,33 @@ def test_candidates_come_from_the_synthesiser(features):
     kinds = {name for name, _ in candidates(syn, "晴", random.Random(0))}
     assert {"pinyin_full", "homophone", "lookalike", "radical_split", "delete"} <= kinds
     assert "swap" not in kinds
+
+
+def test_every_model_meets_the_same_substitutes(features, monkeypatch):
+    """The substitutes tried at a position depend on (text, position, seed) only, not on the
+    positions a model's own ranking visited before: the attack is the same for every system."""
+    from tessera.apps.rocbert import greedy
+
+    seen: dict[str, list] = {}
+    visits: list[str] = []
+    original = greedy.candidates
+
+    def recording(syn, c, rng):
+        out = original(syn, c, rng)
+        seen.setdefault(c, []).append(out)
+        visits.append(c)
+        return out
+
+    monkeypatch.setattr(greedy, "candidates", recording)
+    syn = Synthesizer(features)
+    greedy_attack(keyword_model, TEXT, 1, syn, query_budget=300, seed=0)  # visits 好 first, flips there
+    # never flips; ranks 推 first, so it visits 好 only after other positions
+    greedy_attack(
+        lambda ts: torch.tensor([[0.1, 0.9 - 0.01 * ("推" not in t)] for t in ts]),
+        TEXT,
+        1,
+        syn,
+        query_budget=300,
+    )
+    assert len(seen["好"]) == 2 and seen["好"][0] == seen["好"][1]
+    assert visits[0] == "好" and visits[1] == "推" and visits.index("好", 1) > 2  # other walks before

@@ -12,6 +12,7 @@ off by the world size (a sum-for-average bug) moves the weights 2x as far. Param
 3 + 3 steps at rtol 1e-4 / atol 1e-5, the logged losses at rtol 1e-5.
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -57,6 +58,54 @@ def test_tiny_run_learns_and_exports(features, tmp_path):
     assert model(**enc).logits.shape == (1, 2)
     log = json.loads((tmp_path / "train_log.json").read_text())
     assert log["recipe"]["contrastive"] and len(log["finetune_loss"]) == 16
+    # the glyph table is frozen: after 32 AdamW steps it is still the drawn glyph vectors
+    shape = model.roc_bert.embeddings.shape_embed.weight
+    assert torch.equal(shape, torch.from_numpy(features.glyphs))
+
+
+def test_unfrozen_glyphs_do_train(features):
+    """The other side of the frozen-glyph check above: trainable, the same table moves at once."""
+    size = dataclasses.replace(TINY, freeze_shape=False)
+    state = _run(
+        _tiny(size=size, pretrain_steps=1, finetune_steps=1), tessera.Plan(dp=1), str(features.root)
+    )[2]
+    shape = state["roc_bert.embeddings.shape_embed.weight"]
+    assert not torch.allclose(shape, torch.from_numpy(features.glyphs))
+
+
+def test_salient_positions_rank_by_the_gradient(features):
+    from tessera.apps.rocbert.batches import Encoder, _by_score, salient_positions
+    from tessera.apps.rocbert.features import is_hanzi
+    from tessera.apps.rocbert.model import classifier_from, pretraining_model
+
+    tok = features.tokenizer()
+    assert "龘" not in tok.vocab  # an [UNK]: still matched to its position
+    ids = tok("龘ab好用")["input_ids"]  # [CLS] [UNK] a ##b 好 用 [SEP]
+    assert _by_score(tok, "龘ab好用", ids, [0, 1, 9, 9, 0, 5, 0]) == [4, 0, 3]
+    assert _by_score(tok, "龘ab好用", ids, [0, 7, 0, 0, 9, 5, 0]) == [3, 0, 4]
+    model = classifier_from(pretraining_model(features, TINY).state_dict(), features, TINY).train()
+    texts = ["这个手机很好用，推荐", "ok质量差abc太糟糕了"]
+    order = salient_positions(model, Encoder(tok, TINY.max_len), texts, [1, 0])
+    for text, positions in zip(texts, order, strict=True):
+        assert sorted(positions) == [i for i, c in enumerate(text) if is_hanzi(c)]
+    assert model.training and all(p.grad is None for p in model.parameters())
+
+
+def test_consistency_term_pulls_a_copy_to_its_review(features):
+    from tessera.apps.rocbert.batches import Encoder
+    from tessera.apps.rocbert.model import classifier_from, pretraining_model
+    from tessera.apps.rocbert.recipe import _finetune_loss
+
+    model = classifier_from(pretraining_model(features, TINY).state_dict(), features, TINY).eval()
+    enc = Encoder(features.tokenizer(), TINY.max_len)
+    same = {**enc(["这个手机很好用"] * 2 + ["质量差"] * 2), "labels": torch.tensor([1, 1, 0, 0])}
+    ce = model(**same).loss
+    # a fresh model's outputs hardly differ between texts: a large weight makes the KL visible
+    torch.testing.assert_close(_finetune_loss(1e4)(model, same), ce)  # equal pairs: KL is 0
+    apart = {**enc(["这个手机很好用", "质量差", "质量差", "很好用"]), "labels": torch.tensor([1, 1, 0, 0])}
+    assert _finetune_loss(1e4)(model, apart) > _finetune_loss(0.0)(model, apart) == model(**apart).loss
+    with pytest.raises(ValueError, match="consistency must be >= 0"):
+        RocbertRecipe(consistency=-1.0)
 
 
 def test_dp2_matches_one_process(features):

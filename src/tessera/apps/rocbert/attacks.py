@@ -173,11 +173,17 @@ class Synthesizer:
             return 0
         return max(self.config.min_edits, round(self.config.rate * len(text)))
 
-    def attack(self, text: str, seed: int = 0) -> tuple[str, list[Edit]]:
-        """The attacked text and its edits; the same (text, seed) always gives the same result."""
+    def attack(self, text: str, seed: int = 0, prefer: list[int] | None = None) -> tuple[str, list[Edit]]:
+        """The attacked text and its edits; the same (text, seed, prefer) always gives the same
+        result. ``prefer``: positions to attack first, in order (the rest are drawn at random);
+        the count and the transforms follow the same rules either way."""
         rng = random.Random(f"{seed}\x00{text}")  # str seeding does not depend on PYTHONHASHSEED
         candidates = [i for i, ch in enumerate(text) if is_hanzi(ch)]
-        positions = sorted(rng.sample(candidates, min(self.num_edits(text), len(candidates))))
+        n = min(self.num_edits(text), len(candidates))
+        allowed = set(candidates)
+        chosen = [i for i in dict.fromkeys(prefer or ()) if i in allowed][:n]
+        rest = [i for i in candidates if i not in chosen]
+        positions = sorted(chosen + rng.sample(rest, n - len(chosen)))
         pieces, edits, taken = list(text), [], set(positions)
         for i in positions:
             for name in rng.sample(self.config.transforms, len(self.config.transforms)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tessera.apps.rocbert.attacks import Synthesizer
+from tessera.apps.rocbert.features import is_hanzi
 
 KEYS = ("input_ids", "input_shape_ids", "input_pronunciation_ids", "attention_mask")
 MASK_PROB = 0.15  # BERT's share of masked positions; of them 80% [MASK], 10% random, 10% kept
@@ -83,16 +84,60 @@ def pretrain_batch(
     return batch
 
 
-def finetune_batch(rows, encoder: Encoder, syn: Synthesizer, attack_seed: int, attacked_copies: bool):
-    """``rows`` of (review, label); with ``attacked_copies`` each is followed by its attacked copy."""
+def finetune_batch(
+    rows, encoder: Encoder, syn: Synthesizer, attack_seed: int, attacked_copies: bool, prefer=None
+):
+    """``rows`` of (review, label); with ``attacked_copies`` each is followed by its attacked copy.
+    ``prefer``: per row, the positions its copy attacks first (``salient_positions``)."""
     texts, labels = [], []
-    for text, label in rows:
+    for k, (text, label) in enumerate(rows):
         clip = encoder.clip(text)
         texts.append(clip)
         labels.append(label)
         if attacked_copies:
-            texts.append(syn.attack(clip, seed=attack_seed)[0])
+            texts.append(syn.attack(clip, seed=attack_seed, prefer=prefer[k] if prefer else None)[0])
             labels.append(label)
     batch = encoder(texts)
     batch["labels"] = torch.tensor(labels)
     return batch
+
+
+def salient_positions(model, encoder: Encoder, texts: list[str], labels: list[int]) -> list[list[int]]:
+    """Per text, its Chinese characters' positions, most salient first: the norm of the
+    classification loss's gradient at each character's word embedding, in eval mode (no
+    dropout, so every rank gets the same order). The defender may read its own gradients; the
+    attack the model meets later stays black-box. Parameter gradients are not touched."""
+    enc = encoder(texts)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            words = model.roc_bert.embeddings.word_embeddings(enc["input_ids"]).detach().requires_grad_()
+            loss = model(
+                inputs_embeds=words,
+                input_shape_ids=enc["input_shape_ids"],
+                input_pronunciation_ids=enc["input_pronunciation_ids"],
+                attention_mask=enc["attention_mask"],
+                labels=torch.tensor(labels),
+            ).loss
+            (grad,) = torch.autograd.grad(loss, words)
+    finally:
+        model.train(was_training)
+    scores = grad.norm(dim=-1).tolist()
+    rows = zip(texts, enc["input_ids"].tolist(), scores, strict=True)
+    return [_by_score(encoder.tokenizer, text, ids, s) for text, ids, s in rows]
+
+
+def _by_score(tokenizer, text: str, ids: list[int], scores: list[float]) -> list[int]:
+    """Match each Chinese character of ``text`` to its token (one token per character, or
+    [UNK] for one outside the vocabulary, in order) and sort the positions by the token's score;
+    characters the window cut off come last."""
+    hanzi = [i for i, ch in enumerate(text) if is_hanzi(ch)]
+    score, k = {}, 0
+    for token, s in zip(tokenizer.convert_ids_to_tokens(ids), scores, strict=True):
+        if k == len(hanzi):
+            break
+        ch = text[hanzi[k]]
+        if token == ch or (token == tokenizer.unk_token and ch not in tokenizer.vocab):
+            score[hanzi[k]], k = s, k + 1
+    return sorted(hanzi, key=lambda i: -score.get(i, float("-inf")))

@@ -13,7 +13,7 @@ id) and ``word_pronunciation.json`` (token -> pronunciation id).
   wheel on PyPI ships ``wqy-microhei.ttc``; ``pip install`` is all a fresh machine needs),
   then PCA (scikit-learn) to ``shape_dim`` numbers. Shape id = vocabulary id; the vectors
   initialise ``RoCBertModel``'s shape embedding (``init_shape_embedding``), so look-alike
-  glyphs start near each other.
+  glyphs are near each other; the recipe keeps that table frozen (``RocbertSize.freeze_shape``).
 """
 
 from __future__ import annotations

@@ -55,7 +55,6 @@ def greedy_attack(
     seed: int = 0,
 ) -> GreedyResult:
     """``proba(texts)`` -> [len(texts), classes] probabilities (one query per text)."""
-    rng = random.Random(f"greedy\x00{seed}\x00{text}")
     pieces = list(text)
     positions = [i for i, ch in enumerate(text) if is_hanzi(ch)]
     base = proba([text])[0]
@@ -73,6 +72,9 @@ def greedy_attack(
     for i in order:
         if len(edits) >= limit or queries >= query_budget:
             break
+        # seeded by (text, position): every model meets the same substitutes at a position,
+        # whichever positions its own ranking visited first
+        rng = random.Random(f"greedy\x00{seed}\x00{text}\x00{i}")
         options = candidates(syn, text[i], rng)[: query_budget - queries]
         if not options:
             continue

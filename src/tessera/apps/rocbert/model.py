@@ -21,6 +21,9 @@ class RocbertSize:
     pronunciation_dim: int = 32
     use_pronunciation: bool = True  # ablations switch a view off (the plain BERT: both)
     use_shape: bool = True
+    # the glyph vectors stay as drawn: look-alikes keep near-equal shape inputs, instead of the
+    # shape rows training into a second, free per-character embedding (see docs/rocbert.md)
+    freeze_shape: bool = True
     dropout: float = 0.1
 
     def __post_init__(self) -> None:
@@ -64,6 +67,11 @@ def pretraining_model(features: Features, size: RocbertSize, seed: int = 0):
     torch.manual_seed(seed)
     model = RoCBertForPreTraining(rocbert_config(features, size))
     init_shape_embedding(model, features)
+    return _frozen_views(model, size)
+
+
+def _frozen_views(model, size: RocbertSize):
+    model.roc_bert.embeddings.shape_embed.weight.requires_grad_(not size.freeze_shape)
     return model
 
 
@@ -77,4 +85,4 @@ def classifier_from(state: dict[str, torch.Tensor], features: Features, size: Ro
     encoder = {k: v for k, v in state.items() if k.startswith("roc_bert.")}
     missing, unexpected = model.load_state_dict(encoder, strict=False)
     assert not unexpected and all(k.startswith("classifier.") for k in missing), (missing, unexpected)
-    return model
+    return _frozen_views(model, size)

