@@ -5,15 +5,15 @@ This file imports neither Tessera nor torch: `tessera bench stencil` runs it as 
     python stencil_devito.py SPEC.json RESULT.json
 
 SPEC: {"points": [[dz, dy, dx, weight, array-or-null], ...], "halo": h, "grid": [nz, ny, nx],
-"repeats": n, "steps": sweeps per timed apply, "check_dir": folder or null, "probe": null or
-{"lib": path, "arrays": k, "group": g, "run": r, "threads": t}}. With ``check_dir`` it first applies the operator
+"repeats": n, "steps": sweeps per timed apply, "check_dir": folder or null, "tessera": null or
+{"lib": path, "padded": [pz, py, px], "arrays": [names], "threads": t}}. With ``check_dir`` it first applies the operator
 to the small inputs there (u.npy with its halo, one .npy per coefficient array) and saves
 out.npy, so the caller can check that Devito computes the same sum. Then it times the full
 grid: opt='advanced' and autotuning='aggressive' (Devito's recommendation for performance;
 DEVITO_LANGUAGE=openmp and OMP_NUM_THREADS come from the caller's environment). With
-``probe``, every timed apply sits between two roofline probes: the caller's compiled
-``tk_arrays_seconds`` over ``arrays`` fresh grid-sized arrays (a sweep's ideal traffic at
-that moment; this VM's bandwidth moves within seconds).
+``tessera``, each timed apply alternates with one sweep of Tessera's compiled kernel for
+the same stencil (loaded by path, on arrays of its own layout): this VM's bandwidth moves
+within seconds, so only sweeps timed side by side compare the two.
 """
 
 from __future__ import annotations
@@ -70,23 +70,24 @@ def check(spec: dict, folder: Path) -> None:
     np.save(folder / "out.npy", np.asarray(u.data[1]))
 
 
-def _probe(spec: dict, points: int):
-    """The caller's same-traffic probe, or None."""
+def _tessera(spec: dict, shape):
+    """One sweep of the caller's compiled Tessera kernel on random arrays of its layout, or None."""
     import ctypes
 
-    cfg = spec.get("probe")
+    cfg = spec.get("tessera")
     if not cfg:
         return None
     lib = ctypes.CDLL(cfg["lib"])
-    fn = lib.tk_arrays_seconds
-    fn.restype = ctypes.c_double
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_long,
-                   ctypes.c_int]
-    rng = np.random.default_rng(2)
-    arrays = [rng.random(points, dtype=np.float32) for _ in range(cfg["arrays"])]
-    out = np.zeros(points, np.float32)
-    ptrs = (ctypes.c_void_p * len(arrays))(*(a.ctypes.data for a in arrays))
-    return lambda: fn(out.ctypes.data, ptrs, len(arrays), points, cfg["group"], cfg["run"], cfg["threads"])
+    lib.tk_init()
+    fn = lib.tk_run
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    rng = np.random.default_rng(3)
+    u = rng.standard_normal(tuple(cfg["padded"]), dtype=np.float32)
+    out = np.zeros_like(u)
+    coefs = [(0.5 + rng.random(shape, dtype=np.float32)) for _ in cfg["arrays"]]
+    ptrs = (ctypes.c_void_p * max(1, len(coefs)))(*(c.ctypes.data for c in coefs))
+    return lambda: fn(out.ctypes.data, u.ctypes.data, ptrs, cfg["threads"])
 
 
 def timed(spec: dict) -> dict:
@@ -99,17 +100,21 @@ def timed(spec: dict) -> dict:
     began = time.perf_counter()
     op.apply(time_m=0, time_M=steps - 1, autotune="aggressive")  # compiles, autotunes the blocks
     setup = time.perf_counter() - began
-    probe = _probe(spec, int(np.prod(shape)))
-    walls, kernels, probes = [], [], [probe()] if probe else []
+    ours = _tessera(spec, shape)
+    if ours:
+        ours()  # warm-up: first touch
+    walls, kernels, tessera = [], [], []
     for _ in range(spec["repeats"]):
+        if ours:
+            t0 = time.perf_counter()
+            ours()
+            tessera.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         summary = op.apply(time_m=0, time_M=steps - 1)
         walls.append((time.perf_counter() - t0) / steps)
         kernels.append(sum(entry.time for entry in summary.values()) / steps)
-        if probe:
-            probes.append(probe())
     return {"wall_seconds": walls, "kernel_seconds": kernels, "setup_seconds": setup, "steps": steps,
-            "probe_seconds": probes}
+            "tessera_seconds": tessera}
 
 
 def main(argv: list[str]) -> int:

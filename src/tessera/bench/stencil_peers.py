@@ -85,7 +85,7 @@ def ensure_devito(install: bool) -> str | None:
     return None if subprocess.run(probe, capture_output=True).returncode == 0 else "devito does not import"
 
 
-def _devito_spec(st, shape_name: str, grid, repeats: int, check_dir: str | None, probe: dict | None = None) -> dict:
+def _devito_spec(st, shape_name: str, grid, repeats: int, check_dir: str | None, tessera: dict | None = None) -> dict:
     from tessera.stencil.shapes import shape_weights
 
     weights = shape_weights(shape_name)
@@ -104,13 +104,13 @@ def _devito_spec(st, shape_name: str, grid, repeats: int, check_dir: str | None,
         "repeats": repeats,
         "steps": 4,
         "check_dir": check_dir,
-        "probe": probe,
+        "tessera": tessera,
     }
 
 
-def run_devito(st, shape_name: str, grid, threads: int, repeats: int, probe: dict | None = None) -> dict:
+def run_devito(st, shape_name: str, grid, threads: int, repeats: int, tessera: dict | None = None) -> dict:
     """Check Devito's answer on a small grid against the float64 reference, then time it
-    (with ``probe``, each timed apply between two roofline probes: ``stencil_devito.py``)."""
+    (with ``tessera``, alternating with sweeps of Tessera's kernel: ``stencil_devito.py``)."""
     from tessera.stencil import padded_shape, weight_arrays
     from tessera.stencil import reference as ref
 
@@ -130,7 +130,7 @@ def run_devito(st, shape_name: str, grid, threads: int, repeats: int, probe: dic
         for k, v in co.items():
             np.save(Path(tmp) / f"{k}.npy", v)
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec_path.write_text(json.dumps(_devito_spec(st, shape_name, grid, repeats, tmp, probe)))
+        spec_path.write_text(json.dumps(_devito_spec(st, shape_name, grid, repeats, tmp, tessera)))
         done = subprocess.run(
             [str(DEVITO_VENV / "bin" / "python"), str(WORKER), str(spec_path), str(result_path)],
             env=env,

@@ -114,16 +114,3 @@ def sandwiched(runs: dict, probe, rounds: int, scale: float = 1.0) -> dict[str, 
                       max(fractions[k]), roof)
         for k in runs
     }
-
-
-def devito_probe_spec(st, threads: int) -> dict:
-    """What the Devito worker needs to sandwich its applies between the same probes."""
-    from tessera.kernels.machine import probe_library
-
-    return {"lib": probe_library(), "arrays": len(st.arrays) + 1, "group": PROBE_GROUP, "run": PROBE_RUN,
-            "threads": threads}
-
-
-def sandwich_fractions(probes: list[float], times: list[float]) -> list[float]:
-    """Each time between probes[i] and probes[i + 1]: their mean over it."""
-    return [(a + b) / 2 / t for a, b, t in zip(probes[:-1], probes[1:], times, strict=False)]
