@@ -408,7 +408,7 @@ def plot_stencil(result: BenchResult, path: Path) -> None:
     ax1.set_yscale("log")
     ax1.set_xlabel("flops per ideal byte")
     ax1.set_ylabel("GFLOP/s")
-    ax1.set_title("roofline (measured DRAM bandwidth)")
+    ax1.set_title("roofline (ideal traffic timed on each case's buffers)")
     ax1.legend(fontsize=7)
     cases = list(dict.fromkeys(r["case"] for r in rows))
     width = 0.8 / max(1, len(methods))
