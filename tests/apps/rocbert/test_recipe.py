@@ -29,7 +29,10 @@ TINY = RocbertSize(
 
 
 def _tiny(**kw):
-    base = dict(size=TINY, batch_size=8, news_sentences=300, eval_size=32, pretrain_lr=3e-3, finetune_lr=3e-3)
+    # no warm-up (1 step: the full rate at once): the recipe's 30 would leave these 16-step runs at
+    # a fraction of the rate; the ramp has its own test
+    base = dict(size=TINY, batch_size=8, news_sentences=300, eval_size=32, pretrain_lr=3e-3, finetune_lr=3e-3,
+                warmup_steps=1)
     return RocbertRecipe(**{**base, **kw})
 
 
@@ -126,6 +129,22 @@ def test_dp2_matches_one_process(features):
         root,
     )[2]
     assert not torch.allclose(fresh["classifier.weight"], ref_state["classifier.weight"])
+
+
+def test_warmup_ramps_the_rate_linearly_then_holds():
+    """The LR the optimizer sees over the first steps: 1/4, 2/4, 3/4 of the rate, then all of it."""
+    from tessera.apps.rocbert.recipe import _warmup
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.4)
+    scheduler = _warmup(opt, 4)
+    seen = []
+    for _ in range(6):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert seen == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4, 0.4])
+    with pytest.raises(ValueError, match="warmup_steps must be a positive integer, got 0"):
+        RocbertRecipe(warmup_steps=0)
 
 
 def test_recipe_is_validated():

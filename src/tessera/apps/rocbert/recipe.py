@@ -49,6 +49,10 @@ class RocbertRecipe:
     )
     pretrain_lr: float = 1e-3
     finetune_lr: float = 1e-3
+    # linear LR warm-up over this many steps, in pretraining and in fine-tuning: without it one
+    # from-scratch fine-tuning run in the committed bench (no_pronunciation, seed 1) sat at
+    # chance loss for all 300 steps
+    warmup_steps: int = 30
     contrastive: bool = True
     attacked_copies: bool = True
     # where a fine-tuning copy's edits go: "salient" (the characters the loss's gradient says
@@ -101,13 +105,21 @@ def _optimizer(recipe: RocbertRecipe, model, lr: float) -> torch.optim.Optimizer
     return torch.optim.AdamW(trained, lr=lr)
 
 
+def _warmup(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """A linear warm-up over ``steps`` optimizer steps, then the constant rate (``boost``
+    drives the user's optimizer, so a scheduler built on it works)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / steps))
+
+
 def pretrain(recipe: RocbertRecipe, plan, mesh, features: Features):
     from tessera.train.boost import boost
 
     texts = corpus.news_sentences(recipe.news_sentences)
     encoder, syn = Encoder(features.tokenizer(), recipe.size.max_len), Synthesizer(features)
     model = pretraining_model(features, recipe.size, recipe.seed)
-    model, opt = boost(model, _optimizer(recipe, model, recipe.pretrain_lr), plan, mesh)
+    inner = _optimizer(recipe, model, recipe.pretrain_lr)
+    scheduler = _warmup(inner, recipe.warmup_steps)
+    model, opt = boost(model, inner, plan, mesh)
     log = []
     for step in range(recipe.pretrain_steps):
         g = step_generator(recipe.seed, step, stage=0)
@@ -116,6 +128,7 @@ def pretrain(recipe: RocbertRecipe, plan, mesh, features: Features):
             [texts[i] for i in rows], encoder, syn, g, recipe.seed * 1_000_003 + step, recipe.contrastive
         )
         stats = opt.train_step(batch, lambda m, mb: m(**mb).loss)
+        scheduler.step()
         log.append({"step": step + 1, "loss": stats["loss"]})
     return model, opt, log
 
@@ -131,7 +144,9 @@ def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: 
     train, _ = corpus.sentiment_split(seed=recipe.seed)
     encoder, syn = Encoder(features.tokenizer(), recipe.size.max_len), Synthesizer(features)
     model = classifier_from(pretrained, features, recipe.size, recipe.seed)
-    model, opt = boost(model, _optimizer(recipe, model, recipe.finetune_lr), plan, mesh)
+    inner = _optimizer(recipe, model, recipe.finetune_lr)
+    scheduler = _warmup(inner, recipe.warmup_steps)
+    model, opt = boost(model, inner, plan, mesh)
     log = []
     for step in range(recipe.finetune_steps):
         g = step_generator(recipe.seed, step, stage=1)
@@ -145,6 +160,7 @@ def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: 
             rows, encoder, syn, recipe.seed * 1_000_003 + step, recipe.attacked_copies, prefer
         )
         stats = opt.train_step(batch, _finetune_loss(recipe.consistency if recipe.attacked_copies else 0.0))
+        scheduler.step()
         log.append({"step": step + 1, "loss": stats["loss"]})
     return model, opt, log
 
