@@ -87,11 +87,11 @@ def _tessera(spec: dict, shape):
     out = np.zeros_like(u)
     coefs = [(0.5 + rng.random(shape, dtype=np.float32)) for _ in cfg["arrays"]]
     ptrs = (ctypes.c_void_p * max(1, len(coefs)))(*(c.ctypes.data for c in coefs))
-    keep = (u, out, coefs, ptrs)  # the pointers above are only valid while these live
 
-    def sweep(keep=keep) -> None:
-        fn(keep[1].ctypes.data, keep[0].ctypes.data, keep[3], cfg["threads"])
+    def sweep() -> None:
+        fn(out.ctypes.data, u.ctypes.data, ptrs, cfg["threads"])
 
+    sweep.arrays = coefs  # ptrs holds bare addresses: the arrays must live as long as the sweep
     return sweep
 
 

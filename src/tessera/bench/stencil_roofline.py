@@ -1,9 +1,9 @@
 """The memory roofline `tessera bench stencil` divides by: the sweep's ideal traffic timed on
 the sweep's own buffers, right before and right after each timed sweep.
 
-Why not one bandwidth figure per run: on this VM the memory bandwidth moves in time (a
-kernel's sweep takes 34 ms one second and 85 ms a few seconds later; probes range 30-76
-GB/s within minutes), and a fresh buffer's bandwidth also differs from one allocation to
+Why not one bandwidth figure per run: on this VM the memory bandwidth moves in time (in an
+exploratory run a kernel's sweep took 34 ms one second and 85 ms a few seconds later; the
+committed run's fresh-buffer probes range 32-67 GB/s), and a fresh buffer's bandwidth also differs from one allocation to
 the next. A figure taken at the start of the run, or on other memory, divides one moment's
 kernel by another moment's machine.
 
@@ -59,18 +59,12 @@ def ideal_bytes(st, points: int) -> int:
     return points * (read + write)
 
 
-def same_memory_probe(out, arrays, points: int, threads: int, repeat: int = 1):
-    """A function timing the ideal traffic over these buffers (``repeat`` passes, seconds
-    per pass): ``points`` floats read from each of ``arrays``, written to ``out``."""
+def same_memory_probe(out, arrays, points: int, threads: int):
+    """A function timing one pass of the ideal traffic over these buffers, in seconds:
+    ``points`` floats read from each of ``arrays``, written to ``out``."""
     from tessera.kernels.machine import arrays_stream_seconds
 
-    def probe() -> float:
-        return sum(
-            arrays_stream_seconds(out, arrays, points, threads, group=PROBE_GROUP, run=PROBE_RUN)
-            for _ in range(repeat)
-        ) / repeat
-
-    return probe
+    return lambda: arrays_stream_seconds(out, arrays, points, threads, group=PROBE_GROUP, run=PROBE_RUN)
 
 
 @dataclass(frozen=True)

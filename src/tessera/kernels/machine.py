@@ -248,10 +248,11 @@ PROBE_STREAMS = (8, 16)  # where the full sweep of stream counts peaks on this V
 
 
 def dram_probe(threads: int, *, seconds: float = 0.15, isa: str | None = None) -> tuple[float, float]:
-    """(read, write) DRAM bytes/s right now: the read as the best of ``PROBE_STREAMS`` arrays
-    at once over the same buffer as ``dram_streams_read_bandwidth``, in about a second. This
-    VM's bandwidth drifts by up to 2x within an hour while kernel times repeat, so a
-    benchmark takes a probe beside each kernel it times and divides by that."""
+    """(read, write) DRAM bytes/s right now on freshly allocated buffers: the read as the best
+    of ``PROBE_STREAMS`` arrays at once over the same buffer as
+    ``dram_streams_read_bandwidth``, in about a second. This VM's bandwidth drifts, so a
+    benchmark can log one beside its kernels to show the drift (a kernel's roofline is timed
+    on its own buffers instead: ``arrays_stream_seconds``)."""
     isa = isa or cpu_isas()[-1]
     total = dram_buffer_bytes(cache_sizes()[0])
     lib = _bench_lib(isa)

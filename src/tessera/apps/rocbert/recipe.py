@@ -106,9 +106,11 @@ def _optimizer(recipe: RocbertRecipe, model, lr: float) -> torch.optim.Optimizer
 
 
 def _warmup(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """A linear warm-up over ``steps`` optimizer steps, then the constant rate (``boost``
-    drives the user's optimizer, so a scheduler built on it works)."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / steps))
+    """The GPT-2 recipe's linear warm-up over ``steps`` optimizer steps, then the constant rate
+    (``boost`` drives the user's optimizer, so a scheduler built on it works)."""
+    from tessera.train.gpt2_text import warmup
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup(steps))
 
 
 def pretrain(recipe: RocbertRecipe, plan, mesh, features: Features):
@@ -147,6 +149,7 @@ def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: 
     inner = _optimizer(recipe, model, recipe.finetune_lr)
     scheduler = _warmup(inner, recipe.warmup_steps)
     model, opt = boost(model, inner, plan, mesh)
+    loss_fn = _finetune_loss(recipe.consistency if recipe.attacked_copies else 0.0)
     log = []
     for step in range(recipe.finetune_steps):
         g = step_generator(recipe.seed, step, stage=1)
@@ -159,7 +162,7 @@ def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: 
         batch = finetune_batch(
             rows, encoder, syn, recipe.seed * 1_000_003 + step, recipe.attacked_copies, prefer
         )
-        stats = opt.train_step(batch, _finetune_loss(recipe.consistency if recipe.attacked_copies else 0.0))
+        stats = opt.train_step(batch, loss_fn)
         scheduler.step()
         log.append({"step": step + 1, "loss": stats["loss"]})
     return model, opt, log

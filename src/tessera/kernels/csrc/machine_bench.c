@@ -168,6 +168,15 @@ static double stream(long bytes, int threads, double seconds, int write) {
 double tk_read_gbps(long bytes, int threads, double seconds) { return stream(bytes, threads, seconds, 0); }
 double tk_write_gbps(long bytes, int threads, double seconds) { return stream(bytes, threads, seconds, 1); }
 
+/* Lane 0 of the sum of 8 independent accumulators (what keeps a read loop's adds from being
+ * optimised away without a chain of dependent adds). */
+static float sum8(const vf *a) {
+    vf s = ADD(ADD(ADD(a[0], a[1]), ADD(a[2], a[3])), ADD(ADD(a[4], a[5]), ADD(a[6], a[7])));
+    float out[VL] __attribute__((aligned(64)));
+    STORE(out, s);
+    return out[0];
+}
+
 static float read_streams(float *const *bufs, int streams, long floats) {
     vf a[8];
     for (int j = 0; j < 8; ++j) a[j] = SET1(0);
@@ -175,10 +184,7 @@ static float read_streams(float *const *bufs, int streams, long floats) {
     for (long i = 0; i + 8 * VL <= floats; i += 8 * VL)
         for (int k = 0; k < streams; ++k)
             for (int j = 0; j < 8; ++j) a[j] = ADD(a[j], LOAD(bufs[k] + i + j * VL));
-    vf s = ADD(ADD(ADD(a[0], a[1]), ADD(a[2], a[3])), ADD(ADD(a[4], a[5]), ADD(a[6], a[7])));
-    float out[VL] __attribute__((aligned(64)));
-    STORE(out, s);
-    return out[0];
+    return sum8(a);
 }
 
 double tk_streams_read_gbps(long bytes, int threads, int streams, double seconds) {
@@ -225,9 +231,6 @@ double tk_streams_read_gbps(long bytes, int threads, int streams, double seconds
 /* The caller's own buffers (numpy's: any alignment), so the figure carries their pages'
  * placement: on this VM a fresh buffer's bandwidth varies by 2x from one allocation to the
  * next while a kernel over the same arrays repeats. */
-#ifndef RUN
-#define RUN 1024
-#endif
 double tk_arrays_seconds(float *out, const float *const *arrays, int n, long count, int group, long run, int threads) {
     double t0 = now();
 #pragma omp parallel num_threads(threads)
@@ -241,7 +244,7 @@ double tk_arrays_seconds(float *out, const float *const *arrays, int n, long cou
         for (int g = 0; g < n; g += group) {
             int end = g + group < n ? g + group : n;
             long i = lo;
-            /* a run of RUN floats of each array in turn, as a stencil reads a row of each */
+            /* `run` floats of each array in turn, as a stencil reads a row of each */
             for (; i + run <= hi; i += run)
                 for (int k = g; k < end; ++k)
                     for (long r = i; r < i + run; r += 8 * VL)
@@ -253,11 +256,9 @@ double tk_arrays_seconds(float *out, const float *const *arrays, int n, long cou
         long i = lo;
         for (; i + VL <= hi; i += VL) STOREU(out + i, x);
         for (; i < hi; ++i) out[i] = tail;
-        vf s = ADD(ADD(ADD(a[0], a[1]), ADD(a[2], a[3])), ADD(ADD(a[4], a[5]), ADD(a[6], a[7])));
-        float r[VL] __attribute__((aligned(64)));
-        STORE(r, s);
+        float r = sum8(a);
 #pragma omp atomic
-        tk_sink += r[0];
+        tk_sink += r;
     }
     return now() - t0;
 }
