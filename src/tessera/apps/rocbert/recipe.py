@@ -43,7 +43,9 @@ EVAL_ATTACK_SEED = 999_983  # no training step draws it (training seeds are seed
 class RocbertRecipe:
     size: RocbertSize = RocbertSize()
     pretrain_steps: int = 300
-    finetune_steps: int = 300
+    # 0.9 of an epoch of the 31.6k training reviews: at 300 (a third) the attacked copies' extra
+    # work still cost clean accuracy against a plain model (see docs/rocbert.md)
+    finetune_steps: int = 900
     batch_size: int = (
         32  # sentences / reviews per global batch (fine-tuning adds each review's attacked copy)
     )
