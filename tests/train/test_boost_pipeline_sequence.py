@@ -74,17 +74,17 @@ def _optimizer(model, kind: str):
 def reference(family, layers, kind, max_norm=None, precision="fp32"):
     model = _model(family, layers)
     opt = _optimizer(model, kind)
-    losses = []
+    losses, norms = [], []
     for batch in _batches(family):
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = _loss(family)(model, batch)
         loss.backward()
         if max_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         opt.step()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _stage_params(opt) -> list:
@@ -100,7 +100,8 @@ def _worker(cases):
     for family, layers, kind, plan_kwargs in cases:
         model = _model(family, layers)
         model, opt = tessera.boost(model, _optimizer(model, kind), tessera.Plan(**plan_kwargs))
-        losses = [opt.train_step(batch, _loss(family))["loss"] for batch in _batches(family)]
+        stats = [opt.train_step(batch, _loss(family)) for batch in _batches(family)]
+        losses, norms = [s["loss"] for s in stats], [s["grad_norm"] for s in stats]
         held = {}
         stepped = {id(p) for p in _stage_params(opt)}
         for name, p in model.named_parameters():
@@ -113,7 +114,7 @@ def _worker(cases):
 
             state = full_state_dict(model, opt)
             held = {n: state[n] for n, _ in model.named_parameters()}
-        out.append((losses, held))
+        out.append((losses, norms, held))
     return out
 
 
@@ -121,11 +122,11 @@ def _check(cases, results):
     for i, (family, layers, kind, plan_kwargs) in enumerate(cases):
         bf16 = plan_kwargs.get("precision") == "bf16"
         rtol, atol = (2e-2, 2e-3) if bf16 else (1e-4, 1e-5)
-        ref_losses, ref_params = reference(
+        ref_losses, ref_norms, ref_params = reference(
             family, layers, kind, plan_kwargs.get("max_grad_norm"), plan_kwargs.get("precision", "fp32")
         )
         covered = set()
-        for losses, held in (r[i] for r in results):
+        for losses, norms, held in (r[i] for r in results):
             torch.testing.assert_close(
                 torch.tensor(losses),
                 torch.tensor(ref_losses),
@@ -133,6 +134,14 @@ def _check(cases, results):
                 atol=0,
                 msg=lambda m, said=f"{plan_kwargs}: {losses} vs {ref_losses}": f"{said}\n{m}",
             )
+            if ref_norms:  # the global norm every rank reports: each gradient once, over all ranks
+                torch.testing.assert_close(
+                    torch.tensor(norms, dtype=torch.float64),
+                    torch.tensor(ref_norms, dtype=torch.float64),
+                    rtol=1e-5 if not bf16 else 2e-2,  # the same gradients, summed in another order
+                    atol=0,
+                    msg=lambda m, said=f"{plan_kwargs}: norms {norms} vs {ref_norms}": f"{said}\n{m}",
+                )
             for name, value in held.items():
                 torch.testing.assert_close(
                     value,

@@ -209,10 +209,7 @@ class PipelinedOptimizer:
         """The global gradient norm over every stage (a tied weight once), and the clip."""
         if self.plan.max_grad_norm is None:
             return None
-        grads = self._counted_grads()
-        squares = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
-        for g in grads:
-            squares += _full(g).double().pow(2).sum()
+        squares = self._squares(self._counted_grads())
         self.mesh.comm.all_reduce(squares, "pp")
         norm = float(squares.sqrt())
         coef = self.plan.max_grad_norm / (norm + 1e-6)
@@ -222,6 +219,24 @@ class PipelinedOptimizer:
             }.values():
                 g.mul_(coef)
         return norm
+
+    def _squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """This stage's summed squared gradients: a tp shard's local squares, summed over tp in
+        one all-reduce (not a gather of each DTensor gradient whole), plus each replicated
+        tensor once (every tp rank holds the same copy)."""
+        sharded = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
+        whole = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
+        for g in grads:
+            placements = getattr(g, "placements", ())
+            if any(pl.is_partial() for pl in placements):  # a pending sum: only the whole is right
+                whole += g.full_tensor().double().pow(2).sum()
+            elif any(pl.is_shard() for pl in placements):
+                sharded += g.to_local().double().pow(2).sum()
+            else:
+                whole += _local(g).double().pow(2).sum()
+        if "tp" in self.mesh.axes and self.mesh.size("tp") > 1:
+            self.mesh.comm.all_reduce(sharded, "tp")
+        return sharded + whole
 
     def _counted_grads(self) -> list[torch.Tensor]:
         """Each parameter's gradient once over the pipeline: the tied head on the last stage
@@ -236,10 +251,6 @@ class PipelinedOptimizer:
             if p.grad is not None and id(p) != tied_head:
                 seen[id(p)] = p.grad
         return list(seen.values())
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _release(model: nn.Module, kept: set[int]) -> None:
@@ -263,7 +274,8 @@ class _SliceLoss:
         )
         count = (labels != -100).sum().to(torch.float64).reshape(1)
         self.mesh.comm.all_reduce(count, "sp")
-        return total / float(count)
+        # divided as a tensor: no host read of the count (on a GPU, a sync per micro-batch)
+        return total / count.to(total.dtype).squeeze(0)
 
 
 class StageEngine:
