@@ -53,3 +53,37 @@ def test_rank_that_dies_without_raising_is_reported():
 def test_timeout_names_the_ranks_still_running():
     with pytest.raises(TimeoutError, match=r"ranks still running: \[0, 1\]"):
         spawn(_sleeps, 2, timeout_s=8)
+
+
+TQDM_SCRIPT = """
+from tessera.runtime import spawn
+
+
+def bars():
+    from tqdm import tqdm
+
+    for _ in tqdm(range(3)):  # tqdm makes a process lock: a semaphore the rank must release
+        pass
+    return 1
+
+
+if __name__ == "__main__":
+    print(spawn(bars, 2))
+"""
+
+
+def test_ranks_that_reported_shut_down_cleanly(tmp_path):
+    """Ranks that returned are let to finish their own shutdown: terminating them there left
+    tqdm's lock to the resource tracker, which warned of leaked semaphores after `make demo`."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "bars.py"
+    script.write_text(TQDM_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("[1, 1]")
+    assert "leaked semaphore" not in done.stderr, done.stderr

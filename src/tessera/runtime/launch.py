@@ -94,7 +94,11 @@ def spawn(
         p.start()
         procs.append(p)
     try:
-        return _collect(procs, results, timeout_s)
+        values = _collect(procs, results, timeout_s)
+        # every rank reported: let each finish its own shutdown (one terminated there leaves
+        # what it created, e.g. tqdm's process lock, to the resource tracker's leak warning)
+        _join(procs, EXIT_GRACE_S)
+        return values
     finally:
         _end_all(procs)
         results.close()
@@ -149,6 +153,15 @@ def _check_dead(procs: list, values: dict[int, Any], errors: dict) -> None:
     for rank, p in enumerate(procs):
         if rank not in values and rank not in errors and p.exitcode not in (None, 0):
             raise RankError(rank, f"process exited with code {p.exitcode} without a result")
+
+
+EXIT_GRACE_S = 10.0
+
+
+def _join(procs: list, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _end_all(procs: list) -> None:
