@@ -81,7 +81,10 @@ def test_ranks_that_reported_shut_down_cleanly(tmp_path):
     script = tmp_path / "bars.py"
     script.write_text(TQDM_SCRIPT)
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 0, done.stderr
