@@ -28,6 +28,7 @@ import numpy as np
 from tessera.bench.harness import BenchResult
 from tessera.bench.stencil_peers import ensure_devito, numpy_stencil, run_devito, timed, torch_conv3d
 from tessera.bench.stencil_roofline import (
+    PROBE_GROUP,
     BandwidthLog,
     ideal_bytes,
     same_memory_probe,
@@ -324,7 +325,7 @@ def _notes(plan: StencilPlan, sweep: dict, log: BandwidthLog, devito_note: str, 
         " opt='advanced', autotuning='aggressive'); numpy is single-threaded.",
         f"grid {plan.grid}^3 interior, float32; variable = one coefficient array per offset; roofline = the ideal "
         "traffic (each coefficient array and the field read once, the output written once) timed on the case's own "
-        "buffers (plain vector loads, 16 arrays at a time, and stores) right before and after each timed sweep: "
+        f"buffers (plain vector loads, {PROBE_GROUP} arrays at a time, and stores) right before and after each timed sweep: "
         "this VM's bandwidth moves within seconds, so a sweep is only compared with the machine of its moment.",
         f"Tessera rows: {plan.rounds} sweeps of each kernel compared (best undecomposed and best decomposed, "
         "interleaved), each between two probes; roofline_fraction is the median over sweeps of (mean of its two "
