@@ -68,16 +68,16 @@ class RobustBenchPlan:
 # 100, 0.74 at 300 (seed 0). An earlier run at 10 steps measured masked-LM pretraining only.
 # 120 greedy texts (60 before): about 95 correctly classified per seed, so one flip moves the
 # success rate by ~1 point, not 2.
-# 900 fine-tuning steps (0.9 of an epoch of 32 reviews; 300 before): at 300 every system was
-# still underfit and the copies' extra work cost rocbert clean accuracy (76.6 vs plain 79.7 in
-# the run committed at 040db6a); at 900 both reach ~82 (a rocbert + plain_bert probe, 3 seeds).
-# The whole held-out tenth (3,513 reviews, 600 before): a seed's clean accuracy then moves by
-# ~0.7 points of sampling noise, not ~1.7, against an aim of "within 1 point".
+# 900 fine-tuning steps of 32 reviews (300 before; 1.8 epochs of the 15,626 distinct training
+# reviews): at 300 every system was still underfit and the copies' extra work cost rocbert
+# clean accuracy (76.6 vs plain 79.7 in the run committed at 040db6a).
+# The whole held-out tenth of the distinct reviews (1,737; 600 before; a seed's clean accuracy
+# then has ~1 point of sampling noise, not ~1.7).
 FULL = RobustBenchPlan(
     pretrain_steps=80,
     finetune_steps=900,
     seeds=(0, 1, 2),
-    eval_size=3513,
+    eval_size=1737,
     greedy_size=120,
     query_budget=100,
     workers=2,

@@ -43,8 +43,8 @@ EVAL_ATTACK_SEED = 999_983  # no training step draws it (training seeds are seed
 class RocbertRecipe:
     size: RocbertSize = RocbertSize()
     pretrain_steps: int = 300
-    # 0.9 of an epoch of the 31.6k training reviews: at 300 (a third) the attacked copies' extra
-    # work still cost clean accuracy against a plain model (see docs/rocbert.md)
+    # 1.8 epochs of the 15,626 distinct training reviews: at 300 steps the attacked copies'
+    # extra work still cost clean accuracy against a plain model (see docs/rocbert.md)
     finetune_steps: int = 900
     batch_size: int = (
         32  # sentences / reviews per global batch (fine-tuning adds each review's attacked copy)
@@ -86,13 +86,15 @@ class RocbertRecipe:
 
 
 def recipe_features(out_dir: str | Path, *, min_count: int = 2, shape_dim: int = 32) -> Features:
-    """The recipe's feature set in ``out_dir`` (built once: corpus characters seen twice, plus
-    GB2312 level 1, so homophones and look-alikes an attacker picks are in the vocabulary)."""
+    """The recipe's feature set in ``out_dir`` (built once): the characters seen twice in the
+    news text and in every review (their text only, never a label, and the same vocabulary
+    for every seed's split), plus GB2312 level 1, so the homophones and look-alikes an
+    attacker picks are in the vocabulary."""
     root = Path(out_dir)
     if (root / "glyphs.npy").exists():
         return load_features(root)
-    train, _ = corpus.sentiment_split()
-    chars = corpus_chars(corpus.news_sentences() + [t for t, _ in train], min_count) + gb2312_level1()
+    texts = corpus.news_sentences() + [t for t, _ in corpus.reviews()]
+    chars = corpus_chars(texts, min_count) + gb2312_level1()
     return build_features(chars, root, shape_dim=shape_dim)
 
 
