@@ -85,7 +85,9 @@ def boost_paths(plans: dict) -> dict:
     from tessera.train.export import full_state_dict
 
     out = {}
-    tokens = torch.randint(0, 128, (8, 12), generator=torch.Generator().manual_seed(0)).to(device())
+    # on the CPU, as the recipes build their batches: train_step moves each rank's share to the
+    # mesh's device (a CPU batch handed to a CUDA model would crash)
+    tokens = torch.randint(0, 128, (8, 12), generator=torch.Generator().manual_seed(0))
 
     def loss_fn(model, batch):
         logits = model(input_ids=batch).logits
@@ -97,7 +99,7 @@ def boost_paths(plans: dict) -> dict:
         for _ in range(2):
             opt.zero_grad()
             with torch.autocast(device().type, torch.bfloat16, enabled=precision == "bf16"):
-                loss = loss_fn(model, tokens)
+                loss = loss_fn(model, tokens.to(device()))
             loss.backward()
             opt.step()
         return model.state_dict()

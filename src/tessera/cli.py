@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", required=True, help="recipe name (digits-dit, gpt2-text, rocbert-sentiment)")
     p.add_argument("--nproc", type=_positive_int, default=1, help="local processes (ranks)")
     p.add_argument("--out", default="runs/digits-dit", help="checkpoint folder")
-    p.add_argument("--steps", type=_positive_int, help="total optimizer steps")
+    p.add_argument("--steps", type=_positive_int, help="total optimizer steps (rocbert-sentiment: each stage's)")
     p.add_argument("--batch-size", type=_positive_int, help="global batch size")
     p.add_argument("--seed", type=int)
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")

@@ -126,7 +126,8 @@ class PipelinedOptimizer:
                     f"micro-batches; use a batch size that is a multiple of {dp * m}"
                 )
             n = t.shape[0] // dp
-            return t[rank * n : (rank + 1) * n]
+            # on the mesh's device: recipes build batches on the CPU (a no-op there)
+            return t[rank * n : (rank + 1) * n].to(self.mesh.device)
 
         return torch.utils._pytree.tree_map(take, batch)
 

@@ -1,6 +1,8 @@
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tessera.bench.harness import write_results
 from tessera.bench.robust import RobustBenchPlan, plot_robust, run_robust_bench
@@ -34,3 +36,47 @@ def test_bench_robust_writes_its_tables(features, tmp_path):
     paths = write_results(result, tmp_path, plot_robust)
     assert json.loads(paths[0].read_text())["headline"] == result.headline
     assert "Mean and spread over seeds" in paths[1].read_text() and paths[2].stat().st_size > 0
+
+
+class KeywordModel(torch.nn.Module):
+    """Says positive exactly when the text holds 好: a model whose every answer is known."""
+
+    def __init__(self, good_id: int):
+        super().__init__()
+        self.good_id, self.anchor = good_id, torch.nn.Parameter(torch.zeros(()))  # a device to read
+
+    def forward(self, input_ids, **_):
+        has = (input_ids == self.good_id).any(-1).float()
+        return SimpleNamespace(logits=torch.stack([1 - has, has], -1) * 4.0 + self.anchor)
+
+
+def test_accuracies_and_success_rates_of_a_known_model(features):
+    """evaluate() and greedy_metrics against what the keyword model must score, counted here
+    from the texts themselves; the greedy attack must flip some of its right answers (deleting
+    or replacing 好 does) and counts no already-wrong text as a flip."""
+    from tessera.apps.rocbert import corpus
+    from tessera.apps.rocbert.attacks import Synthesizer
+    from tessera.apps.rocbert.batches import Encoder
+    from tessera.apps.rocbert.recipe import EVAL_ATTACK_SEED, RocbertRecipe, evaluate
+    from tessera.bench.robust import greedy_metrics
+
+    recipe = RocbertRecipe(eval_size=200)
+    encoder, syn = Encoder(features.tokenizer(), recipe.size.max_len), Synthesizer(features)
+    good = features.tokenizer().vocab["好"]
+    model = KeywordModel(good)
+    _, test = corpus.sentiment_split(seed=0)
+    clips = [(encoder.clip(t), y) for t, y in test[:200]]
+    says = lambda text: int(good in encoder([text])["input_ids"][0])  # noqa: E731 (after truncation)
+    right = [says(t) == y for t, y in clips]
+    attacked = [says(syn.attack(t, seed=EVAL_ATTACK_SEED)[0]) == y for t, y in clips]
+    out = evaluate(model, features, recipe)
+    assert out["clean_accuracy"] == pytest.approx(sum(right) / 200)
+    assert out["attacked_accuracy"] == pytest.approx(sum(attacked) / 200)
+    turned = sum(r and not a for r, a in zip(right, attacked, strict=True))
+    assert out["attack_success_rate"] == pytest.approx(turned / sum(right))
+
+    greedy = greedy_metrics(model, features, encoder, recipe, size=40, budget=60)
+    rows = [(encoder.clip(t), y) for t, y in test if len(t) >= 6][:40]
+    clean_right = sum(says(t) == y for t, y in rows)
+    flipped = round(greedy["greedy_success_rate"] * clean_right)
+    assert flipped > 0 and greedy["greedy_accuracy"] == pytest.approx((clean_right - flipped) / 40)

@@ -15,12 +15,14 @@ off by the world size (a sum-for-average bug) moves the weights 2x as far. Param
 import dataclasses
 import json
 import math
+import random
+import statistics
 
 import pytest
 import torch
 
 import tessera
-from tessera.apps.rocbert.model import RocbertSize
+from tessera.apps.rocbert.model import RocbertSize, pretraining_model
 from tessera.apps.rocbert.recipe import RocbertRecipe, finetune, pretrain, train_rank
 from tessera.runtime import Mesh, spawn
 
@@ -172,7 +174,47 @@ def test_cli_train_and_attack(tmp_path, capsys):
     shown = capsys.readouterr().out.splitlines()
     assert shown[0] == "这个手机很好用，推荐" and shown[1].startswith("  model: ")
     assert len(shown) == 5 and "greedy (" in shown[-1]
-    assert (
-        main(["train", "--recipe", "rocbert-sentiment", "--out", str(out), "--tp", "2", "--nproc", "2"]) == 2
-    )
-    assert "--tp, --resume" in capsys.readouterr().err
+    argv = ["train", "--recipe", "rocbert-sentiment", "--out", str(out), "--tp", "2", "--pp", "2", "--nproc", "4"]
+    assert main(argv) == 2
+    assert "it does not take --tp, --pp" in capsys.readouterr().err
+
+
+def test_fine_tuning_refuses_a_batch_that_splits_a_pair(features):
+    recipe = _tiny(batch_size=3)
+    state = pretraining_model(features, TINY).state_dict()
+    with pytest.raises(ValueError, match=r"batch_size=3 does not split into dp=1 x grad_accum=2 shares"):
+        finetune(recipe, tessera.Plan(dp=1, grad_accum=2), Mesh(dp=1), features, state)
+
+
+KEYS = "这个手机很用我觉得东西质量服务态度推荐妈妈明天"
+
+
+def _keyword_reviews(n: int, seed: int) -> list[tuple[str, int]]:
+    """Reviews whose label is which of 好 / 差 they hold (a task a tiny model can learn)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        label = rng.randrange(2)
+        chars = [rng.choice(KEYS) for _ in range(9)]
+        chars.insert(rng.randrange(10), "好" if label else "差")
+        rows.append(("".join(chars), label))
+    return rows
+
+
+def test_fine_tuning_learns_a_task_it_can(features, monkeypatch):
+    """The fine-tuning stage as the recipe runs it (attacked copies, consistency term, AdamW,
+    warm-up) on reviews whose sentiment is one character: the loss falls well below ln 2 and
+    held-out accuracy is high, so the stage does learn when there is something to learn."""
+    from tessera.apps.rocbert import corpus
+    from tessera.apps.rocbert import recipe as recipe_module
+
+    split = (_keyword_reviews(400, 0), _keyword_reviews(64, 1))
+    monkeypatch.setattr(corpus, "sentiment_split", lambda seed=0, test_fraction=0.1: split)
+    recipe = _tiny(finetune_steps=60, finetune_lr=1e-2, warmup_steps=5, eval_size=64)
+    feats = features
+    state = pretraining_model(feats, TINY).state_dict()
+    model, _, log = finetune(recipe, tessera.Plan(dp=1, max_grad_norm=1.0), Mesh(dp=1), feats, state)
+    losses = [e["loss"] for e in log]
+    # the median: an attacked copy that lost its one telling character is a noisy row
+    assert statistics.median(losses[-10:]) < 0.35 < 0.6 < statistics.median(losses[:5]), losses
+    assert recipe_module.evaluate(model, feats, recipe)["clean_accuracy"] > 0.9

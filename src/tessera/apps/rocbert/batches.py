@@ -107,7 +107,8 @@ def salient_positions(model, encoder: Encoder, texts: list[str], labels: list[in
     classification loss's gradient at each character's word embedding, in eval mode (no
     dropout, so every rank gets the same order). The defender may read its own gradients; the
     attack the model meets later stays black-box. Parameter gradients are not touched."""
-    enc = encoder(texts)
+    device = next(model.parameters()).device
+    enc = {k: v.to(device) for k, v in encoder(texts).items()}
     was_training = model.training
     model.eval()
     try:
@@ -118,7 +119,7 @@ def salient_positions(model, encoder: Encoder, texts: list[str], labels: list[in
                 input_shape_ids=enc["input_shape_ids"],
                 input_pronunciation_ids=enc["input_pronunciation_ids"],
                 attention_mask=enc["attention_mask"],
-                labels=torch.tensor(labels),
+                labels=torch.tensor(labels, device=device),
             ).loss
             (grad,) = torch.autograd.grad(loss, words)
     finally:

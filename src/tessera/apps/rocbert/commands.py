@@ -18,11 +18,23 @@ def train_command(args: argparse.Namespace) -> str:
     from tessera.apps.rocbert.recipe import RECIPE_NAME, RocbertRecipe, recipe_features, train_rank
     from tessera.runtime import spawn
 
-    if args.tp != 1 or args.resume or args.activation_checkpointing or args.block_chunks:
+    unused = [
+        flag
+        for flag, given in (
+            ("--tp", args.tp != 1),
+            ("--pp", getattr(args, "pp", 1) != 1),
+            ("--sp", getattr(args, "sp", 1) != 1),
+            ("--microbatches", getattr(args, "microbatches", None) is not None),
+            ("--resume", args.resume),
+            ("--activation-checkpointing", args.activation_checkpointing),
+            ("--block-chunks", args.block_chunks),
+        )
+        if given
+    ]
+    if unused:
         raise ValueError(
             f"recipe {RECIPE_NAME} trains data parallel (--nproc/--dp, --zero, --grad-accum, --precision, "
-            "--max-grad-norm) from scratch in minutes; --tp, --resume, --activation-checkpointing and "
-            "--block-chunks do not apply"
+            f"--max-grad-norm) from scratch in minutes; it does not take {', '.join(unused)}"
         )
     plan = tessera.Plan(
         dp=args.dp or args.nproc,
@@ -49,7 +61,7 @@ def train_command(args: argparse.Namespace) -> str:
         raise ValueError(f"{out} already holds a trained model; choose another --out")
     began = time.perf_counter()
     features = recipe_features(out / "features")  # built once, before the ranks start
-    call = (recipe, plan, str(out), str(features.root))
+    call = (recipe, plan, str(out), str(features.root), True)
     summary = (
         train_rank(*call)
         if args.nproc == 1
@@ -84,10 +96,13 @@ def load_model(folder: str | Path):
 def proba_fn(model, encoder):
     import torch
 
+    device = next(model.parameters()).device
+
     @torch.no_grad()
     def proba(texts: list[str]) -> torch.Tensor:
+        chunks = (encoder(texts[i : i + 128]) for i in range(0, len(texts), 128))
         return torch.cat(
-            [model(**encoder(texts[i : i + 128])).logits.softmax(-1) for i in range(0, len(texts), 128)]
+            [model(**{k: v.to(device) for k, v in enc.items()}).logits.softmax(-1).cpu() for enc in chunks]
         )
 
     return proba

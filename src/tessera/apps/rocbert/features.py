@@ -46,9 +46,21 @@ def is_hanzi(ch: str) -> bool:
     return len(ch) == 1 and "\u4e00" <= ch <= "\u9fff"
 
 
+def need(module: str, what: str):
+    """``module`` imported, or a one-line error saying which package gives ``what``."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError:
+        package = module.replace("_", "-")
+        raise ValueError(f"no {what}: pip install {package} (or 'tessera[rocbert]')") from None
+
+
 def toneless_pinyin(ch: str) -> str | None:
     """The toneless pinyin of one Chinese character ('好' -> 'hao'); None for anything else."""
-    from pypinyin import Style, lazy_pinyin
+    pypinyin = need("pypinyin", "pinyin")
+    Style, lazy_pinyin = pypinyin.Style, pypinyin.lazy_pinyin
 
     if not is_hanzi(ch):
         return None

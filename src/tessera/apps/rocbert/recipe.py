@@ -117,7 +117,18 @@ def _warmup(optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_sche
     return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup(steps))
 
 
-def pretrain(recipe: RocbertRecipe, plan, mesh, features: Features):
+def _bar(recipe: RocbertRecipe, total: int, desc: str, progress: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(range(total), desc=desc, disable=not (progress and _rank0()))
+
+
+def _show(bar, recipe: RocbertRecipe, step: int, loss: float) -> None:
+    if (step + 1) % recipe.log_every == 0:
+        bar.set_postfix(loss=f"{loss:.4f}")
+
+
+def pretrain(recipe: RocbertRecipe, plan, mesh, features: Features, *, progress: bool = False):
     from tessera.train.boost import boost
 
     texts = corpus.news_sentences(recipe.news_sentences)
@@ -127,7 +138,8 @@ def pretrain(recipe: RocbertRecipe, plan, mesh, features: Features):
     scheduler = _warmup(inner, recipe.warmup_steps)
     model, opt = boost(model, inner, plan, mesh)
     log = []
-    for step in range(recipe.pretrain_steps):
+    bar = _bar(recipe, recipe.pretrain_steps, f"pretrain {RECIPE_NAME}", progress)
+    for step in bar:
         g = step_generator(recipe.seed, step, stage=0)
         rows = torch.randint(0, len(texts), (recipe.batch_size,), generator=g).tolist()
         batch = pretrain_batch(
@@ -136,16 +148,23 @@ def pretrain(recipe: RocbertRecipe, plan, mesh, features: Features):
         stats = opt.train_step(batch, lambda m, mb: m(**mb).loss)
         scheduler.step()
         log.append({"step": step + 1, "loss": stats["loss"]})
+        _show(bar, recipe, step, stats["loss"])
     return model, opt, log
 
 
-def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: dict):
+def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: dict, *, progress: bool = False):
     from tessera.train.boost import boost
 
     if recipe.attacked_copies and recipe.copy_positions == "salient" and plan.zero == 3:
         raise ValueError(
             "copy_positions='salient' reads the model's gradients between steps, which Plan(zero=3) "
             "keeps sharded: use zero <= 2 or copy_positions='random'"
+        )
+    shares = plan.dp * plan.grad_accum
+    if recipe.attacked_copies and recipe.batch_size % shares:
+        raise ValueError(
+            f"RocbertRecipe.batch_size={recipe.batch_size} does not split into dp={plan.dp} x "
+            f"grad_accum={plan.grad_accum} shares of whole (review, attacked copy) pairs: use a multiple of {shares}"
         )
     train, _ = corpus.sentiment_split(seed=recipe.seed)
     encoder, syn = Encoder(features.tokenizer(), recipe.size.max_len), Synthesizer(features)
@@ -155,7 +174,8 @@ def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: 
     model, opt = boost(model, inner, plan, mesh)
     loss_fn = _finetune_loss(recipe.consistency if recipe.attacked_copies else 0.0)
     log = []
-    for step in range(recipe.finetune_steps):
+    bar = _bar(recipe, recipe.finetune_steps, f"fine-tune {RECIPE_NAME}", progress)
+    for step in bar:
         g = step_generator(recipe.seed, step, stage=1)
         # the same reviews with or without copies, so a plain model sees the same data and steps
         rows = [train[i] for i in torch.randint(0, len(train), (recipe.batch_size,), generator=g).tolist()]
@@ -169,6 +189,7 @@ def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: 
         stats = opt.train_step(batch, loss_fn)
         scheduler.step()
         log.append({"step": step + 1, "loss": stats["loss"]})
+        _show(bar, recipe, step, stats["loss"])
     return model, opt, log
 
 
@@ -223,18 +244,19 @@ def evaluate(model, features: Features, recipe: RocbertRecipe) -> dict:
     }
 
 
-def train_rank(recipe: RocbertRecipe, plan, out: str | None, features_dir: str) -> dict:
-    """One rank of a run (called directly, under spawn or under torchrun)."""
+def train_rank(recipe: RocbertRecipe, plan, out: str | None, features_dir: str, progress: bool = False) -> dict:
+    """One rank of a run (called directly, under spawn or under torchrun); ``progress``: rank 0
+    shows a bar per stage (the loss every ``log_every`` steps)."""
     from tessera.runtime import Mesh
     from tessera.train.export import full_state_dict, save_hf
 
     mesh = Mesh(dp=plan.dp, tp=plan.tp)
     features = load_features(features_dir)
     began = time.perf_counter()
-    model, opt, pre_log = pretrain(recipe, plan, mesh, features)
+    model, opt, pre_log = pretrain(recipe, plan, mesh, features, progress=progress)
     pretrained = full_state_dict(model, opt)
     pretrain_s = time.perf_counter() - began
-    model, opt, fine_log = finetune(recipe, plan, mesh, features, pretrained)
+    model, opt, fine_log = finetune(recipe, plan, mesh, features, pretrained, progress=progress)
     summary = {
         "pretrain_seconds": pretrain_s,
         "finetune_seconds": time.perf_counter() - began - pretrain_s,
