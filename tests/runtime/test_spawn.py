@@ -90,3 +90,27 @@ def test_ranks_that_reported_shut_down_cleanly(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("[1, 1]")
     assert "leaked semaphore" not in done.stderr, done.stderr
+
+
+class _FlushesOnCollection:
+    """A writer that saves what it holds when it is collected (as a buffered log does)."""
+
+    def __init__(self, path: str):
+        self.path, self.held, self.me = path, "held by a rank's unfinished writer\n", self
+
+    def __del__(self):
+        with open(self.path, "w") as f:
+            f.write(self.held)
+
+
+def _leaves_a_writer_behind(path: str) -> int:
+    _FlushesOnCollection(path)  # refers to itself: only a garbage collection finalizes it
+    return 0
+
+
+def test_a_writer_a_rank_left_behind_is_finalized(tmp_path):
+    """Ranks skip the interpreter's teardown, which would collect garbage and run finalizers:
+    the rank collects first, so a finalizer that saves data still runs."""
+    path = tmp_path / "left_behind.txt"
+    assert spawn(_leaves_a_writer_behind, 1, str(path)) == [0]
+    assert path.read_text() == "held by a rank's unfinished writer\n"

@@ -211,10 +211,15 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, results: mp
 
 def _quick_exit() -> None:
     """Leave as multiprocessing's own exit does (its finalizers release the semaphores this
-    rank made, e.g. tqdm's lock), without the interpreter's teardown of torch (~0.8 s a rank)."""
+    rank made, e.g. tqdm's lock), without the interpreter's teardown of torch (~0.8 s a rank),
+    as a forked multiprocessing child always leaves. A garbage collection first, as the
+    teardown would run, so finalizers of what the rank left behind (a writer that saves on
+    collection) still run."""
+    import gc
     import multiprocessing.util
     import sys
 
+    gc.collect()
     multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
