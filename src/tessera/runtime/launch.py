@@ -10,6 +10,7 @@ its peers blocked in a collective.
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -196,6 +197,7 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, results: mp
             world_size=spec.world_size,
             timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
         )
+        gc.freeze()  # what start-up made (torch's modules): the exit's collection skips it
         value = fn(*args)
         results.put((spec.rank, True, pickle.dumps(value)))
         dist.barrier()  # leave together: a peer torn down mid-collective can abort the process
@@ -215,7 +217,6 @@ def _quick_exit() -> None:
     as a forked multiprocessing child always leaves. A garbage collection first, as the
     teardown would run, so finalizers of what the rank left behind (a writer that saves on
     collection) still run."""
-    import gc
     import multiprocessing.util
     import sys
 
