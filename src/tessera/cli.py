@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -242,13 +241,37 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
-    from tessera.runtime.launch import torchrun_command
+    """`tessera launch`: the whole command line after "launch" arrives in ``extra`` and is
+    split by torchrun's own parser (``tessera.runtime.launch.split_launch_args``)."""
+    from tessera.runtime.launch import launch_parser, split_launch_args, torchrun_command
 
-    if not Path(args.script).is_file():
-        raise UserError(f"script {args.script} does not exist")
-    cmd = torchrun_command(args.nproc, args.script, args.script_args, extra)
-    cmd = [sys.executable, "-m", "torch.distributed.run", *cmd[1:]]
-    return subprocess.call(cmd)
+    if not extra:
+        launch_parser().print_help()
+        return EXIT_USAGE
+    launch = split_launch_args(extra)
+    if launch.script_is_file and not Path(launch.script).is_file():
+        raise UserError(f"script {launch.script} does not exist (give the path of a Python file)")
+    cmd = torchrun_command(launch.nproc, launch.script, list(launch.script_args), list(launch.torchrun_flags))
+    return _run_torchrun(cmd[1:])
+
+
+def _run_torchrun(torchrun_args: list[str]) -> int:
+    """torchrun's own entry point, in this process (torch is imported once, not again in a
+    second interpreter); its workers run under this interpreter (sys.executable)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    try:
+        torchrun_main(torchrun_args)
+    except ChildFailedError as exc:  # the worker's own traceback is on stderr above
+        rank, failure = exc.get_first_failure()
+        print(f"tessera: error: launch: rank {rank} exited with code {failure.exitcode}", file=sys.stderr)
+        return 1
+    except SignalException as exc:  # torchrun ended its workers first
+        print(f"tessera: launch ended by {exc.sigval.name}", file=sys.stderr)
+        return 128 + int(exc.sigval)
+    return 0
 
 
 # ---- parser ------------------------------------------------------------------------------
@@ -263,7 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", required=True, help="recipe name (digits-dit, gpt2-text, rocbert-sentiment)")
     p.add_argument("--nproc", type=_positive_int, default=1, help="local processes (ranks)")
     p.add_argument("--out", default="runs/digits-dit", help="checkpoint folder")
-    p.add_argument("--steps", type=_positive_int, help="total optimizer steps (rocbert-sentiment: each stage's)")
+    p.add_argument(
+        "--steps", type=_positive_int, help="total optimizer steps (rocbert-sentiment: each stage's)"
+    )
     p.add_argument("--batch-size", type=_positive_int, help="global batch size")
     p.add_argument("--seed", type=int)
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
@@ -338,10 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_stencil_parser(sub, _positive_int)
 
-    p = sub.add_parser("launch", help="run a script under torchrun (other flags pass through to torchrun)")
-    p.add_argument("-n", "--nproc", type=_positive_int, required=True, help="processes per node")
-    p.add_argument("script")
-    p.add_argument("script_args", nargs=argparse.REMAINDER)
+    # No arguments here: everything after "launch" reaches cmd_launch untouched (as `extra`),
+    # which parses it with torchrun's own parser (importing torch only when launching).
+    p = sub.add_parser(
+        "launch",
+        add_help=False,
+        help="run a script under torchrun: tessera launch [-n N] [torchrun flags] script.py [args]",
+    )
     p.set_defaults(handler=cmd_launch)
     return parser
 

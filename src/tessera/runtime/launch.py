@@ -9,6 +9,7 @@ its peers blocked in a collective.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import gc
 import multiprocessing as mp
@@ -228,7 +229,10 @@ def _quick_exit() -> None:
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> None:
-    """Join the process group described by torchrun's environment variables."""
+    """Join the process group described by torchrun's environment variables (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT; LOCAL_RANK picks the GPU under NCCL). Returns
+    nothing: read the world with ``torch.distributed.get_world_size()`` / ``get_rank()``, and
+    build a ``Mesh`` (or let ``tessera.boost`` build the plan's) over it."""
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         raise RuntimeError(
@@ -243,11 +247,159 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def torchrun_command(nproc: int, script: str, script_args: list[str], extra: list[str]) -> list[str]:
-    """The torchrun command line that `tessera launch` runs (kept pure so it is testable)."""
-    if nproc < 1:
-        raise ValueError(f"--nproc must be >= 1, got {nproc}")
-    cmd = ["torchrun", f"--nproc-per-node={nproc}", *extra]
-    if not any(a.startswith(("--rdzv", "--master", "--nnodes")) for a in extra):
-        cmd.append("--standalone")
-    return [*cmd, script, *script_args]
+# ---- `tessera launch`: torchrun's own flags, in every form torchrun accepts ----------------
+
+LAUNCH_USAGE = "tessera launch [-n N] [torchrun flags] script.py [script args]"
+
+# Flags that describe where the rendezvous is. With none of them (on the command line or as
+# torchrun's PET_* variables) `tessera launch` adds --standalone: a local rendezvous on a free
+# port, so no port is ever guessed.
+_RENDEZVOUS_DESTS = (
+    "nnodes",
+    "node_rank",
+    "rdzv_backend",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "rdzv_conf",
+    "master_addr",
+    "master_port",
+    "standalone",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchArgs:
+    """A `tessera launch` command line split where the script starts."""
+
+    nproc: int | None  # tessera's -n/--nproc (None: torchrun's --nproc-per-node or its default)
+    torchrun_flags: tuple[str, ...]  # the flags before the script as given, less -n/--nproc
+    script: str
+    script_args: tuple[str, ...]
+    script_is_file: bool  # False under torchrun's -m/--module or --no-python
+
+
+class _LaunchParser(argparse.ArgumentParser):
+    """argparse's errors as ValueError (one line, printed by the CLI), not usage + exit."""
+
+    def error(self, message: str):  # type: ignore[override]
+        if "required: training_script" in message:  # torchrun's positionals, by their dest names
+            message = "no script given"
+        raise ValueError(f"launch: {message}; usage: {LAUNCH_USAGE}")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def torchrun_parser(prog: str = "torchrun") -> argparse.ArgumentParser:
+    """torchrun's own parser (``torch.distributed.run.get_args_parser``: every flag it knows,
+    with its arity), raising ValueError; a rendezvous flag or --nproc-per-node not given
+    parses as None, so that "given" can be told from torchrun's default."""
+    from torch.distributed.run import get_args_parser
+
+    parser = _LaunchParser(
+        prog=prog,
+        parents=[get_args_parser()],
+        add_help=False,  # the parent's -h/--help comes along
+        description="Run a script under torchrun; every torchrun flag is accepted, "
+        "as `--flag value` or `--flag=value`.",
+    )
+    parser.set_defaults(**{dest: None for dest in (*_RENDEZVOUS_DESTS, "nproc_per_node")})
+    return parser
+
+
+def launch_parser() -> argparse.ArgumentParser:
+    """The parser of `tessera launch`: torchrun's flags plus ``-n/--nproc``."""
+    parser = torchrun_parser("tessera launch")
+    parser.add_argument(
+        "-n", "--nproc", type=_positive_int, help="processes per node (the same as --nproc-per-node)"
+    )
+    return parser
+
+
+def _parse(parser: argparse.ArgumentParser, tokens: list[str]) -> tuple[argparse.Namespace, int]:
+    """Parse as torchrun does; returns the namespace and the index of the script in ``tokens``."""
+    ns, unknown = parser.parse_known_args(tokens)
+    if unknown:
+        raise ValueError(
+            f"launch: unknown flag(s) before the script: {' '.join(unknown)}; "
+            f"`tessera launch --help` lists torchrun's flags"
+        )
+    # torchrun's last positional takes everything after the script (REMAINDER), less a "--"
+    # right after the script, which argparse gives the script's positional and drops
+    index = len(tokens) - len(ns.training_script_args) - 1
+    while index > 0 and tokens[index] == "--":
+        index -= 1
+    if tokens[index] != ns.training_script:
+        raise ValueError(
+            f"launch: cannot tell where the script starts in {' '.join(tokens)}; usage: {LAUNCH_USAGE}"
+        )
+    return ns, index
+
+
+def _without_nproc(flags: list[str]) -> list[str]:
+    """``flags`` less tessera's -n/--nproc and its value. Exact, since argparse never takes a
+    token that starts with "-" as an option's value: a "-n..." token is always the option."""
+    kept: list[str] = []
+    i = 0
+    while i < len(flags):
+        token = flags[i]
+        if token in ("-n", "--nproc"):
+            i += 2
+            continue
+        if not (token.startswith("--nproc=") or (token.startswith("-n") and not token.startswith("--"))):
+            kept.append(token)  # "-n4", "-n=4", "--nproc=4" are dropped whole
+        i += 1
+    return kept
+
+
+def split_launch_args(argv: list[str]) -> LaunchArgs:
+    """Split a `tessera launch` command line where the script starts, knowing every torchrun
+    flag's arity (``--nnodes 2`` and ``--nnodes=2`` alike); ValueError on a mistake."""
+    tokens = list(argv)
+    ns, index = _parse(launch_parser(), tokens)
+    _check_one_nproc(ns.nproc, ns.nproc_per_node)
+    return LaunchArgs(
+        nproc=ns.nproc,
+        torchrun_flags=tuple(_without_nproc(tokens[:index])),
+        script=ns.training_script,
+        script_args=tuple(ns.training_script_args),
+        script_is_file=not (ns.module or ns.no_python),
+    )
+
+
+def _check_one_nproc(nproc: int | None, nproc_per_node: str | None) -> None:
+    if nproc is not None and nproc_per_node is not None:
+        raise ValueError(
+            f"launch: -n {nproc} and --nproc-per-node {nproc_per_node} both set the processes per node; "
+            "give one of them"
+        )
+
+
+def _rendezvous_given(ns: argparse.Namespace) -> bool:
+    return any(
+        getattr(ns, dest) not in (None, False) or os.environ.get(f"PET_{dest.upper()}")
+        for dest in _RENDEZVOUS_DESTS
+    )
+
+
+def torchrun_command(nproc: int | None, script: str, script_args: list[str], extra: list[str]) -> list[str]:
+    """The torchrun command line that `tessera launch` runs (it reads only torchrun's PET_*
+    variables, so it is testable). ``extra`` holds torchrun flags in any form torchrun accepts; unless they (or torchrun's
+    PET_* variables) describe a rendezvous, --standalone is added."""
+    if nproc is not None and nproc < 1:
+        raise ValueError(f"-n/--nproc must be >= 1, got {nproc}")
+    ns, _ = _parse(torchrun_parser(), [*extra, script])
+    _check_one_nproc(nproc, ns.nproc_per_node)
+    cmd = ["torchrun"]
+    if nproc is not None:
+        cmd.append(f"--nproc-per-node={nproc}")
+    if not _rendezvous_given(ns):
+        cmd.append("--standalone")  # before the user's flags: a "--" among them ends the options
+    return [*cmd, *extra, script, *script_args]
