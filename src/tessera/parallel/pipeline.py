@@ -15,6 +15,7 @@ their gradients are summed after each step, so the two copies stay equal.
 from __future__ import annotations
 
 import copy
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -112,13 +113,22 @@ def _paths(base: nn.Module) -> _Paths:
 
 
 class DecoderStage(nn.Module):
-    """Layers [lo, hi) of a causal LM, with the embedding if first and the head if last."""
+    """Layers [lo, hi) of a causal LM, with the embedding if first and the head if last.
+
+    A stage runs its layers as the base model's forward does: the masks transformers'
+    own mask functions build for each layer's kind (``config.layer_types``: full or sliding
+    attention; a config with only ``sliding_window`` slides every layer, as Mistral does),
+    from the micro-batch's padding mask (``attention_mask``, which the schedule hands every
+    stage); rotary embeddings per layer kind where the family has several (Gemma-3); the
+    final logit soft-cap (Gemma-2). ``check_stages`` proves at set-up that the stages
+    together are the model's own forward, and refuses a family whose forward does more."""
 
     def __init__(self, model: nn.Module, lo: int, hi: int, *, first: bool, last: bool, sequence=None):
         super().__init__()
         base = model.base_model
         self.paths = p = _paths(base)
-        self.first, self.last = first, last
+        self.config = model.config
+        self.first, self.last, self.lo = first, last, lo
         self.sequence = sequence  # (comm, axis, method): this stage's tokens are a sequence slice
         self.layers = nn.ModuleList(getattr(base, p.layers)[lo:hi])
         self.embed = getattr(base, p.embed) if first else None
@@ -136,34 +146,114 @@ class DecoderStage(nn.Module):
         comm, axis, method = self.sequence
         return sequence_positions(local, comm.mesh.size(axis), comm.mesh.rank(axis), method).to(device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def layer_kind(self, index: int) -> str:
+        """ "full_attention" or "sliding_attention" for the model's layer ``index``."""
+        kinds = getattr(self.config, "layer_types", None)
+        if kinds:
+            return kinds[index]
+        return "sliding_attention" if getattr(self.config, "sliding_window", None) else "full_attention"
+
+    def _masks(self, x: torch.Tensor, pos: torch.Tensor, attention_mask) -> dict:
+        """Each layer kind's mask, built by transformers for the model's attention
+        implementation over the whole sequence this stage holds."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        build = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        kinds = {self.layer_kind(self.lo + i) for i in range(len(self.layers))}
+        return {
+            kind: build[kind](self.config, x, attention_mask, None, position_ids=pos.unsqueeze(0))
+            for kind in kinds
+        }
+
+    def _rotary(self, x: torch.Tensor, pos: torch.Tensor) -> dict | None:
+        """Rotary embeddings per layer kind (Gemma-3 rotates sliding layers by another base)."""
+        if self.rotary is None:
+            return None
+        kinds = {self.layer_kind(self.lo + i) for i in range(len(self.layers))}
+        if "layer_type" in inspect.signature(self.rotary.forward).parameters:
+            return {kind: self.rotary(x, pos.unsqueeze(0), kind) for kind in kinds}
+        shared = self.rotary(x, pos.unsqueeze(0))
+        return dict.fromkeys(kinds, shared)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         n = x.shape[1]
         pos = self._positions(n, x.device)
         if self.first:
             x = self.embed(x)
             if self.positions is not None:
                 x = x + self.positions(pos)
-        if self.sequence is not None:  # causal sequence-parallel attention, no mask
-            from tessera.parallel.sequence import SP_KWARG
+        common = {"position_ids": pos.unsqueeze(0)}
+        masks = None
+        if self.sequence is not None:  # sequence-parallel attention: masks by global position
+            from tessera.parallel.sequence import SP_KWARG, SequenceContext
 
-            kwargs = {SP_KWARG: self.sequence, "position_ids": pos.unsqueeze(0)}
+            comm, axis, method = self.sequence
+            valid = None if attention_mask is None else attention_mask.bool()
+            common[SP_KWARG] = SequenceContext(comm, axis, method, valid)
         else:
-            # An explicit additive causal mask: with none, eager attention would attend to the
-            # future (sdpa's is_causal shortcut is not the only implementation a config names).
-            future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
-            mask = torch.zeros(n, n, device=x.device).masked_fill(future, torch.finfo(torch.float32).min)
-            kwargs = {"attention_mask": mask[None, None]}
-        if self.rotary is not None:
-            kwargs |= {
-                "position_ids": pos.unsqueeze(0),
-                "position_embeddings": self.rotary(x, pos.unsqueeze(0)),
-            }
-        for layer in self.layers:
+            masks = self._masks(x, pos, attention_mask)
+        rotary = self._rotary(x, pos)
+        for i, layer in enumerate(self.layers):
+            kind = self.layer_kind(self.lo + i)
+            kwargs = dict(common)
+            if masks is not None:
+                kwargs["attention_mask"] = masks[kind]
+            if rotary is not None:
+                kwargs["position_embeddings"] = rotary[kind]
             x = layer(x, **kwargs)
             x = x[0] if isinstance(x, tuple) else x
         if self.last:
             x = self.head(self.norm(x))
+            cap = getattr(self.config, "final_logit_softcapping", None)
+            if cap:
+                x = torch.tanh(x / cap) * cap
         return x
+
+
+def check_stages(model: nn.Module, *, tokens: int = 24) -> None:
+    """Refuse a causal LM whose pipeline stages would not be its own forward: the stages,
+    run one after another on this process, against ``model`` on a padded probe batch (one
+    row left-padded, one right-padded, longer than a sliding window where one is set), in
+    eval mode and without gradients, so the model is left as it was. Any family whose base
+    forward does something the stages do not (a multiplier, a scaled logit, another mask)
+    is caught here by name, not trained as a different model."""
+    if all(hasattr(model, n) for n in ("blocks", "condition", "embed", "head")):
+        return  # Tessera's DiT: DiTStage runs its own methods
+    cfg = model.config
+    window = getattr(cfg, "sliding_window", None) or 0
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None) or tokens
+    t = min(limit, max(tokens, window + 4))
+    g = torch.Generator().manual_seed(0)
+    device = next(model.parameters()).device
+    ids = torch.randint(3, max(4, cfg.vocab_size), (2, t), generator=g).to(device)
+    mask = torch.ones(2, t, dtype=torch.long, device=device)
+    mask[0, : t // 4] = 0  # left padding
+    mask[1, t - t // 4 :] = 0  # right padding
+    counts = stage_bounds(num_layers(model), 2 if num_layers(model) > 1 else 1)
+    stages = [
+        DecoderStage(model, lo, hi, first=i == 0, last=i == len(counts) - 1)
+        for i, (lo, hi) in enumerate(counts)
+    ]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            expected = model(input_ids=ids, attention_mask=mask).logits
+            x = ids
+            for stage in stages:
+                x = stage(x, attention_mask=mask)
+    finally:
+        model.train(was_training)
+    real = mask.bool()
+    # fp32: the same kernels on the same inputs; 1e-4 relative leaves room for another
+    # mask encoding (additive vs boolean) and nothing for a missing multiplier or window
+    if x.shape != expected.shape or not torch.allclose(x[real], expected[real], rtol=1e-4, atol=1e-4):
+        diff = float((x[real] - expected[real]).abs().max()) if x.shape == expected.shape else float("nan")
+        raise ValueError(
+            f"{type(model).__name__}: pipeline stages do not reproduce the model's forward (largest logit "
+            f"difference {diff:.3g} on a padded probe batch): its family does something in its forward the "
+            "stages do not; train it with pp=1"
+        )
 
 
 class DiTStage(nn.Module):
@@ -223,10 +313,10 @@ class _Autocast(nn.Module):
         super().__init__()
         self.stage, self.dtype = stage, dtype
 
-    def forward(self, *inputs):
+    def forward(self, *inputs, **kwargs):
         device = next(self.stage.parameters()).device.type
         with torch.autocast(device_type=device, dtype=self.dtype):
-            return self.stage(*inputs)
+            return self.stage(*inputs, **kwargs)
 
 
 class PipelineTrainer:
@@ -292,15 +382,16 @@ class PipelineTrainer:
                 seen[id(p)] = p
         return list(seen.values())
 
-    def step(self, inputs, labels: torch.Tensor) -> torch.Tensor | None:
+    def step(self, inputs, labels: torch.Tensor, **kwargs) -> torch.Tensor | None:
         """Forward and backward of one batch (``inputs``: the model's input, or a tuple of
         them: the DiT's (latents, t, y)), gradients averaged over micro-batches; the mean
-        loss on the last stage's rank, None elsewhere."""
+        loss on the last stage's rank, None elsewhere. ``kwargs`` (e.g. the batch's
+        ``attention_mask``) reach every stage, split into the same micro-batches."""
         losses: list = []
         first = any(m.first for m in self.modules)
         last = any(m.last for m in self.modules)
         args = (inputs if isinstance(inputs, tuple) else (inputs,)) if first else ()
-        self.schedule.step(*args, target=labels if last else None, losses=losses)
+        self.schedule.step(*args, target=labels if last else None, losses=losses, **kwargs)
         if self.tied:
             self._sum_tied_grads(first, last)
         if self.dp_axis is not None:

@@ -116,10 +116,28 @@ class BoostedOptimizer:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.mesh.device.type, dtype=dtype)
 
-    def micro_loss(self, loss_fn, micro_batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_loss(self, loss_fn, micro_batch, denominator=None) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's loss, and what its backward runs on (the same here)."""
-        loss = loss_fn(self.model, micro_batch)
+        if denominator is None:
+            loss = loss_fn(self.model, micro_batch)
+        else:
+            loss = loss_fn(self.model, micro_batch, denominator=denominator)
         return loss, loss
+
+    def data_parallel_size(self) -> int:
+        """Replicas whose gradients the engine averages, each on its own share of the batch."""
+        return self.mesh.size("dp")
+
+    def denominator(self, loss_fn, batch) -> float | None:
+        """A padded batch (``loss_fn.token_count``): the global count of labelled items over the
+        micro-batches x replicas the plan averages, so that the average of every micro-batch's
+        summed loss over it is the batch's mean (see ``tessera.train.losses``); else None."""
+        count = loss_fn.token_count(batch) if hasattr(loss_fn, "token_count") else None
+        if count is None:
+            return None
+        if count == 0:
+            raise ValueError("the batch has no labelled token (every position is padding or a row's last)")
+        return count / (self.plan.grad_accum * self.data_parallel_size())
 
     def train_step(self, batch, loss_fn: Callable[[nn.Module, object], torch.Tensor]) -> dict:
         """``loss_fn(model, micro_batch)`` returns the mean loss of that micro-batch. Returns
@@ -134,6 +152,7 @@ class BoostedOptimizer:
             )
             for i in range(k)
         ]
+        denominator = self.denominator(loss_fn, batch)
         self.zero_grad()
         counting = self.plan.tp > 1 and self._tp_calls is None
         counter = FunctionalCollectives() if counting else contextlib.nullcontext()
@@ -144,7 +163,7 @@ class BoostedOptimizer:
                 sync = contextlib.nullcontext() if i == k - 1 else self.engine.no_sync()
                 with sync, self.loss_context():
                     with self._autocast():
-                        loss, to_backward = self.micro_loss(loss_fn, mb)
+                        loss, to_backward = self.micro_loss(loss_fn, mb, denominator)
                     scaled = (
                         self.loss_scaler.scale_loss(to_backward)
                         if self.loss_scaler is not None

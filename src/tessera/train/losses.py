@@ -6,6 +6,14 @@ call the whole model on the whole batch, so a loss that supports them says how i
 sees, ``on_output(output, target)`` the micro-batch's mean loss from the last stage's
 output; ``sequence_parallel(sp, batch)`` the global mean loss through a
 ``tessera.parallel.sequence.SequenceParallel``.
+
+A causal-LM batch with padding (a dict with ``input_ids`` and ``attention_mask``) has rows
+of different lengths, so a mean per micro-batch averaged over micro-batches and replicas
+is not the mean over the batch's tokens. A loss that can count its items says so with
+``token_count(batch)`` (None when every micro-batch holds the same number), and takes
+``denominator=``: the plans then divide each micro-batch's summed loss by the global count
+(scaled by the number of micro-batches the plan averages), which makes every plan's loss
+and gradients those of one process on the whole batch.
 """
 
 from __future__ import annotations
@@ -13,27 +21,61 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera.parallel.lm_batch import next_token_labels, token_batch
+
 
 class CausalLMLoss:
-    """Mean next-token cross-entropy of a HuggingFace causal LM on ``tokens`` (B, S). Works
-    on vocabulary-sharded logits (a DTensor) under ``loss_parallel``."""
+    """Mean next-token cross-entropy of a HuggingFace causal LM on a batch of ``tokens`` (B, S),
+    or on a dict with ``input_ids`` and ``attention_mask`` (padding: a position counts when
+    it and the next are tokens; ``tessera.parallel.sequence.next_token_labels``). Works on
+    vocabulary-sharded logits (a DTensor) under ``loss_parallel``."""
 
-    def __call__(self, model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-        return self.on_output(model(input_ids=tokens).logits, tokens)
+    def __call__(self, model: nn.Module, batch, *, denominator: float | None = None) -> torch.Tensor:
+        ids, mask = token_batch(batch)
+        if mask is None and denominator is None:
+            return self.on_output(model(input_ids=ids).logits, ids)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        return label_loss(logits, next_token_labels(ids, mask), denominator)
 
-    def pipeline_parts(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return tokens, tokens
+    def token_count(self, batch) -> int | None:
+        """Labelled positions in ``batch`` when it is padded (None: every row is whole)."""
+        ids, mask = token_batch(batch)
+        return None if mask is None else int((next_token_labels(ids, mask) != -100).sum())
+
+    def pipeline_parts(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = token_batch(batch)
+        return ids, (ids if mask is None else next_token_labels(ids, mask))
 
     def on_output(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(
             logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1)
         )
 
-    def sequence_parallel(self, sp, tokens: torch.Tensor) -> torch.Tensor:
-        return sp.loss(tokens)
+    def sequence_parallel(self, sp, batch, *, denominator: float | None = None) -> torch.Tensor:
+        return sp.loss(batch, denominator=denominator)
 
     def __repr__(self) -> str:
         return "causal_lm_loss"
+
+
+def label_loss(logits: torch.Tensor, labels: torch.Tensor, denominator: float | None = None) -> torch.Tensor:
+    """Cross-entropy over the positions whose label is not -100: their mean, or their sum
+    over ``denominator``."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    if denominator is None:
+        return nn.functional.cross_entropy(flat, labels.reshape(-1))
+    return nn.functional.cross_entropy(flat, labels.reshape(-1), reduction="sum") / denominator
+
+
+class LabelLoss:
+    """The last pipeline stage's loss on (logits, labels) made by ``pipeline_parts`` of a
+    padded batch (or by a sequence split): summed cross-entropy over ``denominator``."""
+
+    def __init__(self, denominator: float):
+        self.denominator = denominator
+
+    def on_output(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return label_loss(logits, labels, self.denominator)
 
 
 causal_lm_loss = CausalLMLoss()

@@ -20,6 +20,7 @@ from torch import nn
 
 from tessera.parallel.pipeline import PipelineTrainer
 from tessera.runtime import Mesh
+from tessera.train.losses import LabelLoss
 
 AUTOCAST = {"bf16": torch.bfloat16}
 
@@ -65,25 +66,43 @@ class PipelinedOptimizer:
         """pp x sp: the stages' attention runs sequence-parallel over the sp axis."""
         if plan.sp == 1:
             return None
-        from tessera.parallel.sequence import IMPLEMENTATION
+        from tessera.parallel.sequence import check_sequence_parallel, use_sequence_parallel_attention
 
-        model.config._attn_implementation = IMPLEMENTATION  # the layers look it up per call
+        check_sequence_parallel(model)
+        use_sequence_parallel_attention(model)  # the layers look it up per call
         return (mesh.comm, "sp", plan.sp_method)
 
-    def _sequence_split(self, tokens: torch.Tensor, loss_fn):
+    def _sequence_split(self, local, loss_fn, denominator: float):
         """This sp rank's (input ids, next-token labels); the loss becomes the stage's share
-        of the global mean (the labels shifted before the split, as SequenceParallel does)."""
+        of the global mean (the labels made before the split, as SequenceParallel does)."""
         if not hasattr(loss_fn, "sequence_parallel"):
             raise ValueError(
                 f"Plan(pp={self.plan.pp}, sp={self.plan.sp}) splits each sequence over ranks: {loss_fn!r} has no "
                 "sequence_parallel method (use tessera.train.losses.causal_lm_loss)"
             )
-        from tessera.parallel.sequence import sequence_shard
+        from tessera.parallel.sequence import next_token_labels, sequence_shard, token_batch
 
+        ids, mask = token_batch(local)
         ids, labels, _ = sequence_shard(
-            tokens, self.mesh.size("sp"), self.mesh.rank("sp"), self.plan.sp_method
+            ids, self.mesh.size("sp"), self.mesh.rank("sp"), self.plan.sp_method, next_token_labels(ids, mask)
         )
-        return ids, labels, _SliceLoss(self.mesh)
+        return ids, labels, LabelLoss(denominator)
+
+    def _denominator(self, batch, loss_fn) -> float | None:
+        """The global count of labelled tokens over the micro-batches x replicas the step
+        averages (``tessera.train.losses``): a padded batch, or a sequence split over sp
+        (whose slices' counts differ); None where each micro-batch's mean is exact."""
+        count = loss_fn.token_count(batch) if hasattr(loss_fn, "token_count") else None
+        if count is None and self.plan.sp > 1:
+            from tessera.parallel.sequence import next_token_labels, token_batch
+
+            ids, mask = token_batch(batch)
+            count = int((next_token_labels(ids, mask) != -100).sum())
+        if count is None:
+            return None
+        if count == 0:
+            raise ValueError("the batch has no labelled token (every position is padding or a row's last)")
+        return count / (self.plan.num_microbatches * self.mesh.size("dp"))
 
     @property
     def param_groups(self):
@@ -151,14 +170,18 @@ class PipelinedOptimizer:
             )
         began = time.perf_counter()
         local = self.local_batch(batch)
+        denominator = self._denominator(batch, loss_fn)
         if self.plan.sp > 1:
-            inputs, target, stage_loss = self._sequence_split(local, loss_fn)
+            inputs, target, stage_loss = self._sequence_split(local, loss_fn, denominator)
         else:
-            (inputs, target), stage_loss = loss_fn.pipeline_parts(local), loss_fn
+            inputs, target = loss_fn.pipeline_parts(local)
+            stage_loss = loss_fn if denominator is None else LabelLoss(denominator)
+        # the padding mask reaches every stage (the schedule splits it into micro-batches)
+        mask = local.get("attention_mask") if isinstance(local, dict) else None
         self.zero_grad()
         self._loss = stage_loss
         try:
-            loss = self.trainer.step(inputs, target)
+            loss = self.trainer.step(inputs, target, **({} if mask is None else {"attention_mask": mask}))
         finally:
             self._loss = None
         if self.plan.sp > 1:  # each sp rank saw a slice of every sequence: sum the slices
@@ -260,23 +283,6 @@ def _release(model: nn.Module, kept: set[int]) -> None:
         for p in model.parameters():
             if id(p) not in kept and not hasattr(p, "to_local"):  # a tp shard (DTensor) stays
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-
-
-class _SliceLoss:
-    """The last stage's loss on this sp rank's slice: its tokens' summed cross-entropy over
-    the count of every slice's tokens (a sum over sp gives the micro-batch's mean)."""
-
-    def __init__(self, mesh):
-        self.mesh = mesh
-
-    def on_output(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        total = nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="sum"
-        )
-        count = (labels != -100).sum().to(torch.float64).reshape(1)
-        self.mesh.comm.all_reduce(count, "sp")
-        # divided as a tensor: no host read of the count (on a GPU, a sync per micro-batch)
-        return total / count.to(total.dtype).squeeze(0)
 
 
 class StageEngine:

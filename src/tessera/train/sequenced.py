@@ -42,11 +42,17 @@ class SequenceParallelOptimizer(BoostedOptimizer):
 
         return torch.utils._pytree.tree_map(take, batch)
 
-    def micro_loss(self, loss_fn, micro_batch):
+    def data_parallel_size(self) -> int:
+        return self.sp_mesh.size("dp")  # the engine's flat axis is dp x sp; sp ranks share rows
+
+    def micro_loss(self, loss_fn, micro_batch, denominator=None):
         if not hasattr(loss_fn, "sequence_parallel"):
             raise ValueError(
                 f"Plan(sp={self.plan.sp}) splits each sequence over ranks, so the loss must know how: "
                 f"{loss_fn!r} has no sequence_parallel method (use tessera.train.losses.causal_lm_loss)"
             )
-        loss = loss_fn.sequence_parallel(self.sequence, micro_batch)
+        if denominator is None:
+            loss = loss_fn.sequence_parallel(self.sequence, micro_batch)
+        else:
+            loss = loss_fn.sequence_parallel(self.sequence, micro_batch, denominator=denominator)
         return loss, loss * self.sp_mesh.size("sp")
