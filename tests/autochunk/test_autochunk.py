@@ -171,3 +171,57 @@ def test_a_reduction_over_the_long_dim_is_never_sliced():
     for region in chunked.plan.regions:
         softmax_nodes = [n for n in region.dims if "softmax" in str(n.target)]
         assert all(region.dims[n] != 0 for n in softmax_nodes)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Grouped-query attention (8 query heads share 2 key/value heads, ``enable_gqa``), with an
+    optional attention dropout."""
+
+    def __init__(self, dropout: float = 0.0, width: int = 64, heads: int = 8, kv_heads: int = 2):
+        super().__init__()
+        self.heads, self.kv_heads, self.dim, self.dropout = heads, kv_heads, width // heads, dropout
+        self.q = nn.Linear(width, width)
+        self.kv = nn.Linear(width, 2 * kv_heads * self.dim)
+        self.out = nn.Linear(width, width)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.dim).permute(2, 0, 3, 1, 4)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, enable_gqa=True)
+        return self.out(o.transpose(1, 2).flatten(2))
+
+
+def _sdpa_node(model, x):
+    from tessera.autochunk.api import trace
+
+    return next(n for n in trace(model, (x,)).graph.nodes if "scaled_dot_product" in str(n.target))
+
+
+def test_grouped_query_attention_is_sliced_by_queries_never_by_heads():
+    """Query head h reads key head h // 4 here, so one slice of the heads for queries and
+    keys alike would be wrong: the rule slices queries (and batch), never heads."""
+    from tessera.autochunk.rules import input_dims
+
+    torch.manual_seed(0)
+    model, x = GroupedQueryAttention().eval(), torch.randn(2, 256, 64)
+    node = _sdpa_node(model, x)
+    assert input_dims(node, 1) is None  # heads
+    assert input_dims(node, 2) is not None and input_dims(node, 0) is not None  # queries, batch
+    chunked = autochunk(model, (x,))
+    assert chunked.plan.regions, chunked.plan.describe()
+    # Same ops on slices of the queries: fp32 rounding only, as in the tests above.
+    torch.testing.assert_close(_outputs(chunked, (x,))[0], _outputs(model, (x,))[0], rtol=1e-5, atol=1e-5)
+    # What a heads slice of both would compute (the rule before enable_gqa was read): wrong.
+    q, k = torch.randn(1, 8, 16, 8), torch.randn(1, 2, 16, 8)
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    sliced = torch.nn.functional.scaled_dot_product_attention(q[:, :2], k[:, :2], k[:, :2], enable_gqa=True)
+    assert (sliced - whole[:, :2]).abs().max() > 0.1
+
+
+def test_attention_with_dropout_is_not_sliced():
+    """Slices would draw other dropout masks than the whole call does (as for aten.dropout)."""
+    from tessera.autochunk.rules import input_dims
+
+    node = _sdpa_node(GroupedQueryAttention(dropout=0.1).train(), torch.randn(2, 64, 64))
+    assert all(input_dims(node, d) is None for d in range(4))

@@ -1,10 +1,13 @@
 """Dynamic Axial Parallelism on 1, 2 and 4 gloo ranks against the single-device
 Evoformer, for lengths that divide the degree and that do not."""
 
+import re
+
+import pytest
 import torch
 
 from tessera.fold.dap import DAPLayout, dap_evoformer
-from tessera.models.evoformer import Evoformer, EvoformerConfig
+from tessera.models.evoformer import Evoformer, EvoformerConfig, GatedSelfAttention
 from tessera.runtime import Mesh, spawn
 
 CFG = EvoformerConfig(
@@ -126,3 +129,46 @@ def test_degree_larger_than_the_length_is_named():
     assert (
         spawn(_too_few_residues, 2) == ["DAP degree 2 is larger than the 1 residues; use at most 1 ranks"] * 2
     )
+
+
+class WindowedAttention(GatedSelfAttention):
+    """A user's gated attention that only looks at nearby keys: another computation."""
+
+
+class RecyclingEvoformer(Evoformer):
+    """A user's Evoformer with its own forward (recycling, say)."""
+
+
+def _with(change):
+    evo = model()
+    change(evo)
+    return evo
+
+
+DAP_REFUSALS = {
+    "model_class": (
+        lambda: RecyclingEvoformer(CFG),
+        "DAP runs tessera.models.evoformer.Evoformer, not RecyclingEvoformer (whose own forward",
+    ),
+    "attention_class": (
+        lambda: _with(lambda e: setattr(e.blocks[1].msa_row, "attention", WindowedAttention(16, 2, 4))),
+        "DAP computes blocks.1.msa_row.attention as GatedSelfAttention does, but it is a WindowedAttention",
+    ),
+    "transition_class": (
+        lambda: _with(lambda e: setattr(e.blocks[0], "pair_transition", torch.nn.Identity())),
+        "DAP computes blocks.0.pair_transition as Transition does, but it is a Identity",
+    ),
+    "flipped_triangle": (
+        lambda: _with(lambda e: setattr(e.blocks[0].tri_mul_in, "outgoing", True)),
+        "DAP shards blocks.0.tri_mul_in for outgoing=False, but it has outgoing=True",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", DAP_REFUSALS, ids=list(DAP_REFUSALS))
+def test_modules_dap_would_not_compute_as_the_model_does_are_refused(case):
+    """DAP re-implements most Evoformer modules' forwards: another class in their place (a
+    subclass too), or a flipped triangle module, is refused by name before any work."""
+    build, message = DAP_REFUSALS[case]
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        dap_evoformer(build(), *inputs(3, 6), mesh=Mesh(dap=1))

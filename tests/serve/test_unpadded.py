@@ -74,3 +74,92 @@ def test_positions_matter_so_the_check_can_fail(encoder_dirs):
     wrong = torch.segment_reduce(hidden, "mean", lengths=lengths, axis=0)
     assert (good - expected).abs().max() < ATOL
     assert (wrong[1] - expected[1]).abs().max() > 100 * ATOL
+
+
+def _served(model, family="bert"):
+    from tessera.serve.families import FAMILIES as SERVED_FAMILIES
+    from tessera.serve.model import ServedModel
+
+    return ServedModel(
+        model=model, tokenizer=None, task="embed", pooling="mean", max_length=64,
+        family=SERVED_FAMILIES[family], name="tiny",
+    )  # fmt: skip
+
+
+def test_causal_and_training_models_are_refused_when_the_runner_is_built(encoder_dirs):
+    """The unpadded runner attends bidirectionally and without dropout: a decoder-configured
+    encoder, or a model left in training mode, is refused by name before any request."""
+    from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
+
+    tiny = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 64}
+    decoders = [
+        (BertModel(BertConfig(is_decoder=True, **tiny)).eval(), "bert", "BertModel"),
+        (RobertaModel(RobertaConfig(is_decoder=True, **tiny)).eval(), "roberta", "RobertaModel"),
+    ]
+    for model, family, name in decoders:
+        with pytest.raises(
+            ValueError, match=f"^{name} has config.is_decoder=True \\(causal self-attention\\)"
+        ):
+            UnpaddedRunner(_served(model, family))
+        PaddedRunner(_served(model, family))  # the HF model as it is: its own causal mask
+    served = load_model(encoder_dirs["bert", "embed"])
+    served.model.train()
+    with pytest.raises(ValueError, match=r"^BertModel is in training mode \(dropout"):
+        UnpaddedRunner(served)
+
+
+def test_features_reaching_the_packed_attention_are_refused_at_the_layer(encoder_dirs):
+    """What a layer could hand the attention function that the splits do not compute. The
+    runner's build checks keep the served families from it; a layer that gets past them
+    anyway is named."""
+    from tessera.serve.unpadded import Segments, packed_attention
+
+    served = load_model(encoder_dirs["bert", "embed"])
+    layer = served.encoder.encoder.layer[0].attention.self
+    q = k = v = torch.randn(1, 4, 10, 8)
+    seg = Segments.build([4, 6], "per_request")
+    cases = {
+        "an attention mask": {"attention_mask": torch.zeros(1, 1, 10, 10)},
+        "attention dropout 0.1": {"dropout": 0.1},
+        "a sliding window": {"sliding_window": 4},
+        "logit soft-capping": {"softcap": 30.0},
+        "attention sinks": {"s_aux": torch.zeros(4)},
+    }
+    for feature, extra in cases.items():
+        kwargs = {"attention_mask": None} | extra
+        with pytest.raises(ValueError, match=f"^BertSelfAttention \\(layer 0\\) brings {feature}, which"):
+            packed_attention(layer, q, k, v, scaling=0.35, tessera_segments=seg, **kwargs)
+    layer.is_causal = True
+    try:
+        with pytest.raises(ValueError, match="brings causal attention"):
+            packed_attention(layer, q, k, v, None, tessera_segments=seg)
+    finally:
+        layer.is_causal = False
+
+
+def test_the_layers_softmax_scale_is_honoured_by_every_split(encoder_dirs, monkeypatch):
+    """Every split passes the layer's own ``scaling`` to attention. With a scale that is not
+    1/sqrt(head_dim) (set on each layer, as models with a query pre-scalar have), packed
+    batches still equal the one-by-one model; a split that drops the scale does not."""
+    from tessera.serve import unpadded
+
+    served = load_model(encoder_dirs["bert", "embed"])
+    for block in served.encoder.encoder.layer:
+        # head_dim 8: the default is 0.354. The random encoder's scores are small (weights
+        # ~0.02), so a large scale is what makes them matter: dropping it then moves outputs
+        # by ~1e-2 (measured), 1000x the parity tolerance.
+        block.attention.self.scaling = 20.0
+    sequences = tokens_for([9, 30, 2, 17], seed=3)
+    expected = reference_outputs(served, sequences)
+    runners = [UnpaddedRunner(served, attention=mode) for mode in ATTENTION_MODES]
+    runners.append(UnpaddedRunner(served, attention="padded", memory_plan=True))
+    for runner in runners:
+        # The same tolerance as the parity test above, for the same reason (fp32 reordering).
+        torch.testing.assert_close(runner(sequences), expected, atol=ATOL, rtol=RTOL, msg=runner.describe())
+    keep = unpadded._per_request
+    monkeypatch.setattr(
+        unpadded, "_per_request", lambda q, k, v, offsets, scaling: keep(q, k, v, offsets, None)
+    )
+    dropped = UnpaddedRunner(served)(sequences)
+    print(f"scale dropped: max |packed - one by one| = {(dropped - expected).abs().max():.2e}")
+    assert (dropped - expected).abs().max() > 100 * ATOL  # 10x short of what was measured

@@ -127,12 +127,20 @@ def _view_source_dim(in_shape: Sequence[int], out_shape: Sequence[int], d: int) 
 
 
 def _sdpa(node: Node, d: int) -> Answer:
+    """Every argument of the call stays on the sliced call (scale included); the mask is
+    sliced with the queries or the batch. Not sliced: a causal call along the queries, a
+    call with dropout (slices would draw other random masks than the whole does, as for
+    ``aten.dropout``), and a grouped-query call (``enable_gqa``) along the heads (query head
+    h reads key head h // group, so the same slice of both is wrong)."""
     q, k, v = node.args[:3]
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
     causal = node.args[5] if len(node.args) > 5 else node.kwargs.get("is_causal", False)
     out = shape(node)
     rank = len(out)
-    if d == rank - 1:
+    if d == rank - 1 or dropout:
+        return None
+    if d == rank - 3 and node.kwargs.get("enable_gqa", False):
         return None
     if d == rank - 2:  # query positions: keys/values whole, mask rows sliced
         if causal:

@@ -36,6 +36,8 @@ def check_layout(adapter: Adapter, config: ParallelConfig, height: int, width: i
     if config.method == "pipefusion":
         stage_bounds(adapter.num_layers, config.pipefusion_degree, config.stage_layers)
         sub_bands(rows, config.patches, config.sp_degree, 0)
+    if config.method != "tp":  # every other method swaps the attention kernel in
+        adapter.check_attention()
 
 
 def parallel_denoise(
@@ -55,6 +57,8 @@ def parallel_denoise(
     adapter = adapter_for(model)
     height, width = noise.shape[2:]
     check_layout(adapter, config, height, width)
+    for branch in (cond, uncond) if uncond is not None else (cond,):
+        adapter.check_cond(branch)
     if config.method in ("pipefusion", "distrifusion") and config.warmup_steps > stepper.num_steps:
         raise ValueError(
             f"warmup_steps {config.warmup_steps} exceeds the {stepper.num_steps} sampling steps; "

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tessera.diffusion.adapters import adapter_for
 from tessera.diffusion.layout import ParallelConfig
 from tessera.diffusion.parallel import parallel_denoise
 from tessera.diffusion.pipefusion import release_other_stages
@@ -94,6 +95,8 @@ def generate(
             f"image size {height}x{width} is not divisible by the VAE's downscale factor {vae_factor}"
         )
     family = family_of(type(pipe).__name__)
+    if config.method != "tp":  # refuse unmirrored attention layers before any weights are freed
+        adapter_for(pipe.transformer).check_attention()
     if release_unused and config.method == "pipefusion" and mesh.size("pipefusion") > 1:
         release_other_stages(pipe.transformer, config, mesh)
     cfg = guidance_scale > 1.0 and family.classifier_free

@@ -110,6 +110,8 @@ def stale_reference_denoise(
     if config.method not in ("pipefusion", "distrifusion"):
         raise ValueError(f"stale_reference_denoise is for pipefusion or distrifusion, not {config.method!r}")
     adapter = adapter_for(model)
+    for branch in (cond, uncond) if uncond is not None else (cond,):
+        adapter.check_cond(branch)
     height, width = noise.shape[2:]
     p = adapter.patch_size
     rows, cols = height // p, width // p

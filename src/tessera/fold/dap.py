@@ -22,6 +22,11 @@ that is 6 all-gathers and 6 all-to-alls per block. Each all-gather is launched
 asynchronously and waited for only when its result is needed, with the independent work
 (the queries/keys/values, the other projection, the gates) computed in between. Lengths that do not divide P are
 padded with masked positions, which the Evoformer's masks keep away from real ones.
+The attentions' key masks and pair biases, the outer product mean's masked count and the
+triangle multiplications' masks are computed as the model computes them. DAP re-implements
+the forward of most Evoformer modules, and runs the rest on one shard of an axis, so a model
+whose modules are of other classes (a subclass too: it may compute something else) or whose
+triangle modules are flipped is refused by name before any work (``check_dap_model``).
 The collectives are differentiable (all-gather backward is a reduce-scatter, all-to-all
 backward the inverse all-to-all), so the same code trains.
 """
@@ -33,7 +38,20 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tessera.models.evoformer import Evoformer, EvoformerBlock, _gated_attention, _heads, _key_mask_bias
+from tessera.models.evoformer import (
+    Evoformer,
+    EvoformerBlock,
+    GatedSelfAttention,
+    MSAColumnAttention,
+    MSARowAttentionWithPairBias,
+    OuterProductMean,
+    Transition,
+    TriangleAttention,
+    TriangleMultiplication,
+    _gated_attention,
+    _heads,
+    _key_mask_bias,
+)
 from tessera.runtime.mesh import Mesh
 
 
@@ -136,6 +154,53 @@ def dap_block(block: EvoformerBlock, m_seq, z_rows, masks: dict, layout: DAPLayo
     return m_seq, layout.columns_to_rows(z_cols)
 
 
+# Each block part, the class DAP assumes it is (its forward re-implemented, or run on one
+# shard), and the direction flag it must have (None: none).
+_BLOCK_PARTS = {
+    "msa_row": (MSARowAttentionWithPairBias, None),
+    "msa_row.attention": (GatedSelfAttention, None),
+    "msa_column": (MSAColumnAttention, None),
+    "msa_column.attention": (GatedSelfAttention, None),
+    "msa_transition": (Transition, None),
+    "outer_product_mean": (OuterProductMean, None),
+    "tri_mul_out": (TriangleMultiplication, ("outgoing", True)),
+    "tri_mul_in": (TriangleMultiplication, ("outgoing", False)),
+    "tri_att_start": (TriangleAttention, ("starting", True)),
+    "tri_att_start.attention": (GatedSelfAttention, None),
+    "tri_att_end": (TriangleAttention, ("starting", False)),
+    "tri_att_end.attention": (GatedSelfAttention, None),
+    "pair_transition": (Transition, None),
+}
+
+
+def check_dap_model(model: Evoformer) -> None:
+    """A ValueError naming the first module DAP would not compute as the model does."""
+    if type(model) is not Evoformer:
+        raise ValueError(
+            f"DAP runs tessera.models.evoformer.Evoformer, not {type(model).__name__} (whose own forward "
+            "it would skip); run this model without DAP"
+        )
+    for index, block in enumerate(model.blocks):
+        where = f"blocks.{index}"
+        if type(block) is not EvoformerBlock:
+            raise ValueError(
+                f"DAP runs EvoformerBlock's forward, but {where} is a {type(block).__name__}; "
+                "run this model without DAP"
+            )
+        for path, (cls, flag) in _BLOCK_PARTS.items():
+            part = block.get_submodule(path)
+            if type(part) is not cls:
+                raise ValueError(
+                    f"DAP computes {where}.{path} as {cls.__name__} does, but it is a {type(part).__name__}; "
+                    "run this model without DAP"
+                )
+            if flag is not None and getattr(part, flag[0]) != flag[1]:
+                raise ValueError(
+                    f"DAP shards {where}.{path} for {flag[0]}={flag[1]}, but it has {flag[0]}={not flag[1]}; "
+                    "run this model without DAP"
+                )
+
+
 def _pad(t: torch.Tensor, dims: tuple[int, ...], multiple: int) -> torch.Tensor:
     pads = [0, 0] * t.dim()
     for dim in dims:
@@ -149,6 +214,7 @@ def dap_evoformer(model: Evoformer, m, z, msa_mask=None, pair_mask=None, *, mesh
     gradients back (each rank's parameter gradients are its share; sum them over ``axis``)."""
     msa_mask = torch.ones(m.shape[:3], device=m.device) if msa_mask is None else msa_mask
     pair_mask = torch.ones(z.shape[:3], device=z.device) if pair_mask is None else pair_mask
+    check_dap_model(model)
     model.check_inputs(m, z, msa_mask, pair_mask)
     layout = DAPLayout(mesh, axis)
     p, (s, r) = layout.size, m.shape[1:3]

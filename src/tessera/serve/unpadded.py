@@ -13,6 +13,12 @@ boundaries in one of three ways:
   SDPA call, scatter back (padding inside attention only: TurboTransformers' layout);
 - ``nested``: torch's jagged nested tensors through SDPA (on CPU torch runs it input by
   input inside; kept for devices where it has a fused kernel).
+
+What each self-attention layer brings is honoured or refused by name: its softmax scale
+(``scaling``) is used by every split; causal layers (``config.is_decoder``) and a model in
+training mode (attention dropout) are refused when the runner is built; a mask, dropout, a
+causal flag, a sliding window, a logit cap or attention sinks reaching the attention function
+are refused at the layer (the served families bring none of them).
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     if seg is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
         return out.transpose(1, 2), None
+    _refuse_unhonoured(module, attention_mask, dropout, kwargs)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
     if seg.mode == "per_request":
         out = _per_request(q, k, v, seg.offsets, scaling)
@@ -82,6 +89,48 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
     else:
         out = _nested(q, k, v, seg, scaling)
     return out[None], None
+
+
+# Attention-function keywords of transformers layers that change what attention computes.
+_LAYER_FEATURES = {
+    "sliding_window": "a sliding window",
+    "softcap": "logit soft-capping",
+    "s_aux": "attention sinks",
+    "position_bias": "a position bias",
+}
+
+
+def _refuse_unhonoured(module, attention_mask, dropout, kwargs) -> None:
+    """What the splits below do not compute, named with the layer (the runner's build-time
+    checks keep the served families from bringing any of it)."""
+    found = [text for key, text in _LAYER_FEATURES.items() if kwargs.get(key) is not None]
+    if attention_mask is not None:
+        found.append("an attention mask")
+    if dropout:
+        found.append(f"attention dropout {dropout}")
+    if getattr(module, "is_causal", False):
+        found.append("causal attention")
+    if found:
+        layer = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+        raise ValueError(
+            f"{layer} brings {', '.join(found)}, which the unpadded runner's attention does not "
+            "compute; serve this model with the padded runner"
+        )
+
+
+def check_served_model(served: ServedModel) -> None:
+    """Refuse, when the runner is built, what its attention would not compute."""
+    name = type(served.model).__name__
+    if getattr(served.config, "is_decoder", False):
+        raise ValueError(
+            f"{name} has config.is_decoder=True (causal self-attention); the unpadded runner attends "
+            "bidirectionally within each input: serve it with the padded runner"
+        )
+    if served.model.training:
+        raise ValueError(
+            f"{name} is in training mode (dropout in attention and between layers); call model.eval() "
+            "before serving it"
+        )
 
 
 def _per_request(q, k, v, offsets, scaling) -> torch.Tensor:
@@ -160,6 +209,7 @@ class UnpaddedRunner(Runner):
 
     def __init__(self, served: ServedModel, *, attention: str = "per_request", memory_plan: bool = False):
         super().__init__(served)
+        check_served_model(served)
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
         if memory_plan and attention != "padded":

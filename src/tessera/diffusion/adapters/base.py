@@ -49,9 +49,35 @@ class Adapter(Protocol):
 
     def head(self, stream: Stream, ctx: Any, grid_cols: int) -> torch.Tensor: ...
     def stream_shapes(self, batch: int, image_tokens: int, ctx: Any) -> list[tuple[int, ...]]: ...
-    def attention_kernel(self, kernel: AttentionKernel) -> Any: ...
+    def check_cond(self, cond: dict[str, torch.Tensor]) -> None:
+        """A ValueError naming a conditioning key this model needs and lacks, or one it would
+        ignore (a mask under a name the adapter does not read, say)."""
+        ...
+
+    def check_attention(self) -> None:
+        """A ValueError naming the first attention layer whose computation ``attention_kernel``
+        would not reproduce (see ``diffusers_common.check_attention_modules``)."""
+        ...
+
+    def attention_kernel(self, kernel: AttentionKernel) -> Any:
+        """Swap the kernel in (after ``check_attention``) for the duration of a ``with``."""
+        ...
 
 
 def check_patch_size(height: int, width: int, patch_size: int) -> None:
     if height % patch_size or width % patch_size:
         raise ValueError(f"image size {height}x{width} is not divisible by the patch size {patch_size}")
+
+
+def check_cond_keys(
+    model: str, cond: dict, required: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> None:
+    missing = [k for k in required if k not in cond]
+    if missing:
+        raise ValueError(f"{model} needs conditioning {', '.join(missing)}; got {', '.join(cond) or 'none'}")
+    unknown = [k for k in cond if k not in required + optional]
+    if unknown:
+        raise ValueError(
+            f"{model} does not read conditioning {', '.join(map(repr, unknown))}, which would be ignored; "
+            f"it reads {', '.join(required + optional)}"
+        )

@@ -1,5 +1,14 @@
 """Shared pieces of the diffusers adapters: attention processors around a Tessera kernel,
-band patch-embedding and unpatchify."""
+the check that each replaced layer is one they mirror, band patch-embedding and unpatchify.
+
+Each Tessera processor mirrors one diffusers processor class (``AttnProcessor2_0``,
+``JointAttnProcessor2_0``, ``FluxAttnProcessor``) with the attention core swapped for a
+kernel. Before a swap, :func:`check_attention_modules` refuses by name every layer whose
+computation that mirror would not reproduce: another processor class (IP-adapter, PAG,
+classic ``AttnProcessor``, ...), fused q/k/v projections, a non-SDPA attention backend,
+diffusers' own parallelism, and, where the kernel replaces image self-attention,
+cross-attention, spatial or group norms.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +21,29 @@ from torch import nn
 from tessera.diffusion.adapters.base import AttentionKernel
 
 
-class KernelProcessor:
-    """A diffusers attention processor for image self-attention around a Tessera kernel."""
+def refuse_call(path: str, feature: str) -> None:
+    """A call the adapters never make (they pass no masks; checked again here, at the layer)."""
+    raise ValueError(
+        f"{path} was called with {feature}, which Tessera's parallel attention kernel does not "
+        "take (it attends over every image token); run this model without Tessera"
+    )
 
-    def __init__(self, layer_index: int, kernel: AttentionKernel):
-        self.layer_index, self.kernel = layer_index, kernel
+
+class KernelProcessor:
+    """A diffusers attention processor for image self-attention around a Tessera kernel;
+    mirrors ``AttnProcessor2_0`` (and ``JointAttnProcessor2_0`` called without text)."""
+
+    def __init__(self, layer_index: int, kernel: AttentionKernel, path: str = "attention"):
+        self.layer_index, self.kernel, self.path = layer_index, kernel, path
 
     def __call__(
         self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None, **kwargs
     ):
-        assert encoder_hidden_states is None and attention_mask is None, "image self-attention only"
+        if encoder_hidden_states is not None:
+            refuse_call(self.path, "encoder_hidden_states (cross-attention)")
+        if attention_mask is not None:
+            refuse_call(self.path, "an attention mask")
+        # check_attention_modules refused these when the processor was installed
         assert attn.spatial_norm is None and attn.group_norm is None, "not a DiT attention layer"
         residual = hidden_states
         b = hidden_states.shape[0]
@@ -53,11 +75,13 @@ class JointKernelProcessor:
     """SD3-style joint attention (image tokens + text tokens with their own projections)
     around a Tessera kernel; mirrors diffusers' JointAttnProcessor2_0."""
 
-    def __init__(self, layer_index: int, kernel: AttentionKernel):
-        self.layer_index, self.kernel = layer_index, kernel
+    def __init__(self, layer_index: int, kernel: AttentionKernel, path: str = "attention"):
+        self.layer_index, self.kernel, self.path = layer_index, kernel, path
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, **kwargs):
-        assert encoder_hidden_states is not None and attention_mask is None, "joint attention only"
+        if attention_mask is not None:
+            refuse_call(self.path, "an attention mask")
+        assert encoder_hidden_states is not None, "the SD3 adapter always passes the text stream"
         q, k, v = (_heads(f(hidden_states), attn.heads) for f in (attn.to_q, attn.to_k, attn.to_v))
         if attn.norm_q is not None:
             q, k = attn.norm_q(q), attn.norm_k(k)
@@ -73,6 +97,58 @@ class JointKernelProcessor:
         if not attn.context_pre_only:
             text_out = attn.to_add_out(text_out)
         return image_out, text_out
+
+
+# Attention backends (diffusers' set_attention_backend) that are torch's own SDPA: the same
+# exact attention Tessera's kernels compute. Others (flash-attn, sage, flex, xformers, ...)
+# are another implementation, some of them approximate.
+_SDPA_BACKENDS = ("native", "_native_cudnn", "_native_efficient", "_native_flash", "_native_math")
+
+
+def check_attention_modules(model: nn.Module, layers: list[tuple[str, nn.Module, type, bool]]) -> None:
+    """Refuse, by name, the first layer whose computation the Tessera processor replacing it
+    would not reproduce. ``layers``: (module path, attention module, the diffusers processor
+    class the Tessera processor mirrors, whether the kernel takes image self-attention only)."""
+    if getattr(model, "_parallel_config", None) is not None:
+        raise ValueError(
+            f"{type(model).__name__} has diffusers' own parallelism enabled (enable_parallelism); "
+            "Tessera splits the model itself: load it without"
+        )
+    for path, attn, mirrored, image_only in layers:
+        processor = attn.processor
+        if getattr(attn, "fused_projections", False):
+            raise ValueError(
+                f"{path} has fused q/k/v projections (fuse_qkv_projections); Tessera's processors "
+                "read to_q/to_k/to_v: call unfuse_qkv_projections() first"
+            )
+        if type(processor) is not mirrored:
+            raise ValueError(
+                f"{path} runs processor {type(processor).__name__}, which Tessera's parallel attention "
+                f"does not reproduce (it replaces {mirrored.__name__} only): set that processor or "
+                "run this model without Tessera"
+            )
+        backend = getattr(processor, "_attention_backend", None)
+        name = getattr(backend, "value", backend)
+        if name is not None and name not in _SDPA_BACKENDS:
+            raise ValueError(
+                f"{path} uses attention backend {name!r}, which Tessera's kernels (exact SDPA "
+                "attention) would replace: call reset_attention_backend() first"
+            )
+        if image_only:
+            _check_image_self_attention(path, attn)
+
+
+def _check_image_self_attention(path: str, attn: nn.Module) -> None:
+    for feature, present in (
+        ("cross-attention (cross_attention_dim)", attn.is_cross_attention),
+        ("a spatial norm (spatial_norm_dim)", attn.spatial_norm is not None),
+        ("a group norm (norm_num_groups)", attn.group_norm is not None),
+    ):
+        if present:
+            raise ValueError(
+                f"{path} has {feature}; Tessera's parallel kernel replaces image self-attention "
+                "only: run this model without Tessera"
+            )
 
 
 @contextmanager

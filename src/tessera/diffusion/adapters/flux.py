@@ -20,8 +20,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.diffusion.adapters.base import AttentionKernel, Stream, check_patch_size, serial_kernel
-from tessera.diffusion.adapters.diffusers_common import swapped_processors
+from tessera.diffusion.adapters.base import (
+    AttentionKernel,
+    Stream,
+    check_cond_keys,
+    check_patch_size,
+    serial_kernel,
+)
+from tessera.diffusion.adapters.diffusers_common import (
+    check_attention_modules,
+    refuse_call,
+    swapped_processors,
+)
 
 PACK = 2  # latent pixels per token side
 
@@ -78,14 +88,17 @@ def _qkv(attn, x: torch.Tensor, projections) -> list[torch.Tensor]:
 
 
 class FluxDoubleProcessor:
-    """Double-stream joint attention (image and text with their own projections)."""
+    """Double-stream joint attention (image and text with their own projections); mirrors
+    ``FluxAttnProcessor``."""
 
-    def __init__(self, layer_index: int, kernel: AttentionKernel):
-        self.layer_index, self.kernel = layer_index, kernel
+    def __init__(self, layer_index: int, kernel: AttentionKernel, path: str = "attention"):
+        self.layer_index, self.kernel, self.path = layer_index, kernel, path
 
     def __call__(
         self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None
     ):
+        if attention_mask is not None:
+            refuse_call(self.path, "an attention mask")
         rotary: Rotary = image_rotary_emb
         q, k, v = _qkv(attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v))
         qt, kt, vt = _qkv(attn, encoder_hidden_states, (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
@@ -98,14 +111,17 @@ class FluxDoubleProcessor:
 
 
 class FluxSingleProcessor:
-    """Single-stream attention over [text, image] tokens (shared projections)."""
+    """Single-stream attention over [text, image] tokens (shared projections); mirrors
+    ``FluxAttnProcessor``."""
 
-    def __init__(self, layer_index: int, kernel: AttentionKernel):
-        self.layer_index, self.kernel = layer_index, kernel
+    def __init__(self, layer_index: int, kernel: AttentionKernel, path: str = "attention"):
+        self.layer_index, self.kernel, self.path = layer_index, kernel, path
 
     def __call__(
         self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None, image_rotary_emb=None
     ):
+        if attention_mask is not None:
+            refuse_call(self.path, "an attention mask")
         rotary: Rotary = image_rotary_emb
         length = rotary.text[0].shape[0]
         q, k, v = _qkv(attn, hidden_states, (attn.to_q, attn.to_k, attn.to_v))
@@ -181,12 +197,31 @@ class FluxAdapter:
     def stream_shapes(self, batch: int, image_tokens: int, ctx: FluxStep) -> list[tuple[int, ...]]:
         return [(batch, image_tokens, self.hidden_size), (batch, ctx.text.shape[1], self.hidden_size)]
 
+    def check_cond(self, cond: dict[str, torch.Tensor]) -> None:
+        text = ("prompt_embeds", "pooled_prompt_embeds")
+        if self.model.config.guidance_embeds:
+            check_cond_keys("Flux with a guidance embedding", cond, (*text, "guidance"))
+        else:
+            check_cond_keys("Flux without a guidance embedding (guidance_embeds=False)", cond, text)
+
+    def _layers(self) -> list[tuple[str, nn.Module]]:
+        model = self.model
+        return [(f"transformer_blocks.{i}.attn", b.attn) for i, b in enumerate(model.transformer_blocks)] + [
+            (f"single_transformer_blocks.{i}.attn", b.attn)
+            for i, b in enumerate(model.single_transformer_blocks)
+        ]
+
+    def check_attention(self) -> None:
+        from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+        check_attention_modules(
+            self.model, [(path, attn, FluxAttnProcessor, False) for path, attn in self._layers()]
+        )
+
     def attention_kernel(self, kernel: AttentionKernel = serial_kernel):
-        pairs = [
-            (b.attn, FluxDoubleProcessor(i, kernel)) for i, b in enumerate(self.model.transformer_blocks)
-        ]
-        pairs += [
-            (b.attn, FluxSingleProcessor(self.num_double + i, kernel))
-            for i, b in enumerate(self.model.single_transformer_blocks)
-        ]
+        self.check_attention()
+        pairs = []
+        for i, (path, attn) in enumerate(self._layers()):
+            processor = FluxDoubleProcessor if i < self.num_double else FluxSingleProcessor
+            pairs.append((attn, processor(i, kernel, path)))
         return swapped_processors(pairs)

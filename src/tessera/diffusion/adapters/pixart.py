@@ -15,9 +15,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.diffusion.adapters.base import AttentionKernel, Stream, check_patch_size, serial_kernel
+from tessera.diffusion.adapters.base import (
+    AttentionKernel,
+    Stream,
+    check_cond_keys,
+    check_patch_size,
+    serial_kernel,
+)
 from tessera.diffusion.adapters.diffusers_common import (
     KernelProcessor,
+    check_attention_modules,
     embed_band,
     swapped_processors,
     unpatchify,
@@ -91,6 +98,26 @@ class PixArtAdapter:
     def stream_shapes(self, batch: int, image_tokens: int, ctx) -> list[tuple[int, ...]]:
         return [(batch, image_tokens, self.hidden_size)]
 
+    def check_cond(self, cond: dict[str, torch.Tensor]) -> None:
+        # The 1024-px models (use_additional_conditions) also take the image size; the others ignore it.
+        sizes = ("resolution", "aspect_ratio") if self.model.use_additional_conditions else ()
+        check_cond_keys("PixArt", cond, ("prompt_embeds", *sizes), ("prompt_attention_mask",))
+
+    def check_attention(self) -> None:
+        from diffusers.models.attention_processor import AttnProcessor2_0
+
+        layers = [
+            (f"transformer_blocks.{i}.attn1", b.attn1, AttnProcessor2_0, True)
+            for i, b in enumerate(self.model.transformer_blocks)
+        ]
+        check_attention_modules(self.model, layers)
+
     def attention_kernel(self, kernel: AttentionKernel = serial_kernel):
+        self.check_attention()
         blocks = self.model.transformer_blocks
-        return swapped_processors([(b.attn1, KernelProcessor(i, kernel)) for i, b in enumerate(blocks)])
+        return swapped_processors(
+            [
+                (b.attn1, KernelProcessor(i, kernel, f"transformer_blocks.{i}.attn1"))
+                for i, b in enumerate(blocks)
+            ]
+        )

@@ -21,10 +21,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tessera.diffusion.adapters.base import AttentionKernel, Stream, check_patch_size, serial_kernel
+from tessera.diffusion.adapters.base import (
+    AttentionKernel,
+    Stream,
+    check_cond_keys,
+    check_patch_size,
+    serial_kernel,
+)
 from tessera.diffusion.adapters.diffusers_common import (
     JointKernelProcessor,
     KernelProcessor,
+    check_attention_modules,
     embed_band,
     swapped_processors,
     unpatchify,
@@ -83,10 +90,25 @@ class SD3Adapter:
     def stream_shapes(self, batch: int, image_tokens: int, ctx: SD3Step) -> list[tuple[int, ...]]:
         return [(batch, image_tokens, self.hidden_size), (batch, ctx.text.shape[1], self.hidden_size)]
 
+    def check_cond(self, cond: dict[str, torch.Tensor]) -> None:
+        check_cond_keys("SD3", cond, ("prompt_embeds", "pooled_prompt_embeds"))
+
+    def check_attention(self) -> None:
+        from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+        layers = []
+        for i, block in enumerate(self.model.transformer_blocks):
+            layers.append((f"transformer_blocks.{i}.attn", block.attn, JointAttnProcessor2_0, False))
+            if block.use_dual_attention:  # attn2 runs the same processor class, without text
+                layers.append((f"transformer_blocks.{i}.attn2", block.attn2, JointAttnProcessor2_0, True))
+        check_attention_modules(self.model, layers)
+
     def attention_kernel(self, kernel: AttentionKernel = serial_kernel):
+        self.check_attention()
         pairs = []
         for i, block in enumerate(self.model.transformer_blocks):
-            pairs.append((block.attn, JointKernelProcessor(i, kernel)))
+            path = f"transformer_blocks.{i}"
+            pairs.append((block.attn, JointKernelProcessor(i, kernel, f"{path}.attn")))
             if block.use_dual_attention:  # SD3.5: a second, image-only attention per block
-                pairs.append((block.attn2, KernelProcessor(self.num_layers + i, kernel)))
+                pairs.append((block.attn2, KernelProcessor(self.num_layers + i, kernel, f"{path}.attn2")))
         return swapped_processors(pairs)

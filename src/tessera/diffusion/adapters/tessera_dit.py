@@ -8,7 +8,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from tessera.diffusion.adapters.base import AttentionKernel, Stream, check_patch_size, serial_kernel
+from tessera.diffusion.adapters.base import (
+    AttentionKernel,
+    Stream,
+    check_cond_keys,
+    check_patch_size,
+    serial_kernel,
+)
 from tessera.models.dit import Attention, DiT
 
 
@@ -65,8 +71,22 @@ class TesseraDiTAdapter:
     def stream_shapes(self, batch: int, image_tokens: int, ctx) -> list[tuple[int, ...]]:
         return [(batch, image_tokens, self.hidden_size)]
 
+    def check_cond(self, cond: dict[str, torch.Tensor]) -> None:
+        check_cond_keys("Tessera's DiT", cond, ("labels",))
+
+    def check_attention(self) -> None:
+        """KernelAttention reads the projections of Tessera's own Attention; another module
+        in its place (a subclass too) may compute something else."""
+        for index, block in enumerate(self.model.blocks):
+            if type(block.attn) is not Attention:
+                raise ValueError(
+                    f"blocks.{index}.attn is a {type(block.attn).__name__}, not tessera.models.dit.Attention, "
+                    "whose attention Tessera's parallel kernels replace: run this model without Tessera"
+                )
+
     @contextmanager
     def attention_kernel(self, kernel: AttentionKernel = serial_kernel) -> Iterator[None]:
+        self.check_attention()
         originals = [block.attn for block in self.model.blocks]
         try:
             for index, block in enumerate(self.model.blocks):
