@@ -116,11 +116,24 @@ def _flux_diffusers_parallel():
     return model, _joint_cond()
 
 
-def _dit_windowed():
+def _flux_first_block_cache():
+    from diffusers import FirstBlockCacheConfig
+
+    model = tiny_flux()
+    model.enable_cache(FirstBlockCacheConfig(threshold=0.2))  # reuses block outputs between steps
+    return model, _joint_cond()
+
+
+def _dit():
     torch.manual_seed(0)
     model = DiT(DiTConfig(image_size=16, in_channels=4, patch_size=2, hidden_size=32, depth=2, num_heads=4))
-    model.blocks[1].attn = WindowedDiTAttention(32, 4)
     return model, {"labels": torch.tensor([1])}
+
+
+def _dit_windowed():
+    model, cond = _dit()
+    model.blocks[1].attn = WindowedDiTAttention(32, 4)
+    return model, cond
 
 
 REFUSED = {
@@ -142,6 +155,10 @@ REFUSED = {
     "flux_fused_qkv": (_flux_fused, "transformer_blocks.0.attn has fused q/k/v projections"),
     "flux_backend": (_flux_backend, "single_transformer_blocks.1.attn uses attention backend 'sage'"),
     "diffusers_parallel": (_flux_diffusers_parallel, "FluxTransformer2DModel has diffusers' own parallelism"),
+    "diffusers_cache": (
+        _flux_first_block_cache,
+        "transformer_blocks.0 carries diffusers hook 'fbc_leader_block_hook'",
+    ),
     "dit_attention_class": (_dit_windowed, "blocks.1.attn is a WindowedDiTAttention, not tessera.models.dit"),
 }
 
@@ -314,3 +331,15 @@ def test_pixart_prompt_mask_reaches_the_cross_attention():
 
     masked, unmasked = run(data["mask"]), run(None)
     assert relative_error(unmasked, masked) > 1e-3  # 100x the exact layouts' 1e-5 tolerance
+
+
+def test_tensor_parallel_baseline_refuses_what_its_plan_does_not_split():
+    """Megatron TP leaves the model's own attention running on each rank's heads: only
+    Tessera's DiT has a plan, and its heads must divide the degree."""
+    with pytest.raises(
+        ValueError, match="^the tensor-parallel baseline supports Tessera's DiT only, not PixArt"
+    ):
+        _denoise(tiny_pixart_transformer(), _pixart_cond(), ParallelConfig(tp_degree=2))
+    model, cond = _dit()
+    with pytest.raises(ValueError, match="^4 attention heads are not divisible by the TP degree 3"):
+        _denoise(model, cond, ParallelConfig(tp_degree=3))

@@ -127,3 +127,23 @@ def test_every_shipped_style_is_supported_or_refused():
 
     unmapped = set(ALL_PARALLEL_STYLES) - set(STYLES) - set(REFUSED)
     assert not unmapped, f"transformers styles neither supported nor refused: {sorted(unmapped)}"
+
+
+def test_sequence_parallel_norms_refuse_other_layouts_by_name():
+    """Megatron sequence parallelism re-lays the norms and block inputs of Llama-style decoders
+    only; any other layout, a plan not starting at a vocabulary-parallel embedding, or a style
+    it cannot turn sequence-parallel is named before anything is sharded."""
+    from tessera.parallel.tp_sequence import sequence_parallel_styles
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=128))
+    with pytest.raises(
+        ValueError, match=r"needs decoder layers with input_layernorm, .* GPT2LMHeadModel has another"
+    ):
+        sequence_parallel_styles(gpt2, {})
+    llama = _llama()
+    with pytest.raises(ValueError, match=r"starts the sequence split at a vocabulary-parallel embedding"):
+        sequence_parallel_styles(llama, {"model.layers.0.mlp.down_proj": "rowwise"})
+    with pytest.raises(
+        ValueError, match=r"cannot take style 'rowwise_rep' at 'model.layers.0.mlp.down_proj'"
+    ):
+        sequence_parallel_styles(llama, {"model.layers.0.mlp.down_proj": "rowwise_rep"})

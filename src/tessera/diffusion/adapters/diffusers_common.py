@@ -6,8 +6,9 @@ Each Tessera processor mirrors one diffusers processor class (``AttnProcessor2_0
 kernel. Before a swap, :func:`check_attention_modules` refuses by name every layer whose
 computation that mirror would not reproduce: another processor class (IP-adapter, PAG,
 classic ``AttnProcessor``, ...), fused q/k/v projections, a non-SDPA attention backend,
-diffusers' own parallelism, and, where the kernel replaces image self-attention,
-cross-attention, spatial or group norms.
+diffusers' own parallelism, diffusers hooks that change a layer's per-call computation
+(caches, layer skip), and, where the kernel replaces image self-attention, cross-attention,
+spatial or group norms.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def check_attention_modules(model: nn.Module, layers: list[tuple[str, nn.Module,
             f"{type(model).__name__} has diffusers' own parallelism enabled (enable_parallelism); "
             "Tessera splits the model itself: load it without"
         )
+    _check_hooks(model)
     for path, attn, mirrored, image_only in layers:
         processor = attn.processor
         if getattr(attn, "fused_projections", False):
@@ -136,6 +138,29 @@ def check_attention_modules(model: nn.Module, layers: list[tuple[str, nn.Module,
             )
         if image_only:
             _check_image_self_attention(path, attn)
+
+
+# diffusers hooks that only move or cast weights around a layer's own computation
+# (enable_group_offload, enable_layerwise_casting). Every other hook (caches, layer skip,
+# guidance perturbations, context or tensor parallel) changes what a layer computes per call.
+_WEIGHT_HOOKS = {
+    "group_offloading",
+    "layer_execution_tracker",
+    "lazy_prefetch_group_offloading",
+    "layerwise_casting",
+    "peft_autocast_disable",
+}
+
+
+def _check_hooks(model: nn.Module) -> None:
+    for path, module in model.named_modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        for name in getattr(registry, "hooks", {}):
+            if name not in _WEIGHT_HOOKS:
+                raise ValueError(
+                    f"{path or type(model).__name__} carries diffusers hook {name!r}, which would see Tessera's "
+                    "band and patch calls instead of the model's: remove it (disable_cache()) first"
+                )
 
 
 def _check_image_self_attention(path: str, attn: nn.Module) -> None:
