@@ -174,12 +174,15 @@ def test_a_reduction_over_the_long_dim_is_never_sliced():
 
 
 class GroupedQueryAttention(nn.Module):
-    """Grouped-query attention (8 query heads share 2 key/value heads, ``enable_gqa``), with an
-    optional attention dropout."""
+    """Grouped-query attention (8 query heads share 2 key/value heads, ``enable_gqa``) with a
+    softmax scale of its own, optionally causal or with attention dropout."""
 
-    def __init__(self, dropout: float = 0.0, width: int = 64, heads: int = 8, kv_heads: int = 2):
+    def __init__(
+        self, dropout: float = 0.0, causal: bool = False, width: int = 64, heads: int = 8, kv_heads: int = 2
+    ):
         super().__init__()
         self.heads, self.kv_heads, self.dim, self.dropout = heads, kv_heads, width // heads, dropout
+        self.causal = causal
         self.q = nn.Linear(width, width)
         self.kv = nn.Linear(width, 2 * kv_heads * self.dim)
         self.out = nn.Linear(width, width)
@@ -188,7 +191,9 @@ class GroupedQueryAttention(nn.Module):
         b, n, _ = x.shape
         q = self.q(x).view(b, n, self.heads, self.dim).transpose(1, 2)
         k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.dim).permute(2, 0, 3, 1, 4)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, enable_gqa=True)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout, is_causal=self.causal, scale=0.8, enable_gqa=True
+        )
         return self.out(o.transpose(1, 2).flatten(2))
 
 
@@ -225,3 +230,15 @@ def test_attention_with_dropout_is_not_sliced():
 
     node = _sdpa_node(GroupedQueryAttention(dropout=0.1).train(), torch.randn(2, 64, 64))
     assert all(input_dims(node, d) is None for d in range(4))
+
+
+def test_causal_attention_is_not_sliced_along_queries():
+    """is_causal ties query i to key i: a slice of the queries alone would move the diagonal."""
+    from tessera.autochunk.rules import input_dims
+
+    node = _sdpa_node(GroupedQueryAttention(causal=True).eval(), torch.randn(2, 64, 64))
+    assert input_dims(node, 2) is None and input_dims(node, 0) is not None
+    q = k = torch.randn(1, 1, 16, 8, generator=torch.Generator().manual_seed(0))
+    whole = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
+    second_half = torch.nn.functional.scaled_dot_product_attention(q[:, :, 8:], k, k, is_causal=True)
+    assert (second_half - whole[:, :, 8:]).abs().max() > 0.1  # what slicing the queries would compute

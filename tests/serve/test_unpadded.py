@@ -163,3 +163,18 @@ def test_the_layers_softmax_scale_is_honoured_by_every_split(encoder_dirs, monke
     dropped = UnpaddedRunner(served)(sequences)
     print(f"scale dropped: max |packed - one by one| = {(dropped - expected).abs().max():.2e}")
     assert (dropped - expected).abs().max() > 100 * ATOL  # 10x short of what was measured
+
+
+def test_encoder_families_with_other_attention_are_refused_when_loaded(tmp_path):
+    """Only families whose attention is plain bidirectional softmax over the input are served:
+    ModernBERT (local sliding-window layers, rotary positions) and DeBERTa-v2 (relative
+    position biases) are named when their config is read, before any weights load."""
+    from transformers import DebertaV2Config, ModernBertConfig
+
+    for config in (ModernBertConfig(), DebertaV2Config(relative_attention=True)):
+        folder = tmp_path / config.model_type
+        config.save_pretrained(folder)
+        with pytest.raises(
+            ValueError, match=f"^model type '{config.model_type}' is not served; supported encoder"
+        ):
+            load_model(folder)
