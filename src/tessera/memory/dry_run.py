@@ -125,7 +125,7 @@ def simulate_step(
     """Three steps of one rank's uses (``whole``: bytes of each whole chunk; its fp32 shard
     of ``shard_numels``) through the store and policy training uses, over meta tensors;
     ``disk``: a disk tier below (counting only). ValueError with the numbers if a use
-    cannot be placed. ``ShardOffload.create`` runs it at set-up over the real layout."""
+    cannot be placed. ``tessera.memory.offload.check_offload`` runs it before set-up."""
     shards = [torch.empty(n, device="meta") for n in shard_numels]
     store = build_store(
         manager,

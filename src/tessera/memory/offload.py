@@ -23,11 +23,13 @@ name): Tessera does not substitute its own, so results stay those of the user's 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
 
 from tessera.memory.chunk import ChunkKind, ChunkState
-from tessera.memory.store import TieredStore, build_store
+from tessera.memory.store import TieredStore, build_store, check_device_memory
+from tessera.memory.tiers import check_dir
 
 
 def _check_need(name: str, budget: int | None, need: int) -> None:
@@ -50,6 +52,56 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> int:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _need(whole: list[int], shard_bytes: list[int]) -> int:
+    """Bytes the largest chunk's use holds on the compute tier at once: its whole chunk and
+    its shard (the all-gather), or its shard's master, gradient and two moments."""
+    return max(max(w + b for w, b in zip(whole, shard_bytes, strict=True)), 4 * max(shard_bytes))
+
+
+def _dry_run(manager, whole, numels, *, budget_name: str, **settings) -> None:
+    """``simulate_step`` (``tessera.memory.dry_run``) over meta tensors; a refusal names the
+    compute tier's budget."""
+    from tessera.memory.dry_run import simulate_step
+
+    try:
+        simulate_step(manager, whole, numels, **settings)
+    except ValueError as e:
+        budget = settings[budget_name]
+        raise ValueError(f"Plan.{budget_name}={budget} refused before training (dry run): {e}") from None
+
+
+def check_offload(
+    manager,
+    optimizer,
+    *,
+    dp: int,
+    device: torch.device,
+    rank: int,
+    policy: str,
+    device_memory: int | None,
+    host_memory: int | None,
+    offload_dir,
+) -> None:
+    """Every refusal of offloading a rank's ZeRO-3 chunks of ``manager`` (its chunks' data
+    is neither read nor changed: meta tensors will do), made before anything is bound,
+    freed or built, each with the numbers: a compute-tier budget below what the largest
+    chunk's use needs, ``device_memory`` without CUDA, the dry run of one step over this
+    layout, and the offload directory (writable, with room for every shard's bytes)."""
+    whole = [cg.chunk.capacity * cg.chunk.buffer.element_size() for cg in manager.chunks]
+    numels = [cg.chunk.capacity // dp for cg in manager.chunks]
+    shard_bytes = [4 * n for n in numels]  # fp32 master shards
+    name = "device_memory" if device.type == "cuda" else "host_memory"
+    _check_need(name, device_memory if name == "device_memory" else host_memory, _need(whole, shard_bytes))
+    check_device_memory(device, device_memory)
+    _dry_run(
+        manager, whole, numels, policy=policy, device=device, device_memory=device_memory,
+        host_memory=host_memory, disk=offload_dir is not None, state_tensors=_state_tensors(optimizer),
+        budget_name=name,
+    )  # fmt: skip
+    if offload_dir is not None:  # last: a refused budget leaves no directory behind
+        check_dir(Path(offload_dir) / f"rank{rank}", 4 * sum(shard_bytes))
 
 
 class ShardOffload:
@@ -188,44 +240,30 @@ class ShardOffload:
 
     @classmethod
     def create(cls, manager, optimizer, shards, whole: list[torch.Tensor], *, device, rank, **settings):
-        """Tier a rank's ``shards`` (``whole``: each chunk's full buffer); refuse, with the
-        numbers, a compute-tier budget below what one chunk's use needs: its whole chunk
-        and its shard (the all-gather), or its shard's master, gradient and two moments."""
-        shard_bytes = [_nbytes(s) for s in shards]
-        need = max(
-            max(_nbytes(w) + b for w, b in zip(whole, shard_bytes, strict=True)),
-            4 * max(shard_bytes),
-        )
+        """Tier a rank's ``shards`` (``whole``: each chunk's full buffer). The layout was
+        checked first (``check_offload``, before any chunk was bound or freed)."""
         name = "device_memory" if device.type == "cuda" else "host_memory"
-        _check_need(name, settings[name], need)
+        shard_bytes = [_nbytes(s) for s in shards]
         store = build_store(manager, device=device, rank=rank, disk_need=4 * sum(shard_bytes), **settings)
         offload = cls(store, optimizer, shards)
-        offload.need, offload.budget_name = need, name
+        offload.need = _need([_nbytes(w) for w in whole], shard_bytes)
+        offload.budget_name = name
         offload.layout = [_nbytes(w) for w in whole], [s.numel() for s in shards], _state_tensors(optimizer)
         offload.policy = settings["policy"]
-        offload.check_plan(settings[name])
         store.measure(True)  # the warm-up step: checked by check_warmup before its optimizer step
         return offload
 
     def check_plan(self, budget: int | None) -> None:
-        """The dry run of one step over this rank's real chunks (``tessera.memory.dry_run``)
-        under ``budget`` on the compute tier: refused at set-up, with the numbers, if a use
-        cannot be placed."""
-        from tessera.memory.dry_run import simulate_step
-
+        """The dry run of one step over this rank's real chunks under ``budget`` on the
+        compute tier (the other tiers as they are)."""
         whole, numels, states = self.layout
         tiers = {t.name: t.budget for t in self.store.tiers}
         tiers[self.store.tiers[0].name] = budget
-        try:
-            simulate_step(
-                self.store.manager, whole, numels, policy=self.policy,
-                device=self.store.tiers[0].device, device_memory=tiers.get("device"),
-                host_memory=tiers.get("host"), disk=self.store.disk is not None, state_tensors=states,
-            )  # fmt: skip
-        except ValueError as e:
-            raise ValueError(
-                f"Plan.{self.budget_name}={budget} refused before training (dry run): {e}"
-            ) from None
+        _dry_run(
+            self.store.manager, whole, numels, policy=self.policy, device=self.store.tiers[0].device,
+            device_memory=tiers.get("device"), host_memory=tiers.get("host"),
+            disk=self.store.disk is not None, state_tensors=states, budget_name=self.budget_name,
+        )  # fmt: skip
 
     def check_warmup(self) -> None:
         """After the warm-up step's forward and backward, before its optimizer step: what

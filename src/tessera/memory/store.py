@@ -376,6 +376,14 @@ def _host_like(t: torch.Tensor) -> torch.Tensor:
 __all__ = ["TieredChunk", "TieredStore", "TierFull", "Moves"]
 
 
+def check_device_memory(device: torch.device, device_memory: int | None) -> None:
+    if device.type != "cuda" and device_memory is not None:
+        raise ValueError(
+            f"Plan.device_memory={device_memory} is for a CUDA device; this mesh computes on {device.type}: "
+            "use Plan.host_memory"
+        )
+
+
 def build_store(
     manager,
     *,
@@ -389,11 +397,7 @@ def build_store(
 ) -> TieredStore:
     """Tiers fastest first: CUDA device (``device_memory``), host (``host_memory``; pinned
     on CUDA), disk under ``offload_dir/rank<r>`` (the last tier: where everything else goes)."""
-    if device.type != "cuda" and device_memory is not None:
-        raise ValueError(
-            f"Plan.device_memory={device_memory} is for a CUDA device; this mesh computes on {device.type}: "
-            "use Plan.host_memory"
-        )
+    check_device_memory(device, device_memory)
     tiers = [Tier("device", device_memory, device)] if device.type == "cuda" else []
     tiers.append(Tier("host", host_memory, torch.device("cpu")))
     if offload_dir is not None:

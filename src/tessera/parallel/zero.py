@@ -47,7 +47,7 @@ from torch import nn
 from tessera.memory.chunk import ChunkState
 from tessera.memory.chunk_manager import ChunkManager, ParamChunk
 from tessera.memory.chunk_manager import local as _local
-from tessera.memory.offload import ShardOffload
+from tessera.memory.offload import ShardOffload, check_offload
 from tessera.runtime import Mesh
 
 
@@ -81,6 +81,9 @@ class ZeroEngine:
             optimizer.param_groups, chunk_elems=chunk_elems, align=dp, segment_of=segment_of
         )
         self.groups: list[ParamChunk] = self.manager.chunks
+        if offload is not None:  # refused before any chunk is bound or freed: the model stays whole
+            assert zero == 3, "offload moves ZeRO-3 chunks (Plan checks)"
+            check_offload(self.manager, optimizer, dp=dp, device=mesh.device, rank=self.rank, **offload)
         self.owner = self.manager.owner
         self.pending = {cg: len(cg.params) for cg in self.groups}
         self.expected = dict(self.pending)  # gradients a step brings (fewer: unused modules)

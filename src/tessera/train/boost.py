@@ -15,15 +15,25 @@ optimizer object is kept (its class, settings, hooks and any state it had loaded
 the sharded states; ``train_step`` runs one optimizer step of ``grad_accum`` micro-batches
 on this rank's share of the batch, under bf16 or fp16 autocast if the plan says so (fp16
 with dynamic loss scaling, ``tessera.train.loss_scale``).
+
+Every check comes first (``_validate``), on sizes and metadata only: the tensor parallel
+plan is applied to a meta copy of the model, the offload budgets, dry run and directory are
+checked over a meta copy of the ZeRO-3 chunk layout, pipeline stages are counted. A refused
+plan leaves the model, its parameters (objects, values, storage, device), its hooks and the
+optimizer (groups and state) as they were, so ``boost`` can be called again on them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from tessera.memory.chunk_manager import ChunkManager
+from tessera.memory.offload import check_offload
 from tessera.parallel.tp_plans import TPPlan, apply_tp, plan_for
 from tessera.parallel.zero import ZeroEngine, chunk_elems_for
 from tessera.runtime import Mesh
@@ -84,43 +94,186 @@ def boost(
     *,
     tp_plan: TPPlan | None = None,
 ) -> tuple[nn.Module, BoostedOptimizer]:
-    """Spread ``model`` and ``optimizer`` over the processes by ``plan`` (see the module doc)."""
+    """Spread ``model`` and ``optimizer`` over the processes by ``plan`` (see the module doc).
+    Every refusal comes before the model or the optimizer is changed (``_validate``)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"boost needs a tessera.Plan, got {type(plan).__name__}")
     plan.check_world(world_size())
     mesh = mesh or plan_mesh(plan)
     _check_mesh(mesh, plan)
-    has_tp = "tp" in mesh.axes  # a data-parallel-only mesh may have no tp axis
-    group_names = _check_optimizer(model, optimizer, plan)
+    setup = _validate(model, optimizer, plan, mesh, tp_plan)
+    # Nothing below refuses a plan: from here on the model and the optimizer change.
     if plan.pp > 1:
-        return _boost_pipelined(model, optimizer, plan, mesh, tp_plan, group_names)
+        return _boost_pipelined(model, optimizer, plan, mesh, setup)
+    return _boost(model, optimizer, plan, mesh, setup)
+
+
+@dataclass
+class _Setup:
+    """What the validation found, for the changes that follow it."""
+
+    group_names: list[list[str]]  # parameter names of each of the optimizer's groups
+    tp_plan: TPPlan | None
+    blocks: list[nn.Module]  # transformer blocks (checkpointed or chunked by block), else []
+    loaded: dict | None  # the state the optimizer held, loaded again after boost
+
+
+def _validate(model, optimizer, plan: Plan, mesh: Mesh, tp_plan: TPPlan | None) -> _Setup:
+    """Every check boost makes, on the model's sizes and metadata (tensor parallel on a
+    meta copy, offload on a meta chunk layout): nothing here changes the model, its
+    parameters or the optimizer."""
+    _check_storage(model)
+    group_names = _check_optimizer(model, optimizer, plan)
+    loaded = optimizer.state_dict() if optimizer.state else None
+    if loaded is not None and plan.pp > 1:
+        raise ValueError(f"Plan(pp={plan.pp}) starts from a fresh optimizer; load its state after boost")
+    if plan.pp > 1:
+        wanted = ["activation_checkpointing"] if plan.activation_checkpointing else []
+    else:
+        wanted = [n for n in ("block_chunks", "activation_checkpointing") if getattr(plan, n)]
+    blocks = blocks_or_error(model, wanted[0]) if wanted else []
+    tp_names: set[str] = set()
+    if plan.tp > 1:
+        tp_plan = tp_plan or plan_for(model)
+        tp_names = _check_tp(model, tp_plan, mesh, plan)
+    else:
+        tp_plan = None
+    if loaded is not None:
+        _check_loaded_state(model, optimizer, loaded, plan, tp_names)
+    if plan.pp > 1:
+        _check_stages(model, plan)
+    if plan.sp > 1:
+        if getattr(model, "config", None) is None:
+            raise ValueError(
+                f"Plan(sp={plan.sp}) runs a transformers model's attention sequence-parallel; "
+                f"{type(model).__name__} has no config: use sp=1"
+            )
+        from tessera.parallel.sequence import check_sequence_parallel
+
+        check_sequence_parallel(model)
+    if plan.offload is not None:
+        _check_offload(model, optimizer, plan, mesh, blocks)
+    return _Setup(group_names, tp_plan, blocks, loaded)
+
+
+def _check_storage(model: nn.Module) -> None:
+    """A parameter without storage (a model boosted at ZeRO-3 already: its chunks are
+    emptied between uses) would be read out of bounds."""
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        if local.numel() and local.device.type != "meta" and local.untyped_storage().nbytes() == 0:
+            raise ValueError(
+                f"parameter {name} has no storage (boost at zero=3 empties it; was this model boosted "
+                "already?): boost a freshly built or loaded model"
+            )
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """``model`` with every parameter and buffer on the meta device (no data copied)."""
+    memo: dict[int, torch.Tensor] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _check_tp(model: nn.Module, tp_plan: TPPlan, mesh: Mesh, plan: Plan) -> set[str]:
+    """The tensor parallel plan applied to a meta copy of the model (every check
+    ``apply_tp`` makes, GPT-2's layout change included, with no data and no communication);
+    the names of the parameters it shards."""
+    shadow = _meta_copy(model)
+    apply_tp(
+        shadow,
+        tp_plan,
+        mesh.device_mesh["tp"],
+        plan.tp,
+        src_data_rank=None,
+        sequence_parallel=plan.sequence_parallel_norms,
+    )
+    return {n for n, p in shadow.named_parameters() if hasattr(p, "placements")}
+
+
+def _check_loaded_state(model, optimizer, loaded: dict, plan: Plan, tp_names: set[str]) -> None:
+    """A state the plan shards (ZeRO >= 1, or a tensor parallel parameter) must be
+    per-element or scalar (``tessera.train.full_optim_state`` loads it after boost)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group, saved in zip(optimizer.param_groups, loaded["param_groups"], strict=True):
+        for p, index in zip(group["params"], saved["params"], strict=True):
+            name = names[id(p)]
+            if plan.zero == 0 and name not in tp_names:
+                continue
+            for key, value in loaded["state"].get(index, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() != p.numel():
+                    raise ValueError(
+                        f"optimizer state {key!r} of {name} has shape {tuple(value.shape)}, neither the "
+                        f"parameter's {tuple(p.shape)} nor a scalar: it cannot be sharded"
+                    )
+
+
+def _check_stages(model: nn.Module, plan: Plan) -> None:
+    """The model cuts into the plan's pipeline stages (``tessera.parallel.pipeline``)."""
+    from tessera.parallel.pipeline import balanced_counts, check_stages, layer_costs, num_layers, stage_bounds
+
+    total = plan.pp * plan.virtual_stages
+    counts = plan.stage_layers
+    if counts == "balanced":
+        costs, first, last = layer_costs(model)
+        counts = balanced_counts(costs, total, first=first, last=last)
+    stage_bounds(num_layers(model), total, counts)
+    check_stages(model)  # the stages together are the model's own forward (a probe batch)
+    is_dit = all(hasattr(model, n) for n in ("blocks", "condition", "embed", "head"))
+    if plan.sp > 1 and is_dit:
+        raise ValueError(
+            f"Plan(pp={plan.pp}, sp={plan.sp}): sequence parallel pipeline stages are built for transformers "
+            "causal LMs, not the DiT; use sp=1"
+        )
+
+
+def _check_offload(model: nn.Module, optimizer, plan: Plan, mesh: Mesh, blocks: list[nn.Module]) -> None:
+    """The offload plan over the chunk layout ZeRO-3 will make, built from meta copies of
+    the parameters (``tessera.memory.offload.check_offload``); a parameter larger than the
+    chunk size is refused (its chunk would be larger than the budgets assume)."""
+    check_chunk_size(model, plan)
+    meta = {p: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad) for p in model.parameters()}
+    groups = [{"params": [meta[p] for p in g["params"]]} for g in optimizer.param_groups]
+    segment_of = (
+        {meta[p]: i for i, block in enumerate(blocks) for p in block.parameters()}
+        if plan.block_chunks
+        else None
+    )
+    dp = mesh.size("dp")
+    manager = ChunkManager(
+        groups, chunk_elems=chunk_elems_for(plan.chunk_mib), align=dp, segment_of=segment_of
+    )
+    check_offload(
+        manager, optimizer, dp=dp, device=mesh.device, rank=mesh.rank("dp"), **_offload_settings(plan)
+    )
+
+
+def _boost(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
     sp_mesh = None
+    has_tp = "tp" in mesh.axes  # a data-parallel-only mesh may have no tp axis
     if plan.sp > 1:  # ZeRO and the gradient average span dp x sp; attention talks over sp
         # (dp x sp, tp) lays the ranks out as (dp, sp, tp) does: the same tp groups
         sp_mesh, mesh = mesh, Mesh(dp=plan.dp * plan.sp, **({"tp": plan.tp} if has_tp else {}))
-    blocks = (
-        blocks_or_error(model, "block_chunks" if plan.block_chunks else "activation_checkpointing")
-        if plan.block_chunks or plan.activation_checkpointing
-        else []
-    )
-    # Any state the optimizer holds (loaded by the user) is taken whole now and loaded
-    # again below into whatever shards and pieces the plan makes.
-    loaded = optimizer.state_dict() if optimizer.state else None
     model.to(mesh.device)  # in place: the optimizer's parameters stay the model's
-    if plan.tp > 1:
-        tp_plan = tp_plan or plan_for(model)
+    if setup.tp_plan is not None:
         apply_tp(
-            model, tp_plan, mesh.device_mesh["tp"], plan.tp, sequence_parallel=plan.sequence_parallel_norms
+            model,
+            setup.tp_plan,
+            mesh.device_mesh["tp"],
+            plan.tp,
+            sequence_parallel=plan.sequence_parallel_norms,
         )
-    else:
-        tp_plan = None
     _same_start(model, mesh)
-    params = dict(model.named_parameters())
-    for group, names in zip(optimizer.param_groups, group_names, strict=True):
-        group["params"] = [params[n] for n in names]  # tensor parallel re-created some
+    _regroup(model, optimizer, setup.group_names)
+    # Any state the optimizer held (loaded by the user) was taken whole by _validate and is
+    # loaded again below into whatever shards and pieces the plan makes.
     optimizer.state.clear()
     segment_of = (
-        {p: i for i, block in enumerate(blocks) for p in block.parameters()} if plan.block_chunks else None
+        {p: i for i, block in enumerate(setup.blocks) for p in block.parameters()}
+        if plan.block_chunks
+        else None
     )
     engine = ZeroEngine(
         model,
@@ -132,20 +285,21 @@ def boost(
         max_grad_norm=plan.max_grad_norm,
         tp_axis="tp" if has_tp else None,
         segment_of=segment_of,
-        offload=_offload_settings(model, plan),
+        offload=_offload_settings(plan),
     )
     if plan.activation_checkpointing:
         checkpoint_blocks(
-            model, blocks, context_fn=lambda: (contextlib.nullcontext(), engine.recomputation())
+            model, setup.blocks, context_fn=lambda: (contextlib.nullcontext(), engine.recomputation())
         )
+    args = (model, engine, plan, mesh, setup.tp_plan, setup.group_names)
     if sp_mesh is None:
-        boosted = BoostedOptimizer(model, engine, plan, mesh, tp_plan, group_names)
+        boosted = BoostedOptimizer(*args)
     else:
         from tessera.train.sequenced import SequenceParallelOptimizer
 
-        boosted = SequenceParallelOptimizer(model, engine, plan, mesh, tp_plan, group_names, sp_mesh=sp_mesh)
-    if loaded is not None:
-        boosted.load_state_dict(loaded)
+        boosted = SequenceParallelOptimizer(*args, sp_mesh=sp_mesh)
+    if setup.loaded is not None:
+        boosted.load_state_dict(setup.loaded)
     return model, boosted
 
 
@@ -163,30 +317,30 @@ def _check_mesh(mesh: Mesh, plan: Plan) -> None:
             raise ValueError(f"mesh {mesh} has {name}={size} but the plan asks {name}={getattr(plan, name)}")
 
 
-def _boost_pipelined(model, optimizer, plan: Plan, mesh: Mesh, tp_plan, group_names):
+def _boost_pipelined(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
     """Plan(pp > 1): stages of the model on each rank (``tessera.train.pipelined``)."""
     from tessera.train.pipelined import PipelinedOptimizer
 
-    if optimizer.state:
-        raise ValueError(f"Plan(pp={plan.pp}) starts from a fresh optimizer; load its state after boost")
     model.to(mesh.device)
-    if plan.tp > 1:
-        apply_tp(model, tp_plan or plan_for(model), mesh.device_mesh["tp"], plan.tp)
-        params = dict(model.named_parameters())
-        for group, names in zip(optimizer.param_groups, group_names, strict=True):
-            group["params"] = [params[n] for n in names]
+    if setup.tp_plan is not None:
+        apply_tp(model, setup.tp_plan, mesh.device_mesh["tp"], plan.tp)
+        _regroup(model, optimizer, setup.group_names)
     _same_start(model, mesh)
     if plan.activation_checkpointing:
-        checkpoint_blocks(model, blocks_or_error(model, "activation_checkpointing"))
+        checkpoint_blocks(model, setup.blocks)
     return model, PipelinedOptimizer(model, optimizer, plan, mesh)
 
 
-def _offload_settings(model: nn.Module, plan: Plan) -> dict | None:
-    """The store's settings from the plan; a chunk size below the largest parameter is
-    refused under offload (that parameter's chunk would be larger than the budgets assume)."""
+def _regroup(model: nn.Module, optimizer: torch.optim.Optimizer, group_names: list[list[str]]) -> None:
+    """The optimizer's groups hold the model's parameters again (tensor parallel re-created some)."""
+    params = dict(model.named_parameters())
+    for group, names in zip(optimizer.param_groups, group_names, strict=True):
+        group["params"] = [params[n] for n in names]
+
+
+def _offload_settings(plan: Plan) -> dict | None:
     if plan.offload is None:
         return None
-    check_chunk_size(model, plan)
     return dict(
         policy=plan.offload,
         device_memory=plan.device_memory,
