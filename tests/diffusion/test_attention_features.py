@@ -51,9 +51,9 @@ def _pixart_cond() -> dict:
     return {"prompt_embeds": torch.randn(1, 5, 24), "prompt_attention_mask": torch.ones(1, 5)}
 
 
-def _denoise(model, cond, config=None):
+def _denoise(model, cond, config=None, height=16):
     config = config or ParallelConfig()
-    noise = torch.randn(1, model.config.in_channels if isinstance(model, DiT) else 4, 16, 12)
+    noise = torch.randn(1, model.config.in_channels if isinstance(model, DiT) else 4, height, 12)
     return parallel_denoise(
         model, cond=cond, uncond=None, guidance_scale=1.0, stepper=NoSteps(), noise=noise, config=config
     )
@@ -343,3 +343,12 @@ def test_tensor_parallel_baseline_refuses_what_its_plan_does_not_split():
     model, cond = _dit()
     with pytest.raises(ValueError, match="^4 attention heads are not divisible by the TP degree 3"):
         _denoise(model, cond, ParallelConfig(tp_degree=3))
+
+
+def test_a_latent_beyond_the_sd3_position_table_is_refused():
+    """SD3 crops its position table to the image; a band takes its rows of that crop, which
+    does not exist beyond pos_embed_max_size patches."""
+    with pytest.raises(
+        ValueError, match=r"^image size 34x12 exceeds this SD3 model's position table \(32x32\)"
+    ):
+        _denoise(tiny_sd3(), _joint_cond(guidance=False), height=34)

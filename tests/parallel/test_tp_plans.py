@@ -111,6 +111,10 @@ def test_every_refused_style_names_itself_and_the_entry(style):
             {"model.layers.*.mlp.up_proj": "colwise_gather_output"},
             r"tp=3 does not divide the output features \(64\)",
         ),
+        (
+            {"model.layers.*.self_attn.q_proj": "colwise"},
+            r"tp=3 does not divide num_attention_heads=4 of LlamaFor",
+        ),
     ],
 )
 def test_plan_mistakes_are_named(layers, message):
