@@ -27,6 +27,16 @@ def _layout(args: argparse.Namespace):
     return config
 
 
+def _check_layout(model, config, steps: int) -> None:
+    """What each rank's ``parallel_sample`` would refuse, refused here before any starts."""
+    from tessera.diffusion.adapters import adapter_for
+    from tessera.diffusion.parallel import check_layout, check_steps
+
+    size = model.config.image_size
+    check_layout(adapter_for(model), config, size, size)
+    check_steps(config, steps)
+
+
 def _generate_rank(model_dir: str, labels, config, steps: int, guidance: float, seed: int, progress: bool):
     from tessera.diffusion.parallel import parallel_sample
     from tessera.diffusion.pipefusion import release_other_stages
@@ -124,6 +134,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     out = check_writable(args.out)
     config = _layout(args)
     model = load_dit(args.model)  # fail here, before any process starts, if it is unusable
+    _check_layout(model, config, args.steps)  # and if the layout does not fit it
     labels = torch.tensor(digits).repeat_interleave(args.per_digit)
     job = (str(args.model), labels, config, args.steps, args.guidance, args.seed)
     if args.nproc == 1:

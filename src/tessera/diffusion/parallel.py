@@ -40,6 +40,15 @@ def check_layout(adapter: Adapter, config: ParallelConfig, height: int, width: i
         adapter.check_attention()
 
 
+def check_steps(config: ParallelConfig, num_steps: int) -> None:
+    """Stale-activation methods need at least their synchronous warm-up steps."""
+    if config.method in ("pipefusion", "distrifusion") and config.warmup_steps > num_steps:
+        raise ValueError(
+            f"warmup_steps {config.warmup_steps} exceeds the {num_steps} sampling steps; "
+            f"use at most {num_steps} (warm-up = all steps is exact)"
+        )
+
+
 def parallel_denoise(
     model: torch.nn.Module,
     *,
@@ -59,11 +68,7 @@ def parallel_denoise(
     check_layout(adapter, config, height, width)
     for branch in (cond, uncond) if uncond is not None else (cond,):
         adapter.check_cond(branch)
-    if config.method in ("pipefusion", "distrifusion") and config.warmup_steps > stepper.num_steps:
-        raise ValueError(
-            f"warmup_steps {config.warmup_steps} exceeds the {stepper.num_steps} sampling steps; "
-            f"use at most {stepper.num_steps} (warm-up = all steps is exact)"
-        )
+    check_steps(config, stepper.num_steps)
     mesh = mesh or config.build_mesh()
     guidance = Guidance(cond, uncond, guidance_scale, mesh)
     common = dict(guidance=guidance, stepper=stepper, noise=noise, mesh=mesh, progress=progress)

@@ -15,7 +15,7 @@ import torch
 
 from tessera.diffusion.adapters import adapter_for
 from tessera.diffusion.layout import ParallelConfig
-from tessera.diffusion.parallel import parallel_denoise
+from tessera.diffusion.parallel import check_layout, check_steps, parallel_denoise
 from tessera.diffusion.pipefusion import release_other_stages
 from tessera.diffusion.pipeline_families import family_of
 from tessera.diffusion.stepper import DiffusersStepper
@@ -95,19 +95,21 @@ def generate(
             f"image size {height}x{width} is not divisible by the VAE's downscale factor {vae_factor}"
         )
     family = family_of(type(pipe).__name__)
-    if config.method != "tp":  # refuse unmirrored attention layers before any weights are freed
-        adapter_for(pipe.transformer).check_attention()
-    if release_unused and config.method == "pipefusion" and mesh.size("pipefusion") > 1:
-        release_other_stages(pipe.transformer, config, mesh)
-    cfg = guidance_scale > 1.0 and family.classifier_free
-    encoded = family.encode(pipe, prompt, negative_prompt, cfg) if mesh.global_rank == 0 else None
     device = pipe.transformer.device
-    text = {k: v.to(device) for k, v in _broadcast_tensors(mesh, encoded, family.keys(cfg)).items()}
-    cond, uncond, scale = family.conditions(pipe, text, cfg, height, width, guidance_scale)
     noise = family.noise(pipe, height, width, seed)
     stepper = DiffusersStepper(
         pipe.scheduler, num_steps, device=device, **family.scheduler_kwargs(pipe, noise, num_steps)
     )
+    # every refusal of the layout (attention layers, patches, stages, warm-up) before any
+    # weight is freed: a refused call leaves the caller's pipeline whole
+    check_layout(adapter_for(pipe.transformer), config, *noise.shape[2:])
+    check_steps(config, stepper.num_steps)
+    if release_unused and config.method == "pipefusion" and mesh.size("pipefusion") > 1:
+        release_other_stages(pipe.transformer, config, mesh)
+    cfg = guidance_scale > 1.0 and family.classifier_free
+    encoded = family.encode(pipe, prompt, negative_prompt, cfg) if mesh.global_rank == 0 else None
+    text = {k: v.to(device) for k, v in _broadcast_tensors(mesh, encoded, family.keys(cfg)).items()}
+    cond, uncond, scale = family.conditions(pipe, text, cfg, height, width, guidance_scale)
     latents = parallel_denoise(
         pipe.transformer,
         cond=cond,
