@@ -1,6 +1,7 @@
-"""Putting a server together and running it: load the model, build the runner, measure
-the cost table (DP scheduler), start the engine, serve the app with uvicorn on a socket
-bound here (port 0: the OS picks a free one, announced on stdout).
+"""Putting a server together and running it: bind the socket (first: a port in use is
+refused before the model loads; port 0: the OS picks a free one, announced on stdout),
+load the model, build the runner, measure the cost table (DP scheduler), start the engine,
+serve the app with uvicorn on that socket.
 
 SIGTERM (or SIGINT) drains: the server keeps its socket open and answers new requests
 with 503 while the engine finishes every accepted input; then uvicorn shuts down, letting
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import socket
 import sys
 import threading
@@ -63,6 +65,8 @@ class ServeConfig:
         if self.overload_status not in (429, 503):
             raise ValueError(f"overload_status must be 429 or 503, got {self.overload_status}")
         BatchLimits(max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size)
+        if self.memory_plan and self.runner_name != "unpadded":
+            raise ValueError(f"the memory plan is the unpadded runner's; runner is {self.runner_name}")
 
     @property
     def runner_name(self) -> str:
@@ -78,8 +82,6 @@ def build_engine(config: ServeConfig, served, metrics=None) -> Engine:
             f"max_batch_tokens {config.max_batch_tokens} is below the model's input limit {served.max_length}: "
             f"one full-length input must fit a batch"
         )
-    if config.memory_plan and config.runner_name != "unpadded":
-        raise ValueError(f"the memory plan is the unpadded runner's; runner is {config.runner_name}")
     options = (
         {"attention": config.attention, "memory_plan": config.memory_plan}
         if config.runner_name == "unpadded"
@@ -108,9 +110,21 @@ def _cost_table(config: ServeConfig, runner, served, limits: BatchLimits) -> Cos
     return table
 
 
+def _check_cost_table(config: ServeConfig) -> None:
+    """A cost table to write (none there yet) needs a writable folder, known before the
+    model loads and the table is measured."""
+    path = Path(config.cost_table) if config.cost_table else None
+    if path is None or path.is_file():
+        return
+    folder = path.parent
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise ValueError(f"cannot write the cost table {path}: give a file path in a writable folder")
+
+
 def build_service(config: ServeConfig) -> Service:
     import torch
 
+    _check_cost_table(config)
     if config.threads:
         torch.set_num_threads(config.threads)
     served = load_model(config.model, task=config.task, pooling=config.pooling)
@@ -159,14 +173,31 @@ class DrainingServer:
         await task
 
 
+def bind(config: ServeConfig) -> socket.socket:
+    """The server's address, taken before the model loads: a port in use (or a host this
+    machine does not have) is refused at once, not after loading and measuring."""
+    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as e:
+        sock.close()
+        raise ValueError(
+            f"cannot listen on {config.host}:{config.port} ({e.strerror}): choose another port, or 0 for a free one"
+        ) from None
+    return sock
+
+
 def run_server(config: ServeConfig, service: Service | None = None) -> None:
     from tessera.serve.app import create_app
 
-    service = service or build_service(config)
+    sock = bind(config)
+    try:
+        service = service or build_service(config)
+    except BaseException:
+        sock.close()
+        raise
     app = create_app(service, payload_limit=config.payload_limit, overload_status=config.overload_status)
-    sock = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.port))
     port = sock.getsockname()[1]
     server = DrainingServer(app, service, config)
 

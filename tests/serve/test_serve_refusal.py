@@ -1,0 +1,50 @@
+"""`tessera serve` refuses what it can know before it loads the model (issue #25): a port
+in use, a cost table it could not write, a memory plan without the unpadded runner. Each
+used to surface after the model was loaded (and the cost table measured, which takes
+minutes on a real model); now each is a one-line error and the model is never loaded."""
+
+import socket
+
+import pytest
+
+from tessera import cli
+from tessera.serve import server
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """The model folders the server tried to load (none, for a refusal)."""
+    calls = []
+
+    def load_model(path, **kwargs):
+        calls.append(path)
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(server, "load_model", load_model)
+    return calls
+
+
+def _error_of(capsys, argv) -> str:
+    assert cli.main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("tessera: error: "), err
+    return err
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(tmp_path, capsys, loads):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _error_of(capsys, ["serve", "--model", str(tmp_path), "--port", str(port)])
+    assert f"cannot listen on 127.0.0.1:{port} (Address already in use): choose another port" in err
+    assert loads == []
+
+
+def test_settings_that_cannot_work_are_refused_before_the_model_loads(tmp_path, capsys, loads):
+    serve = ["serve", "--model", str(tmp_path), "--port", "0"]
+    err = _error_of(capsys, [*serve, "--cost-table", str(tmp_path / "no" / "cost.json")])
+    assert f"cannot write the cost table {tmp_path / 'no' / 'cost.json'}: give a file path" in err
+    err = _error_of(capsys, [*serve, "--memory-plan", "--scheduler", "fifo_padded"])
+    assert "the memory plan is the unpadded runner's; runner is padded" in err
+    assert loads == []
