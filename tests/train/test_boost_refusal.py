@@ -281,3 +281,16 @@ def test_refused_pipeline_stages_leave_the_model_as_given(ranks):
         )
         assert diffs == [], diffs
         assert found["pp"]["exact"]
+
+
+def test_a_model_deepcopy_cannot_copy_is_checked_when_applied_with_a_warning(caplog):
+    import threading
+
+    from tessera.train import boost as boost_module
+
+    model = tiny_gpt2()
+    model.lock = threading.Lock()  # deepcopy refuses it, so no meta copy can be checked first
+    with caplog.at_level("WARNING", logger="tessera.train.boost"):
+        names = boost_module._check_tp(model, plan_for(model), None, tessera.Plan(tp=2))
+    assert names == {n for n, _ in model.named_parameters()}  # the stricter state check
+    assert "cannot copy GPT2LMHeadModel to check its tensor parallel plan before changing it" in caplog.text

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,8 @@ from tessera.train.boosted import BoostedOptimizer
 from tessera.train.plan import Plan, check_chunk_size
 
 __all__ = ["BoostedOptimizer", "boost", "plan_mesh"]
+
+log = logging.getLogger(__name__)
 
 # ZeRO 1-3 step each chunk's flat shard as one tensor: right for updates that treat every
 # element on its own (with per-group scalars such as Adam's step), wrong for ones that look
@@ -181,7 +184,16 @@ def _check_tp(model: nn.Module, tp_plan: TPPlan, mesh: Mesh, plan: Plan) -> set[
     """The tensor parallel plan applied to a meta copy of the model (every check
     ``apply_tp`` makes, GPT-2's layout change included, with no data and no communication);
     the names of the parameters it shards."""
-    shadow = _meta_copy(model)
+    try:
+        shadow = _meta_copy(model)
+    except TypeError as e:  # an attribute deepcopy cannot copy (a lock, a handle)
+        log.warning(
+            "cannot copy %s to check its tensor parallel plan before changing it (%s): a refused plan "
+            "will be refused after the model was sharded",
+            type(model).__name__,
+            e,
+        )
+        return {n for n, _ in model.named_parameters()}  # as if all were sharded: the stricter state check
     apply_tp(
         shadow,
         tp_plan,
