@@ -18,3 +18,15 @@ def kernel_cache(tmp_path_factory):
         os.environ.pop("TESSERA_KERNEL_CACHE", None)
     else:
         os.environ["TESSERA_KERNEL_CACHE"] = old
+
+
+@pytest.fixture(scope="session", autouse=True)
+def reused_ranks():
+    """spawn() keeps its ranks between tests (one pool per world size): starting a rank (a
+    process, torch, the test's imports, the process group) costs seconds, the tests' work
+    far less. A test that needs fresh processes passes spawn(..., fresh=True)."""
+    from tessera.runtime import launch
+
+    launch.reuse_ranks(True)
+    yield
+    launch.reuse_ranks(False)

@@ -112,5 +112,33 @@ def test_a_writer_a_rank_left_behind_is_finalized(tmp_path):
     """Ranks skip the interpreter's teardown, which would collect garbage and run finalizers:
     the rank collects first, so a finalizer that saves data still runs."""
     path = tmp_path / "left_behind.txt"
-    assert spawn(_leaves_a_writer_behind, 1, str(path)) == [0]
+    assert spawn(_leaves_a_writer_behind, 1, str(path), fresh=True) == [0]  # the exit is what is tested
     assert path.read_text() == "held by a rank's unfinished writer\n"
+
+
+def _pid_and_groups(seed_draw: bool) -> tuple[int, int, float]:
+    from tessera.runtime import Mesh
+
+    Mesh(dp=dist.get_world_size())  # makes process groups of its own
+    draw = float(torch.rand(1)) if seed_draw else 0.0
+    torch.set_default_dtype(torch.float64)  # put back before the next call
+    return os.getpid(), 0, draw
+
+
+def test_reused_ranks_start_each_call_as_fresh_ones():
+    """The suite reuses ranks between calls (``reuse_ranks``): the same processes serve the
+    next call, torch's generator starts each call from the
+    same seed (a fresh process's is random: no test may depend on it), and a failure ends
+    the pool so the next call gets new ranks."""
+    from tessera.runtime import launch
+
+    if not launch._pooling:
+        pytest.skip("ranks are reused only under the test suite's set-up")
+    first = spawn(_pid_and_groups, 2, True)
+    second = spawn(_pid_and_groups, 2, True)
+    assert [p for p, _, _ in first] == [p for p, _, _ in second]  # the same ranks
+    assert [d for _, _, d in first] == [d for _, _, d in second]  # each call from the same seed
+    with pytest.raises(RankError):
+        spawn(_rank_one_raises_others_block, 2, timeout_s=60)
+    after = spawn(_pid_and_groups, 2, False)
+    assert not {p for p, _, _ in after} & {p for p, _, _ in first}  # a failure ended the pool

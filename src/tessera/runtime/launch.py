@@ -10,12 +10,16 @@ its peers blocked in a collective.
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
+import dataclasses
 import datetime
 import gc
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -63,6 +67,7 @@ def spawn(
     threads_per_rank: int = 1,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     collective_timeout_s: float = 120.0,
+    fresh: bool = False,
 ) -> list[Any]:
     """Run ``fn(*args)`` in ``world_size`` fresh processes joined in one process group.
 
@@ -72,12 +77,25 @@ def spawn(
     running. ``fn`` must be importable by name (a module-level function), because ranks
     start with the ``spawn`` method: forking a process that already ran torch kernels can
     hang in the OpenMP runtime.
+
+    After ``reuse_ranks(True)`` (the test suite's choice) the ranks of a world size are
+    started once and reused by later calls (``_Pool``), unless ``fresh``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if threads_per_rank < 1:
         raise ValueError(f"threads_per_rank must be >= 1, got {threads_per_rank}")
     backend = backend or default_backend()
+    if _pooling and not fresh:
+        key = _RankSpec(
+            rank=-1,
+            world_size=world_size,
+            port=0,
+            backend=backend,
+            threads=threads_per_rank,
+            collective_timeout_s=collective_timeout_s,
+        )
+        return _run_pooled(key, fn, args, timeout_s)
     # The parent hosts the store: port 0 asks the OS for a free port, held for the whole run.
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -188,16 +206,7 @@ def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, results: mp
         MASTER_PORT=str(spec.port),
     )
     try:
-        if spec.backend == "nccl":
-            torch.cuda.set_device(spec.rank % torch.cuda.device_count())
-        store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False)
-        dist.init_process_group(
-            spec.backend,
-            store=store,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
-        )
+        _join_group(spec)
         gc.freeze()  # what start-up made (torch's modules): the exit's collection skips it
         value = fn(*args)
         results.put((spec.rank, True, pickle.dumps(value)))
@@ -226,6 +235,149 @@ def _quick_exit() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# ---- a pool of ranks reused between calls (the test suite) -------------------------------
+
+_pooling = False
+
+
+def reuse_ranks(enabled: bool) -> None:
+    """Let ``spawn`` keep its ranks between calls (one pool per world size and settings), in
+    this process only: the test suite's set-up turns it on; ``close_pools`` ends them."""
+    global _pooling
+    _pooling = enabled
+    if not enabled:
+        close_pools()
+
+
+# each call starts torch's generator from this seed (a fresh process's is random), so what a
+# call draws does not depend on what ran before it in the same rank
+_CALL_SEED = 67280421310721
+
+
+class _Pool:
+    """``world_size`` ranks joined once and kept: each call sends every rank the function and
+    its arguments (and the caller's sys.path, so a test module imports) and collects the
+    results as ``spawn`` does. What a call leaves behind is undone before the next one: the
+    environment, the default dtype, grad mode and thread count put back, torch's generator
+    seeded alike for every call. The process groups a call made stay (DTensor caches sharding
+    plans by mesh layout, and a later mesh of the same layout would meet a destroyed group);
+    after ``MAX_CALLS`` calls the pool is replaced, which bounds what piles up. Any failure or timeout ends the pool; the next call
+    starts a new one. Starting ranks (a process, torch and the test's imports, the group) is
+    most of a small distributed test's time; a pool pays it once per world size."""
+
+    def __init__(self, key: _RankSpec):
+        self.store = dist.TCPStore("127.0.0.1", 0, key.world_size, is_master=True, wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        self.results: mp.Queue = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(key.world_size)]
+        self.procs, self.calls = [], 0
+        for rank in range(key.world_size):
+            spec = dataclasses.replace(key, rank=rank, port=self.store.port)
+            p = ctx.Process(target=_pool_rank_main, args=(spec, self.tasks[rank], self.results), daemon=True)
+            p.start()
+            self.procs.append(p)
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
+        self.calls += 1
+        payload = pickle.dumps((fn, args))  # an unpicklable argument fails here, in the caller
+        for q in self.tasks:
+            q.put((list(sys.path), payload))
+        return _collect(self.procs, self.results, timeout_s)
+
+    def close(self) -> None:
+        for q in self.tasks:
+            with contextlib.suppress(Exception):
+                q.put(None)
+        _join(self.procs, 5.0)
+        _end_all(self.procs)
+        for q in (*self.tasks, self.results):
+            q.close()
+            q.cancel_join_thread()
+
+
+_POOLS: dict[_RankSpec, _Pool] = {}
+MAX_CALLS = 40
+
+
+def _run_pooled(key: _RankSpec, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
+    pool = _POOLS.get(key)
+    if pool is None or pool.calls >= MAX_CALLS or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close()
+        pool = _POOLS[key] = _Pool(key)
+    try:
+        return pool.run(fn, args, timeout_s)
+    except BaseException:
+        _POOLS.pop(key, None)
+        pool.close()
+        raise
+
+
+def close_pools() -> None:
+    """End every pooled rank (at the end of the test session; also at interpreter exit)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+atexit.register(close_pools)
+
+
+def _pool_rank_main(spec: _RankSpec, tasks: mp.Queue, results: mp.Queue) -> None:
+    os.environ["OMP_NUM_THREADS"] = str(spec.threads)
+    os.environ.update(
+        RANK=str(spec.rank),
+        LOCAL_RANK=str(spec.rank),
+        WORLD_SIZE=str(spec.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(spec.port),
+    )
+    try:
+        _join_group(spec)
+        gc.freeze()
+        while (task := tasks.get()) is not None:
+            path, payload = task
+            sys.path[:] = path
+            environ = dict(os.environ)
+            try:
+                _fresh_state(spec)
+                fn, args = pickle.loads(payload)
+                value = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
+                results.put((spec.rank, False, (f"{type(exc).__name__}: {exc}", traceback.format_exc())))
+                break  # the pool ends: a peer may be waiting in a collective this rank left
+            results.put((spec.rank, True, pickle.dumps(value)))
+            dist.barrier()  # the next call starts together
+            os.environ.clear()
+            os.environ.update(environ)
+    finally:
+        results.close()
+        results.join_thread()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    _quick_exit()
+
+
+def _join_group(spec: _RankSpec) -> None:
+    if spec.backend == "nccl":
+        torch.cuda.set_device(spec.rank % torch.cuda.device_count())
+    store = dist.TCPStore("127.0.0.1", spec.port, spec.world_size, is_master=False)
+    dist.init_process_group(
+        spec.backend,
+        store=store,
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
+    )
+
+
+def _fresh_state(spec: _RankSpec) -> None:
+    """What a freshly spawned rank starts with, for the state torch keeps per process."""
+    torch.set_num_threads(spec.threads)
+    torch.manual_seed(_CALL_SEED)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> None:
