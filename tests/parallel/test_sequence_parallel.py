@@ -154,3 +154,49 @@ def test_a_sequence_parallel_model_still_runs_whole_sequences():
     SequenceParallel(model, Mesh(sp=1).comm, "sp", "ring")
     assert model.config._attn_implementation == IMPLEMENTATION
     torch.testing.assert_close(model(input_ids=ids).logits, expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_sequence_parallel_model_run_whole_keeps_every_feature():
+    """Run whole after SequenceParallel switched its attention (no SP keyword): padding,
+    windows, soft-caps and sinks as the model's own attention has them (the battery's
+    families on its padded batch; 1e-5: eager attention against sdpa masks or the same eager
+    formula, fp32)."""
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "train"))
+    from attention_families import padded_batches, tiny_family
+
+    from tessera.parallel.sequence import SequenceParallel
+    from tessera.train.losses import causal_lm_loss
+
+    batch = padded_batches(1)[0]
+    real = batch["attention_mask"].bool()
+    for family in ("mistral", "gemma2", "gpt_oss"):
+        expected = tiny_family(family)(**batch).logits
+        model = tiny_family(family)
+        SequenceParallel(model, Mesh(sp=1).comm, "sp", "ulysses")
+        got = model(**batch).logits
+        torch.testing.assert_close(got[real], expected[real], rtol=1e-5, atol=1e-5, msg=family)
+        assert torch.isfinite(causal_lm_loss(model, batch))
+
+
+def test_attention_arguments_the_kernel_does_not_implement_are_refused():
+    import pytest
+
+    from tessera.parallel.sequence import _hf_attention, check_sequence_parallel
+
+    model = _lm("llama")
+    layer = model.model.layers[0].self_attn
+    q = k = v = torch.zeros(1, 4, 4, 8)
+    with pytest.raises(ValueError, match="passes output_attentions=True to its attention function"):
+        _hf_attention(layer, q, k, v, None, output_attentions=True)
+    layer.train()
+    with pytest.raises(ValueError, match="applies attention dropout 0.1 in training"):
+        _hf_attention(layer, q, k, v, None, dropout=0.1)
+    model.config.attention_chunk_size = 8
+    with pytest.raises(ValueError, match=r"config.attention_chunk_size=8 \(chunked local attention\)"):
+        check_sequence_parallel(model)
+    model.config.attention_chunk_size = None
+    model.config.layer_types = ["full_attention", "linear_attention"]
+    with pytest.raises(ValueError, match=r"layer types \['linear_attention'\]"):
+        check_sequence_parallel(model)
