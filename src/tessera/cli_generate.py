@@ -64,20 +64,19 @@ def _generate_rank(model_dir: str, labels, config, steps: int, guidance: float, 
     return images if global_rank() == 0 else None
 
 
+def _size(pipe, args: dict) -> tuple[int, int]:
+    """(height, width) in pixels: as asked, else the pipeline's own default size."""
+    latent = getattr(pipe, "default_sample_size", None) or pipe.transformer.config.sample_size
+    return args["height"] or latent * pipe.vae_scale_factor, args["width"] or latent * pipe.vae_scale_factor
+
+
 def _pipeline_rank(model_dir: str, args: dict, config):
     from tessera.diffusion.pipelines import generate, load_pipeline
     from tessera.runtime.mesh import global_rank
 
     pipe = load_pipeline(model_dir, with_text_encoder=global_rank() == 0)
     pipe.set_progress_bar_config(disable=True)
-    if not (args["height"] and args["width"]):  # the pipeline's own default size
-        latent = getattr(pipe, "default_sample_size", None) or pipe.transformer.config.sample_size
-        args = {
-            **args,
-            "height": args["height"] or latent * pipe.vae_scale_factor,
-            "width": args["width"] or latent * pipe.vae_scale_factor,
-        }
-    height, width = args["height"], args["width"]
+    height, width = _size(pipe, args)
     image = generate(
         pipe,
         prompt=args["prompt"],
@@ -95,6 +94,7 @@ def _pipeline_rank(model_dir: str, args: dict, config):
 
 def cmd_generate_pipeline(args: argparse.Namespace) -> None:
     from tessera.diffusion.image_grid import check_writable
+    from tessera.diffusion.pipelines import meta_pipeline, prepare_run
     from tessera.runtime import spawn
 
     if not args.prompt:
@@ -105,6 +105,10 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
         k: getattr(args, k)
         for k in ("prompt", "negative_prompt", "height", "width", "steps", "guidance", "seed")
     }
+    # what the ranks would refuse, refused here on the weightless pipeline before any starts
+    meta = meta_pipeline(args.model)
+    height, width = _size(meta, job)
+    prepare_run(meta, height=height, width=width, num_steps=args.steps, seed=args.seed, config=config)
     if args.nproc == 1:
         image = _pipeline_rank(str(args.model), job, config)
     else:

@@ -1,10 +1,11 @@
 """A refused generation layout leaves the caller's weights alone (issue #25).
 
-``tessera generate`` checks a Tessera DiT checkpoint's layout (patches against token rows,
-pipeline stages, warm-up steps) in the parent, before any process starts: it used to start
-the ranks, each loading the weights, and refuse there. ``tessera.diffusion.pipelines.
-generate`` checks the layout before PipeFusion frees the blocks a rank's stage never runs:
-a refused call used to leave the caller's pipeline with those blocks on the meta device.
+``tessera generate`` checks the layout (patches against token rows, pipeline stages,
+warm-up steps) in the parent, before any process starts: on the loaded Tessera DiT, or on
+a saved diffusers pipeline built without weights (``meta_pipeline``). It used to start the
+ranks, each loading the weights, and refuse there. ``tessera.diffusion.pipelines.generate``
+checks the layout before PipeFusion frees the blocks a rank's stage never runs: a refused
+call used to leave the caller's pipeline with those blocks on the meta device.
 """
 
 import pytest
@@ -68,9 +69,23 @@ def _pipeline_ranks(directory) -> dict:
     return {"message": message, "whole": whole, "same": same}
 
 
-def test_a_refused_pipefusion_layout_leaves_the_pipeline_whole(tmp_path):
-    directory = build_pixart_pipeline(tmp_path / "pixart")
-    for rank in spawn(_pipeline_ranks, 2, directory, timeout_s=300):
+@pytest.fixture(scope="module")
+def pixart(tmp_path_factory):
+    return build_pixart_pipeline(tmp_path_factory.mktemp("pixart"))
+
+
+def test_a_pipeline_layout_is_refused_before_any_rank_loads_its_weights(pixart, tmp_path, capsys):
+    out = tmp_path / "image.png"
+    argv = ["generate", "--model", str(pixart), "--prompt", "a red cat", "--steps", "2", "--height", "32"]
+    argv += ["--width", "32", "--nproc", "2", "--pipefusion", "2", "--patches", "9", "--out", str(out)]
+    assert cli.main(argv) == cli.EXIT_USAGE  # a rank's refusal would exit 1 ("rank 0 failed")
+    err = capsys.readouterr().err.strip()
+    assert err == "tessera: error: cannot split 8 token rows into 9 bands; use at most 8", err
+    assert not out.exists()
+
+
+def test_a_refused_pipefusion_layout_leaves_the_pipeline_whole(pixart):
+    for rank in spawn(_pipeline_ranks, 2, pixart, timeout_s=300):
         assert rank["message"] == "cannot split 8 token rows into 9 bands; use at most 8"
         assert rank["whole"]  # every block still on the CPU with its weights
         assert rank["same"]  # exact: the same arithmetic on the same weights

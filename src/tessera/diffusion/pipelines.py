@@ -29,21 +29,77 @@ def is_pipeline_dir(path: str | Path) -> bool:
     return (Path(path) / "model_index.json").is_file()
 
 
-def load_pipeline(directory: str | Path, *, with_text_encoder: bool = True):
-    """A pipeline saved with ``save_pretrained``, loaded offline. Ranks that do not encode
-    prompts skip the text encoder (often the largest part)."""
+def _index(directory: Path) -> dict:
     import json
 
-    from diffusers import DiffusionPipeline
-
-    directory = Path(directory)
     if not is_pipeline_dir(directory):
         raise ValueError(f"{directory} is not a diffusers pipeline folder (no model_index.json)")
     index = json.loads((directory / "model_index.json").read_text())
     family_of(index.get("_class_name"))  # unsupported pipelines fail here, by name
-    text_parts = [k for k in index if k.startswith(("text_encoder", "tokenizer"))]
-    skip = {} if with_text_encoder else {k: None for k in text_parts}
+    return index
+
+
+def _no_text(index: dict) -> dict:
+    return {k: None for k in index if k.startswith(("text_encoder", "tokenizer"))}
+
+
+def load_pipeline(directory: str | Path, *, with_text_encoder: bool = True):
+    """A pipeline saved with ``save_pretrained``, loaded offline. Ranks that do not encode
+    prompts skip the text encoder (often the largest part)."""
+    from diffusers import DiffusionPipeline
+
+    directory = Path(directory)
+    index = _index(directory)
+    skip = {} if with_text_encoder else _no_text(index)
     return DiffusionPipeline.from_pretrained(directory, local_files_only=True, **skip)
+
+
+def meta_pipeline(directory: str | Path):
+    """The pipeline saved in ``directory`` without its weights: transformer and VAE built on
+    the meta device from their configs, no text encoder. Enough for ``prepare_run``'s
+    checks (sizes, layout) before any process loads the weights."""
+    import diffusers
+    from diffusers.utils import logging as diffusers_logging
+
+    directory = Path(directory)
+    index = _index(directory)
+    parts = {}
+    for name in ("transformer", "vae"):
+        cls = getattr(diffusers, index[name][1])
+        with torch.device("meta"):
+            parts[name] = cls.from_config(cls.load_config(directory / name))
+    bars = diffusers_logging.is_progress_bar_enabled()
+    diffusers_logging.disable_progress_bar()  # a check, not a load: nothing to report
+    try:
+        return diffusers.DiffusionPipeline.from_pretrained(
+            directory, local_files_only=True, **parts, **_no_text(index)
+        )
+    finally:
+        if bars:
+            diffusers_logging.enable_progress_bar()
+
+
+def prepare_run(pipe, *, height: int, width: int, num_steps: int, seed: int, config: ParallelConfig):
+    """(initial noise, stepper) of one image, after every refusal the run can meet (image
+    size, the layout: attention layers, patches, stages; warm-up steps), before anything
+    of ``pipe`` changes. A ``meta_pipeline`` gives the same refusals without weights."""
+    vae_factor = pipe.vae_scale_factor
+    if height % vae_factor or width % vae_factor:
+        raise ValueError(
+            f"image size {height}x{width} is not divisible by the VAE's downscale factor {vae_factor}"
+        )
+    family = family_of(type(pipe).__name__)
+    noise = family.noise(pipe, height, width, seed)
+    device = pipe.transformer.device
+    stepper = DiffusersStepper(
+        pipe.scheduler,
+        num_steps,
+        device=device if device.type != "meta" else "cpu",  # timesteps are read as numbers
+        **family.scheduler_kwargs(pipe, noise, num_steps),
+    )
+    check_layout(adapter_for(pipe.transformer), config, *noise.shape[2:])
+    check_steps(config, stepper.num_steps)
+    return noise, stepper
 
 
 def _broadcast_tensors(mesh: Mesh, tensors: dict[str, torch.Tensor] | None, keys: tuple[str, ...]) -> dict:
@@ -89,21 +145,11 @@ def generate(
     (``release_unused``; the memory saving PipeFusion exists for): the pipeline's
     transformer is then fit for this layout only."""
     mesh = mesh or config.build_mesh()
-    vae_factor = pipe.vae_scale_factor
-    if height % vae_factor or width % vae_factor:
-        raise ValueError(
-            f"image size {height}x{width} is not divisible by the VAE's downscale factor {vae_factor}"
-        )
-    family = family_of(type(pipe).__name__)
-    device = pipe.transformer.device
-    noise = family.noise(pipe, height, width, seed)
-    stepper = DiffusersStepper(
-        pipe.scheduler, num_steps, device=device, **family.scheduler_kwargs(pipe, noise, num_steps)
+    # every refusal before any weight is freed: a refused call leaves the pipeline whole
+    noise, stepper = prepare_run(
+        pipe, height=height, width=width, num_steps=num_steps, seed=seed, config=config
     )
-    # every refusal of the layout (attention layers, patches, stages, warm-up) before any
-    # weight is freed: a refused call leaves the caller's pipeline whole
-    check_layout(adapter_for(pipe.transformer), config, *noise.shape[2:])
-    check_steps(config, stepper.num_steps)
+    family, device = family_of(type(pipe).__name__), pipe.transformer.device
     if release_unused and config.method == "pipefusion" and mesh.size("pipefusion") > 1:
         release_other_stages(pipe.transformer, config, mesh)
     cfg = guidance_scale > 1.0 and family.classifier_free
