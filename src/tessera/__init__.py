@@ -1,13 +1,27 @@
-"""Tessera: cut large models and their work into tiles and spread them over devices."""
+"""Tessera: cut large models and their work into tiles and spread them over devices.
 
-from tessera.autochunk import autochunk
-from tessera.diffusion.layout import ParallelConfig
-from tessera.diffusion.parallel import parallel_denoise, parallel_sample
-from tessera.runtime import Mesh, RankError, spawn
-from tessera.train.boost import boost
-from tessera.train.plan import Plan
+The public names load on first use (PEP 562), so ``import tessera`` and the command line's
+``--help`` do not pay for torch, transformers and diffusers until something needs them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
+
+_WHERE = {
+    "Mesh": "tessera.runtime",
+    "RankError": "tessera.runtime",
+    "spawn": "tessera.runtime",
+    "ParallelConfig": "tessera.diffusion.layout",
+    "parallel_denoise": "tessera.diffusion.parallel",
+    "parallel_sample": "tessera.diffusion.parallel",
+    "Plan": "tessera.train.plan",
+    "boost": "tessera.train.boost",
+    "autochunk": "tessera.autochunk",
+}
 
 __all__ = [
     "Mesh",
@@ -21,3 +35,24 @@ __all__ = [
     "parallel_sample",
     "spawn",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'tessera' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # loaded once
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
+    from tessera.autochunk import autochunk
+    from tessera.diffusion.layout import ParallelConfig
+    from tessera.diffusion.parallel import parallel_denoise, parallel_sample
+    from tessera.runtime import Mesh, RankError, spawn
+    from tessera.train.boost import boost
+    from tessera.train.plan import Plan
