@@ -53,6 +53,9 @@ def check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 def load_model(path: str | Path, *, task: str = "auto", pooling: str = "mean") -> ServedModel:
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification, AutoTokenizer
 
+    from tessera.compat import check_versions
+
+    check_versions("transformers")  # the unpadded runner mirrors its attention interface and encoder layouts
     check_choice("task", task, TASKS)
     check_choice("pooling", pooling, POOLINGS)
     path = Path(path)

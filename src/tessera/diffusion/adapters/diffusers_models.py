@@ -11,14 +11,18 @@ def diffusers_adapter_for(model: nn.Module):
         import diffusers
     except ImportError:  # diffusers is optional for Tessera's own models
         return None
+    from tessera.compat import check_versions
     from tessera.diffusion.adapters.flux import FluxAdapter
     from tessera.diffusion.adapters.pixart import PixArtAdapter
     from tessera.diffusion.adapters.sd3 import SD3Adapter
 
-    if isinstance(model, diffusers.PixArtTransformer2DModel):
-        return PixArtAdapter(model)
-    if isinstance(model, diffusers.SD3Transformer2DModel):
-        return SD3Adapter(model)
-    if isinstance(model, diffusers.FluxTransformer2DModel):
-        return FluxAdapter(model)
+    for cls, adapter in (
+        (diffusers.PixArtTransformer2DModel, PixArtAdapter),
+        (diffusers.SD3Transformer2DModel, SD3Adapter),
+        (diffusers.FluxTransformer2DModel, FluxAdapter),
+    ):
+        if isinstance(model, cls):
+            # the adapters follow the class's internals: a release they were not written for is refused
+            check_versions("diffusers")
+            return adapter(model)
     return None
