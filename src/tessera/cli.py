@@ -375,8 +375,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from tessera.runtime.launch import RankError
-
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and args.command != "launch":
@@ -390,7 +388,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, ValueError, FileNotFoundError, PermissionError) as exc:
         print(f"tessera: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except RankError as exc:
+    except Exception as exc:
+        # A RankError can only come from spawn, so its module (and torch) is loaded by then.
+        launch = sys.modules.get("tessera.runtime.launch")
+        if launch is None or not isinstance(exc, launch.RankError):
+            raise
         print(f"tessera: error: rank {exc.rank} failed: {exc.message}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

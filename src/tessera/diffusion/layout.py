@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tessera.parallel.pipeline import stage_bounds  # noqa: F401  (one split rule for training and inference)
-from tessera.runtime.mesh import Mesh
+if TYPE_CHECKING:
+    from tessera.runtime.mesh import Mesh
 
 AXES = ("cfg", "pipefusion", "distrifusion", "tp", "ring", "ulysses")
 
@@ -95,7 +96,7 @@ class ParallelConfig:
         return text
 
     def build_mesh(self) -> Mesh:
-        from tessera.runtime.mesh import world_size
+        from tessera.runtime.mesh import Mesh, world_size
 
         world = world_size()
         if self.world_size != world:
@@ -118,3 +119,13 @@ def split_rows(total: int, parts: int) -> list[tuple[int, int]]:
         bounds.append((start, stop))
         start = stop
     return bounds
+
+
+def __getattr__(name: str):
+    # ``stage_bounds`` (one split rule for training and inference) lives with the pipeline
+    # code, which imports torch; it loads on first use so the command line's parsers need not.
+    if name == "stage_bounds":
+        from tessera.parallel.pipeline import stage_bounds
+
+        return stage_bounds
+    raise AttributeError(f"module 'tessera.diffusion.layout' has no attribute {name!r}")

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 
+# Light modules only (profiles and presets as data): the parsers are built on every command,
+# so the planners load in the handlers.
 from tessera.plan.devices import DEVICES, device_named
 from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import PRESETS, model_spec
-from tessera.plan.search import generate_flags, search_generate, search_train
 from tessera.runtime.link import LINKS, link_named
 
 GIB = 2**30
@@ -64,6 +65,8 @@ def _check_fits(ranked, hw: Hardware, devices: int) -> None:
 
 
 def cmd_plan_generate(args) -> None:
+    from tessera.plan.search import generate_flags, search_generate
+
     hw = _hardware(args)
     tokens = (args.height // 16) * (args.width // 16) if args.height and args.width else None
     spec = model_spec(args.model, tokens)
@@ -87,6 +90,8 @@ def cmd_plan_generate(args) -> None:
 
 
 def cmd_plan_train(args) -> None:
+    from tessera.plan.search import search_train
+
     hw = _hardware(args)
     spec = model_spec(args.model, args.seq)
     ranked = search_train(

@@ -1,7 +1,38 @@
-"""How processes find and talk to each other: Mesh, spawn, counted comm."""
+"""How processes find and talk to each other: Mesh, spawn, counted comm.
 
-from tessera.runtime.comm import Comm, Ledger
-from tessera.runtime.launch import RankError, init_from_env, spawn
-from tessera.runtime.mesh import Mesh
+The names load on first use (PEP 562): ``tessera.runtime.link`` (link profiles, pure
+Python) is importable without torch, as the command line's parsers need."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_WHERE = {
+    "Comm": "tessera.runtime.comm",
+    "Ledger": "tessera.runtime.comm",
+    "Mesh": "tessera.runtime.mesh",
+    "RankError": "tessera.runtime.launch",
+    "init_from_env": "tessera.runtime.launch",
+    "spawn": "tessera.runtime.launch",
+}
 
 __all__ = ["Comm", "Ledger", "Mesh", "RankError", "init_from_env", "spawn"]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'tessera.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # loaded once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | set(globals()))
+
+
+if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
+    from tessera.runtime.comm import Comm, Ledger
+    from tessera.runtime.launch import RankError, init_from_env, spawn
+    from tessera.runtime.mesh import Mesh

@@ -2,14 +2,31 @@
 batch schedulers (the DP over the length-sorted queue and the baselines it is measured
 against), the unpadded runner, the length-aware memory plan, and the HTTP server
 (`tessera serve`). The engine and schedulers import no model code; runners and the server
-live in their own modules."""
+live in their own modules.
 
-from tessera.serve.choices import make_scheduler
-from tessera.serve.cost import CostTable
-from tessera.serve.dp_scheduler import DPScheduler, plan_batches
-from tessera.serve.engine import Engine
-from tessera.serve.request import DrainingError, QueueFullError, Request
-from tessera.serve.scheduler import BatchLimits, FifoPadded, OneByOne, Scheduler, SortWindow
+The names load on first use (PEP 562), so `tessera serve --help` does not import torch or
+transformers."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+_WHERE = {
+    "make_scheduler": "tessera.serve.choices",
+    "CostTable": "tessera.serve.cost",
+    "DPScheduler": "tessera.serve.dp_scheduler",
+    "plan_batches": "tessera.serve.dp_scheduler",
+    "Engine": "tessera.serve.engine",
+    "DrainingError": "tessera.serve.request",
+    "QueueFullError": "tessera.serve.request",
+    "Request": "tessera.serve.request",
+    "BatchLimits": "tessera.serve.scheduler",
+    "FifoPadded": "tessera.serve.scheduler",
+    "OneByOne": "tessera.serve.scheduler",
+    "Scheduler": "tessera.serve.scheduler",
+    "SortWindow": "tessera.serve.scheduler",
+}
 
 __all__ = [
     "BatchLimits",
@@ -26,3 +43,24 @@ __all__ = [
     "make_scheduler",
     "plan_batches",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'tessera.serve' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value  # loaded once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(__all__) | set(globals()))
+
+
+if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
+    from tessera.serve.choices import make_scheduler
+    from tessera.serve.cost import CostTable
+    from tessera.serve.dp_scheduler import DPScheduler, plan_batches
+    from tessera.serve.engine import Engine
+    from tessera.serve.request import DrainingError, QueueFullError, Request
+    from tessera.serve.scheduler import BatchLimits, FifoPadded, OneByOne, Scheduler, SortWindow

@@ -20,23 +20,32 @@ def _grid(text: str) -> tuple[int, int, int]:
 
 
 def add_stencil_parser(sub, positive_int) -> None:
-    from tessera.stencil.shapes import SHAPES
-    from tessera.stencil.wave import VELOCITIES
+    from tessera.stencil.names import SHAPES, VELOCITIES  # light: the parser loads no numpy
 
-    p = sub.add_parser("stencil", help="stencils on the operator compiler: wave (acoustic propagation, PNG snapshots)")
+    p = sub.add_parser(
+        "stencil", help="stencils on the operator compiler: wave (acoustic propagation, PNG snapshots)"
+    )
     st = p.add_subparsers(dest="stencil_command", required=True)
     w = st.add_parser("wave", help="propagate a Ricker point source through a velocity model; PNG snapshots")
     w.add_argument("--shape", choices=SHAPES, default="ete37", help="the Laplacian stencil (default ete37)")
     w.add_argument("--grid", type=_grid, default=(96, 96, 96), help="cells: N or NZ,NY,NX (default 96)")
     w.add_argument("--spacing", type=float, default=10.0, help="metres per cell (default 10)")
-    w.add_argument("--velocity", choices=VELOCITIES, default="layered", help="velocity model (default layered)")
+    w.add_argument(
+        "--velocity", choices=VELOCITIES, default="layered", help="velocity model (default layered)"
+    )
     w.add_argument("--v-min", type=float, default=1500.0, help="slowest velocity, m/s")
     w.add_argument("--v-max", type=float, default=3000.0, help="fastest velocity, m/s")
-    w.add_argument("--frequency", type=float, help="Ricker peak frequency, Hz (default: 10 cells a wavelength at v-min)")
-    w.add_argument("--cfl", type=float, default=0.4, help="CFL number v_max dt / h (refused past the stencil's limit)")
+    w.add_argument(
+        "--frequency", type=float, help="Ricker peak frequency, Hz (default: 10 cells a wavelength at v-min)"
+    )
+    w.add_argument(
+        "--cfl", type=float, default=0.4, help="CFL number v_max dt / h (refused past the stencil's limit)"
+    )
     w.add_argument("--steps", type=positive_int, default=300, help="time steps")
     w.add_argument("--snapshots", type=int, default=4, help="PNG snapshots, evenly spaced (default 4)")
-    w.add_argument("--time-block", type=positive_int, default=1, help="time steps per z sweep (temporal blocking)")
+    w.add_argument(
+        "--time-block", type=positive_int, default=1, help="time steps per z sweep (temporal blocking)"
+    )
     w.add_argument("--threads", type=positive_int, default=1, help="OpenMP threads")
     w.add_argument("--out", default="runs/wave", help="folder for the PNGs (default runs/wave)")
     w.set_defaults(handler=cmd_stencil)
@@ -47,15 +56,32 @@ def cmd_stencil(args: argparse.Namespace) -> None:
 
     if args.snapshots < 0:
         raise ValueError(f"--snapshots {args.snapshots} must be >= 0")
-    cfg = WaveConfig(shape=args.shape, grid=args.grid, spacing=args.spacing, velocity=args.velocity,
-                     v_min=args.v_min, v_max=args.v_max, frequency=args.frequency, cfl=args.cfl, steps=args.steps,
-                     time_block=args.time_block, threads=args.threads)
+    cfg = WaveConfig(
+        shape=args.shape,
+        grid=args.grid,
+        spacing=args.spacing,
+        velocity=args.velocity,
+        v_min=args.v_min,
+        v_max=args.v_max,
+        frequency=args.frequency,
+        cfl=args.cfl,
+        steps=args.steps,
+        time_block=args.time_block,
+        threads=args.threads,
+    )
     result = run_wave(cfg, snapshots=min(args.snapshots, args.steps))
     paths = write_snapshots(result, args.out)
     points = cfg.grid[0] * cfg.grid[1] * cfg.grid[2] * cfg.steps
-    print(f"wave: {cfg.shape} on {'x'.join(map(str, cfg.grid))} cells of {cfg.spacing:g} m, {cfg.velocity} medium "
-          f"{cfg.v_min:g}-{cfg.v_max:g} m/s, Ricker {cfg.peak_frequency:.1f} Hz at cell {cfg.source_at}")
-    print(f"{cfg.steps} steps of dt = {cfg.dt * 1e3:.3f} ms (CFL {cfg.cfl:g}, stable up to {cfl_limit(cfg.shape):.4f}) "
-          f"in {result.seconds:.2f} s on {cfg.threads} thread(s): {points / result.seconds / 1e9:.3f} GPts/s; "
-          f"max |u| = {float(abs(result.field).max()):.3e}")
-    print(f"wrote {len(paths)} snapshot(s) to {args.out}" + (f": {', '.join(p.name for p in paths)}" if paths else ""))
+    print(
+        f"wave: {cfg.shape} on {'x'.join(map(str, cfg.grid))} cells of {cfg.spacing:g} m, {cfg.velocity} medium "
+        f"{cfg.v_min:g}-{cfg.v_max:g} m/s, Ricker {cfg.peak_frequency:.1f} Hz at cell {cfg.source_at}"
+    )
+    print(
+        f"{cfg.steps} steps of dt = {cfg.dt * 1e3:.3f} ms (CFL {cfg.cfl:g}, stable up to {cfl_limit(cfg.shape):.4f}) "
+        f"in {result.seconds:.2f} s on {cfg.threads} thread(s): {points / result.seconds / 1e9:.3f} GPts/s; "
+        f"max |u| = {float(abs(result.field).max()):.3e}"
+    )
+    print(
+        f"wrote {len(paths)} snapshot(s) to {args.out}"
+        + (f": {', '.join(p.name for p in paths)}" if paths else "")
+    )

@@ -30,9 +30,10 @@ from math import factorial
 
 import numpy as np
 
+from tessera.stencil.names import SHAPES  # where the command line reads them without numpy
+
 Offset = tuple[int, int, int]
 MAX_STAR_RADIUS = 6
-SHAPES = ("star7", "star13", "star19", "star25", "star31", "star37", "ete37", "ete73")
 DIAGONAL_SHARE = Fraction(1, 4)
 
 

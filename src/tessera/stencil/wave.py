@@ -24,11 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from tessera.stencil.kernel import compile_wave
+from tessera.stencil.names import VELOCITIES
 from tessera.stencil.schedule import StencilSchedule
 from tessera.stencil.shapes import SHAPES, shape_weights, symbol_max
 from tessera.stencil.stencil import Stencil, make_stencil, padded_shape, weight_arrays
-
-VELOCITIES = ("constant", "layered", "smooth")
 
 
 def cfl_limit(shape: str) -> float:
