@@ -10,7 +10,7 @@ STAMP  := $(VENV)/.installed
 RUN    := runs/digits-dit
 NPROC  ?= 2
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install clean docs
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=2 $(VENV)/bin/python -m pytest -q tests
+
+# the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, page or
+# API reference fails the build (tests/test_docs.py runs the same build in the suite)
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
