@@ -71,7 +71,7 @@ def test_parallel_generate_gives_the_serial_picture(tmp_path, capsys):
     )
     assert "ring=2 x ulysses=2 needs 4 processes but --nproc is 2" in err
     err = _error_of(capsys, [*common, "--nproc", "2", "--pipefusion", "2", "--patches", "1"])
-    assert "num_patches 1 is fewer than the 2 pipeline stages" in err
+    assert "patches 1 is fewer than the 2 pipeline stages" in err
 
 
 def test_bad_inputs_give_one_line_errors(tmp_path, capsys):

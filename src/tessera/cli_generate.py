@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import argparse
 
+from tessera.cli_flags import LAYOUT, add_fields, given
 
-def _layout(args: argparse.Namespace):
+
+def build_layout(args: argparse.Namespace):
+    """The ParallelConfig from the layout flags given (its own defaults otherwise)."""
     from tessera.diffusion.layout import ParallelConfig
 
-    config = ParallelConfig(
-        pipefusion_degree=args.pipefusion,
-        num_patches=args.patches,
-        warmup_steps=args.warmup_steps,
-        ulysses_degree=args.ulysses,
-        ring_degree=args.ring,
-        cfg_parallel=args.cfg_parallel,
-        tp_degree=args.tp,
-        distrifusion_degree=args.distrifusion,
-    )
+    return ParallelConfig(**given(args, LAYOUT))
+
+
+def _layout(args: argparse.Namespace):
+    config = build_layout(args)
     if config.world_size != args.nproc:
         raise ValueError(
             f"parallel layout {config.describe()} needs {config.world_size} processes but --nproc is {args.nproc}"
@@ -45,7 +43,7 @@ def _generate_rank(model_dir: str, labels, config, steps: int, guidance: float, 
     model = load_dit(model_dir)
     size = model.config.image_size
     mesh = config.build_mesh()
-    if config.method == "pipefusion" and config.pipefusion_degree > 1:
+    if config.method == "pipefusion" and config.pipefusion > 1:
         release_other_stages(model, config, mesh)  # each stage holds only its own blocks
     images = parallel_sample(
         model,
@@ -177,16 +175,7 @@ def add_generate_parser(sub, positive_int) -> None:
     p.add_argument(
         "--nproc", type=positive_int, default=1, help="local processes; the product of the degrees"
     )
-    p.add_argument("--pipefusion", type=positive_int, default=1, help="PipeFusion degree (pipeline stages)")
-    p.add_argument("--patches", type=positive_int, help="PipeFusion patches along the height")
-    p.add_argument("--warmup-steps", type=int, default=1, help="synchronous steps before stale K/V is used")
-    p.add_argument(
-        "--ulysses", type=positive_int, default=1, help="Ulysses (all-to-all) sequence parallel degree"
-    )
-    p.add_argument("--ring", type=positive_int, default=1, help="Ring attention sequence parallel degree")
-    p.add_argument("--cfg-parallel", action="store_true", help="guidance branches on two ranks")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor parallel degree (baseline)")
-    p.add_argument("--distrifusion", type=positive_int, default=1, help="DistriFusion degree (baseline)")
+    add_fields(p, LAYOUT)
     p.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds before a multi-process run is ended"
     )

@@ -24,11 +24,11 @@ def exact_two_rank_layouts(steps: int) -> dict:
     from tessera.diffusion.layout import ParallelConfig
 
     return {
-        "ulysses2": ParallelConfig(ulysses_degree=2),
-        "ring2": ParallelConfig(ring_degree=2),
+        "ulysses2": ParallelConfig(ulysses=2),
+        "ring2": ParallelConfig(ring=2),
         "cfg2": ParallelConfig(cfg_parallel=True),
-        "pipefusion2": ParallelConfig(pipefusion_degree=2, num_patches=3, warmup_steps=steps),
-        "distrifusion2": ParallelConfig(distrifusion_degree=2, warmup_steps=steps),
+        "pipefusion2": ParallelConfig(pipefusion=2, patches=3, warmup_steps=steps),
+        "distrifusion2": ParallelConfig(distrifusion=2, warmup_steps=steps),
     }
 
 
@@ -39,7 +39,7 @@ def stale_two_rank_layouts() -> dict:
 
     return {
         f"{method}2_warmup{warm}": ParallelConfig(
-            **{f"{method}_degree": 2}, num_patches=3 if method == "pipefusion" else None, warmup_steps=warm
+            **{method: 2}, patches=3 if method == "pipefusion" else None, warmup_steps=warm
         )
         for method in ("pipefusion", "distrifusion")
         for warm in (0, 1)

@@ -168,7 +168,7 @@ def test_unmirrored_attention_layers_are_refused_by_name_before_sampling(case):
     build, message = REFUSED[case]
     model, cond = build()
     originals = [m.processor for m in model.modules() if hasattr(m, "processor")]
-    for config in (ParallelConfig(), ParallelConfig(num_patches=2)):  # band samplers and PipeFusion
+    for config in (ParallelConfig(), ParallelConfig(patches=2)):  # band samplers and PipeFusion
         with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)")) as err:
             _denoise(model, cond, config)
         assert "\n" not in str(err.value)
@@ -339,10 +339,10 @@ def test_tensor_parallel_baseline_refuses_what_its_plan_does_not_split():
     with pytest.raises(
         ValueError, match="^the tensor-parallel baseline supports Tessera's DiT only, not PixArt"
     ):
-        _denoise(tiny_pixart_transformer(), _pixart_cond(), ParallelConfig(tp_degree=2))
+        _denoise(tiny_pixart_transformer(), _pixart_cond(), ParallelConfig(tp=2))
     model, cond = _dit()
     with pytest.raises(ValueError, match="^4 attention heads are not divisible by the TP degree 3"):
-        _denoise(model, cond, ParallelConfig(tp_degree=3))
+        _denoise(model, cond, ParallelConfig(tp=3))
 
 
 def test_a_latent_beyond_the_sd3_position_table_is_refused():

@@ -76,7 +76,7 @@ def test_pixart_layouts_match_the_pipeline_loop():
     expected = pipeline_loop(tiny_pixart(), inputs())
     (serial,) = _denoise({"serial": ParallelConfig()}).values()
     torch.testing.assert_close(serial, expected, rtol=0, atol=0)  # same ops in the same order
-    stale = stale_two_rank_layouts() | {"patches3_warmup0": ParallelConfig(num_patches=3, warmup_steps=0)}
+    stale = stale_two_rank_layouts() | {"patches3_warmup0": ParallelConfig(patches=3, warmup_steps=0)}
     references = _denoise(stale, reference=True)
     check_layouts(_denoise({"patches3_warmup0": stale["patches3_warmup0"]}), expected, references)
     for rank in spawn(_denoise, 2, exact_two_rank_layouts(STEPS) | stale_two_rank_layouts(), timeout_s=300):

@@ -107,8 +107,8 @@ def _denoise(layouts: dict[str, ParallelConfig], reference: bool = False) -> dic
 
 def test_flux_layouts_match_the_pipeline_loop():
     expected = pipeline_loop(tiny_flux(), inputs())
-    single = {"serial": ParallelConfig(), "patches": ParallelConfig(num_patches=3, warmup_steps=STEPS)}
-    stale = stale_two_rank_layouts() | {"patches3_warmup0": ParallelConfig(num_patches=3, warmup_steps=0)}
+    single = {"serial": ParallelConfig(), "patches": ParallelConfig(patches=3, warmup_steps=STEPS)}
+    stale = stale_two_rank_layouts() | {"patches3_warmup0": ParallelConfig(patches=3, warmup_steps=0)}
     references = _denoise(stale, reference=True)
     check_layouts(_denoise(single | {"patches3_warmup0": stale["patches3_warmup0"]}), expected, references)
     for rank in spawn(_denoise, 2, exact_two_rank_layouts(STEPS) | stale_two_rank_layouts(), timeout_s=300):

@@ -54,7 +54,7 @@ def _pipeline_ranks(directory) -> dict:
     pipe = load_pipeline(directory)
     before = {n: p.detach().clone() for n, p in pipe.transformer.named_parameters()}
     try:  # a 32 x 32 image is a 16 x 16 latent (VAE factor 2): 8 rows of 2 x 2 patches
-        run(pipe, ParallelConfig(pipefusion_degree=2, num_patches=9))
+        run(pipe, ParallelConfig(pipefusion=2, patches=9))
         message = None
     except ValueError as e:
         message = str(e)
@@ -62,7 +62,7 @@ def _pipeline_ranks(directory) -> dict:
     whole = after.keys() == before.keys() and all(
         after[n].device.type == "cpu" and torch.equal(after[n].detach(), v) for n, v in before.items()
     )
-    valid = ParallelConfig(pipefusion_degree=2, num_patches=2, warmup_steps=2)
+    valid = ParallelConfig(pipefusion=2, patches=2, warmup_steps=2)
     image = run(pipe, valid)  # the same pipeline, as the refusal advises
     fresh = run(load_pipeline(directory), valid)
     same = image is None or torch.equal(image, fresh)  # rank 0 returns the image

@@ -71,54 +71,54 @@ def _run_layouts(layouts: dict[str, ParallelConfig], depth: int) -> dict[str, to
 
 
 def PF(degree: int = 2, **kw) -> ParallelConfig:  # noqa: N802 - reads like the config it builds
-    return ParallelConfig(pipefusion_degree=degree, **kw)
+    return ParallelConfig(pipefusion=degree, **kw)
 
 
 TWO_RANKS = {
-    "ulysses2": ParallelConfig(ulysses_degree=2),
-    "ring2": ParallelConfig(ring_degree=2),
+    "ulysses2": ParallelConfig(ulysses=2),
+    "ring2": ParallelConfig(ring=2),
     "cfg2": ParallelConfig(cfg_parallel=True),
-    "tp2": ParallelConfig(tp_degree=2),
+    "tp2": ParallelConfig(tp=2),
     # 3 layers over 2 stages (2 + 1) and 3 patches over 8 token rows (3 + 3 + 2).
-    "pipefusion2_exact": PF(num_patches=3, warmup_steps=STEPS),
-    "distrifusion2_exact": ParallelConfig(distrifusion_degree=2, warmup_steps=STEPS),
-    "pipefusion2_warmup0": PF(num_patches=3, warmup_steps=0),
-    "pipefusion2_warmup1": PF(num_patches=3, warmup_steps=1),
-    "pipefusion2_patches5_warmup2": PF(num_patches=5, warmup_steps=2),  # 2+2+2+1+1 rows
-    "distrifusion2_warmup0": ParallelConfig(distrifusion_degree=2, warmup_steps=0),
-    "distrifusion2_warmup1": ParallelConfig(distrifusion_degree=2, warmup_steps=1),
+    "pipefusion2_exact": PF(patches=3, warmup_steps=STEPS),
+    "distrifusion2_exact": ParallelConfig(distrifusion=2, warmup_steps=STEPS),
+    "pipefusion2_warmup0": PF(patches=3, warmup_steps=0),
+    "pipefusion2_warmup1": PF(patches=3, warmup_steps=1),
+    "pipefusion2_patches5_warmup2": PF(patches=5, warmup_steps=2),  # 2+2+2+1+1 rows
+    "distrifusion2_warmup0": ParallelConfig(distrifusion=2, warmup_steps=0),
+    "distrifusion2_warmup1": ParallelConfig(distrifusion=2, warmup_steps=1),
 }
 FOUR_RANKS = {  # a 5-layer model
-    "ulysses2_ring2": ParallelConfig(ulysses_degree=2, ring_degree=2),
-    "cfg2_ulysses2": ParallelConfig(cfg_parallel=True, ulysses_degree=2),
-    "cfg2_pipefusion2_exact": ParallelConfig(cfg_parallel=True, pipefusion_degree=2, warmup_steps=STEPS),
-    "pipefusion4_exact": PF(4, num_patches=5, warmup_steps=STEPS, stage_layers=(1, 1, 2, 1)),
-    "cfg2_tp2": ParallelConfig(cfg_parallel=True, tp_degree=2),
+    "ulysses2_ring2": ParallelConfig(ulysses=2, ring=2),
+    "cfg2_ulysses2": ParallelConfig(cfg_parallel=True, ulysses=2),
+    "cfg2_pipefusion2_exact": ParallelConfig(cfg_parallel=True, pipefusion=2, warmup_steps=STEPS),
+    "pipefusion4_exact": PF(4, patches=5, warmup_steps=STEPS, stage_layers=(1, 1, 2, 1)),
+    "cfg2_tp2": ParallelConfig(cfg_parallel=True, tp=2),
     # PipeFusion stages each with a sequence-parallel pair sharing every patch (2 patches
     # of 4 token rows: 2 rows per rank of the pair).
-    "pipefusion2_ulysses2_exact": PF(ulysses_degree=2, warmup_steps=STEPS),
-    "pipefusion2_ring2_exact": PF(ring_degree=2, num_patches=4, warmup_steps=STEPS),
-    "pipefusion4_uneven_warmup0": PF(4, num_patches=5, warmup_steps=0, stage_layers=(1, 1, 2, 1)),
-    "pipefusion4_warmup1": PF(4, num_patches=4, warmup_steps=1),  # 5 layers: 2 + 1 + 1 + 1
+    "pipefusion2_ulysses2_exact": PF(ulysses=2, warmup_steps=STEPS),
+    "pipefusion2_ring2_exact": PF(ring=2, patches=4, warmup_steps=STEPS),
+    "pipefusion4_uneven_warmup0": PF(4, patches=5, warmup_steps=0, stage_layers=(1, 1, 2, 1)),
+    "pipefusion4_warmup1": PF(4, patches=4, warmup_steps=1),  # 5 layers: 2 + 1 + 1 + 1
     "cfg2_pipefusion2_warmup0": ParallelConfig(
-        cfg_parallel=True, pipefusion_degree=2, num_patches=3, warmup_steps=0
+        cfg_parallel=True, pipefusion=2, patches=3, warmup_steps=0
     ),
     "cfg2_pipefusion2_warmup1": ParallelConfig(
-        cfg_parallel=True, pipefusion_degree=2, num_patches=3, warmup_steps=1
+        cfg_parallel=True, pipefusion=2, patches=3, warmup_steps=1
     ),
-    "pipefusion2_ulysses2_warmup0": PF(ulysses_degree=2, warmup_steps=0),
-    "pipefusion2_ring2_warmup1": PF(ring_degree=2, num_patches=4, warmup_steps=1),
-    "cfg2_distrifusion2_warmup1": ParallelConfig(cfg_parallel=True, distrifusion_degree=2, warmup_steps=1),
-    "distrifusion4_warmup0": ParallelConfig(distrifusion_degree=4, warmup_steps=0),
+    "pipefusion2_ulysses2_warmup0": PF(ulysses=2, warmup_steps=0),
+    "pipefusion2_ring2_warmup1": PF(ring=2, patches=4, warmup_steps=1),
+    "cfg2_distrifusion2_warmup1": ParallelConfig(cfg_parallel=True, distrifusion=2, warmup_steps=1),
+    "distrifusion4_warmup0": ParallelConfig(distrifusion=4, warmup_steps=0),
 }
 EIGHT_RANKS = {  # three axes above 1: "any product" of the hybrid degrees
-    "pipefusion2_ulysses2_ring2_exact": PF(ulysses_degree=2, ring_degree=2, warmup_steps=STEPS),
-    "pipefusion2_ulysses2_ring2_warmup1": PF(ulysses_degree=2, ring_degree=2, warmup_steps=1),
+    "pipefusion2_ulysses2_ring2_exact": PF(ulysses=2, ring=2, warmup_steps=STEPS),
+    "pipefusion2_ulysses2_ring2_warmup1": PF(ulysses=2, ring=2, warmup_steps=1),
     "cfg2_pipefusion2_ulysses2_warmup0": ParallelConfig(
-        cfg_parallel=True, pipefusion_degree=2, ulysses_degree=2, warmup_steps=0
+        cfg_parallel=True, pipefusion=2, ulysses=2, warmup_steps=0
     ),
     "cfg2_pipefusion2_ring2_warmup1": ParallelConfig(
-        cfg_parallel=True, pipefusion_degree=2, ring_degree=2, num_patches=4, warmup_steps=1
+        cfg_parallel=True, pipefusion=2, ring=2, patches=4, warmup_steps=1
     ),
 }
 
@@ -143,9 +143,9 @@ def test_eight_rank_three_axis_hybrids_match_serial_or_their_reference():
 
 def test_single_process_patches_match_serial_or_their_reference():
     layouts = {
-        "patches3_exact": ParallelConfig(num_patches=3, warmup_steps=STEPS),
-        "patches3_warmup0": ParallelConfig(num_patches=3, warmup_steps=0),
-        "patches3_warmup1": ParallelConfig(num_patches=3, warmup_steps=1),
+        "patches3_exact": ParallelConfig(patches=3, warmup_steps=STEPS),
+        "patches3_warmup0": ParallelConfig(patches=3, warmup_steps=0),
+        "patches3_warmup1": ParallelConfig(patches=3, warmup_steps=1),
     }
     _check([_run_layouts(layouts, 3)], layouts, 3)
 
@@ -153,11 +153,11 @@ def test_single_process_patches_match_serial_or_their_reference():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(pipefusion_degree=2, num_patches=1), "num_patches 1 is fewer than the 2 pipeline stages"),
-        (dict(pipefusion_degree=2, stage_layers=(3,)), "stage_layers"),
-        (dict(pipefusion_degree=2, tp_degree=2), "cannot be combined"),
-        (dict(distrifusion_degree=2, ulysses_degree=2), "cannot be combined"),
-        (dict(ulysses_degree=0), "ulysses_degree must be an integer >= 1"),
+        (dict(pipefusion=2, patches=1), "patches 1 is fewer than the 2 pipeline stages"),
+        (dict(pipefusion=2, stage_layers=(3,)), "stage_layers"),
+        (dict(pipefusion=2, tp=2), "cannot be combined"),
+        (dict(distrifusion=2, ulysses=2), "cannot be combined"),
+        (dict(ulysses=0), "ulysses must be an integer >= 1"),
     ],
 )
 def test_bad_configs_are_named(kwargs, message):
@@ -169,21 +169,21 @@ def test_layout_errors_name_the_numbers():
     model = tiny_dit()
     common = dict(height=HEIGHT, width=WIDTH, num_steps=1)
     with pytest.raises(ValueError, match="4 attention heads are not divisible by the Ulysses degree 3"):
-        parallel_sample(model, LABELS, config=ParallelConfig(ulysses_degree=3), **common)
+        parallel_sample(model, LABELS, config=ParallelConfig(ulysses=3), **common)
     with pytest.raises(ValueError, match="needs 2 ranks but the world size is 1"):
-        parallel_sample(model, LABELS, config=ParallelConfig(ring_degree=2), **common)
+        parallel_sample(model, LABELS, config=ParallelConfig(ring=2), **common)
     with pytest.raises(ValueError, match="image size 15x12 is not divisible by the patch size 2"):
         parallel_sample(model, LABELS, config=ParallelConfig(), height=15, width=12, num_steps=1)
     with pytest.raises(ValueError, match="cannot split 8 token rows into 9 bands"):
-        parallel_sample(model, LABELS, config=ParallelConfig(num_patches=9), **common)
+        parallel_sample(model, LABELS, config=ParallelConfig(patches=9), **common)
     with pytest.raises(ValueError, match="a patch of 3 token rows does not split over the 2 ranks"):
         parallel_sample(
             model,
             LABELS,
-            config=ParallelConfig(pipefusion_degree=2, num_patches=3, ulysses_degree=2),
+            config=ParallelConfig(pipefusion=2, patches=3, ulysses=2),
             **common,
         )
     with pytest.raises(ValueError, match="warmup_steps 2 exceeds the 1 sampling steps; use at most 1"):
-        parallel_sample(model, LABELS, config=ParallelConfig(num_patches=2, warmup_steps=2), **common)
+        parallel_sample(model, LABELS, config=ParallelConfig(patches=2, warmup_steps=2), **common)
     with pytest.raises(ValueError, match="no parallel method supports Linear"):
         parallel_sample(torch.nn.Linear(2, 2), LABELS, config=ParallelConfig(), **common)

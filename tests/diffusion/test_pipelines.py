@@ -53,8 +53,8 @@ def _ours(directory, config: ParallelConfig, resident: dict | None = None):
 
 def _layouts(directory, names: list[str]) -> dict:
     layouts = {
-        "pipefusion2": ParallelConfig(pipefusion_degree=2, num_patches=2, warmup_steps=STEPS),
-        "ulysses2": ParallelConfig(ulysses_degree=2),
+        "pipefusion2": ParallelConfig(pipefusion=2, patches=2, warmup_steps=STEPS),
+        "ulysses2": ParallelConfig(ulysses=2),
         "cfg2": ParallelConfig(cfg_parallel=True),
     }
     resident: dict[str, int] = {}
@@ -84,7 +84,7 @@ def test_same_image_as_the_pipeline_serially_and_on_two_ranks(family):
     # PipeFusion: each rank keeps only its stage's blocks (and the shared embeddings and
     # head), so the two ranks' blocks add up to the model's once; other layouts keep all.
     full, blocks = resident_bytes(pipe.transformer), _block_bytes(pipe.transformer)
-    pipefusion = ParallelConfig(pipefusion_degree=2, num_patches=2, warmup_steps=STEPS).describe()
+    pipefusion = ParallelConfig(pipefusion=2, patches=2, warmup_steps=STEPS).describe()
     held = [rank["resident"][pipefusion] for rank in ranks]
     assert max(held) < full and sum(held) == 2 * (full - blocks) + blocks
     assert ranks[0]["resident"]["ulysses=2"] == full

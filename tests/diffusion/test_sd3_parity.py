@@ -81,8 +81,8 @@ def _denoise(layouts: dict[str, ParallelConfig], reference: bool = False) -> dic
 
 def test_sd3_layouts_match_the_pipeline_loop():
     expected = pipeline_loop(tiny_sd3(), inputs())
-    single = {"serial": ParallelConfig(), "patches": ParallelConfig(num_patches=3, warmup_steps=STEPS)}
-    stale = stale_two_rank_layouts() | {"patches3_warmup1": ParallelConfig(num_patches=3, warmup_steps=1)}
+    single = {"serial": ParallelConfig(), "patches": ParallelConfig(patches=3, warmup_steps=STEPS)}
+    stale = stale_two_rank_layouts() | {"patches3_warmup1": ParallelConfig(patches=3, warmup_steps=1)}
     references = _denoise(stale, reference=True)
     check_layouts(_denoise(single | {"patches3_warmup1": stale["patches3_warmup1"]}), expected, references)
     for rank in spawn(_denoise, 2, exact_two_rank_layouts(STEPS) | stale_two_rank_layouts(), timeout_s=300):
@@ -95,16 +95,16 @@ def test_sd3_pipefusion_with_sequence_parallel_stages():
     warm-up = all steps and equal to the stale reference with warm-up 0 and 1."""
     expected = pipeline_loop(tiny_sd3(), inputs())
     exact = {
-        "pipefusion2_ulysses2": ParallelConfig(pipefusion_degree=2, ulysses_degree=2, warmup_steps=STEPS),
-        "pipefusion2_ring2": ParallelConfig(pipefusion_degree=2, ring_degree=2, warmup_steps=STEPS),
+        "pipefusion2_ulysses2": ParallelConfig(pipefusion=2, ulysses=2, warmup_steps=STEPS),
+        "pipefusion2_ring2": ParallelConfig(pipefusion=2, ring=2, warmup_steps=STEPS),
     }
     stale = {
-        "pipefusion2_ulysses2_warmup1": ParallelConfig(pipefusion_degree=2, ulysses_degree=2, warmup_steps=1),
+        "pipefusion2_ulysses2_warmup1": ParallelConfig(pipefusion=2, ulysses=2, warmup_steps=1),
         "pipefusion2_ring2_warmup0": ParallelConfig(
-            pipefusion_degree=2, ring_degree=2, num_patches=4, warmup_steps=0
+            pipefusion=2, ring=2, patches=4, warmup_steps=0
         ),
         "cfg2_pipefusion2_warmup1": ParallelConfig(
-            cfg_parallel=True, pipefusion_degree=2, num_patches=3, warmup_steps=1
+            cfg_parallel=True, pipefusion=2, patches=3, warmup_steps=1
         ),
     }
     references = _denoise(stale, reference=True)

@@ -21,7 +21,7 @@ from tessera.runtime import spawn
 
 STEPS, GUIDANCE, SEED, HEIGHT, WIDTH = 3, 2.0, 7, 16, 12
 LABELS = torch.tensor([1, 4])
-CONFIG = ParallelConfig(tp_degree=2)
+CONFIG = ParallelConfig(tp=2)
 # attention q/k/v (weights and biases), its output projection's weight, the MLP's fc1 and fc2
 # weight: split; the row-parallel biases (added once, after the all-reduce) and the rest: whole
 SPLIT = ("attn.to_q.", "attn.to_k.", "attn.to_v.", "attn.to_out.weight", "mlp.fc1.", "mlp.fc2.weight")

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tessera.cli import main
+from tessera.cli_flags import LAYOUT, as_flags
 from tessera.diffusion.layout import ParallelConfig
 from tessera.plan.check import calibrate
 from tessera.plan.devices import DeviceProfile, device_named
@@ -13,11 +14,12 @@ from tessera.plan.hardware import Hardware
 from tessera.plan.inference import predict_generate
 from tessera.plan.model_spec import PRESETS, gpt2_spec, model_spec
 from tessera.plan.published import TABLES
-from tessera.plan.search import generate_configs, generate_flags, search_generate
+from tessera.plan.search import generate_configs, search_generate, search_train
 from tessera.plan.simulate import Schedule, simulate
-from tessera.plan.training import TrainCandidate, comm_bytes_per_rank, model_state_bytes
+from tessera.plan.training import comm_bytes_per_rank, model_state_bytes
 from tessera.runtime import spawn
 from tessera.runtime.link import Link, link_named
+from tessera.train.plan import Plan
 
 UNIT = DeviceProfile(
     name="unit", fp32_flops=1.0, bf16_flops=1.0, memory_bandwidth=1.0, memory_bytes=2**40, source="test"
@@ -56,12 +58,12 @@ def test_generate_simulation_small_cases():
     hw = Hardware(device=UNIT, link=Link(name="l", bandwidth=1e12, latency=0.0), dtype="fp32", efficiency=1.0)
     serial = predict_generate(spec, ParallelConfig(), hw, steps=3, guidance=False)
     assert serial.seconds == pytest.approx(3 * spec.layers * spec.layer_flops(), rel=1e-9)
-    u = predict_generate(spec, ParallelConfig(ulysses_degree=2), hw, steps=3, guidance=False)
+    u = predict_generate(spec, ParallelConfig(ulysses=2), hw, steps=3, guidance=False)
     a2a = 3 * spec.layers * 2 * hw.comm_seconds("all_to_all", 2 * 64 * spec.hidden * 4 / 2, [0, 1])
     assert u.seconds == pytest.approx(serial.seconds / 2 + a2a, rel=1e-6)
     # A PipeFusion pipeline of 2 stages, 4 patches, no warm-up: one stage's work per patch
     # plus the fill of one patch (links free), i.e. (steps * 4 + 1) patch-stages.
-    pf = ParallelConfig(pipefusion_degree=2, num_patches=4, warmup_steps=0)
+    pf = ParallelConfig(pipefusion=2, patches=4, warmup_steps=0)
     pred = predict_generate(spec, pf, hw, steps=3, guidance=False)
     per_patch_stage = (spec.linear_flops(16) + spec.attention_flops(16, 64)) * spec.layers / 2
     assert pred.seconds == pytest.approx((3 * 4 + 1) * per_patch_stage, rel=1e-3)
@@ -110,7 +112,7 @@ def test_training_formulas_equal_a_boost_runs_counted_state_and_bytes():
     parameters got a gradient (a flag per parameter tensor): at most 4 bytes per tensor + 8."""
     spec = gpt2_spec("tiny", 2, 32, 4, tokens=16, positions=16, vocab=128)
     for zero, got in enumerate(spawn(_boost_rank, 2)[0]):
-        c = TrainCandidate(dp=2, zero=zero)
+        c = Plan(dp=2, zero=zero)
         state = {k: int(v) for k, v in model_state_bytes(spec, c).items()}
         state["optimizer"] += 4 * got["stepped"]
         assert got["state"] == state, zero
@@ -130,9 +132,8 @@ def test_search_and_calibration():
     hw = Hardware(device=device_named("h100"), link=link_named("nvlink4"), efficiency=0.4)
     ranked = search_generate(spec, 4, hw, steps=4, guidance=False)
     assert [p.seconds for p in ranked.fits] == sorted(p.seconds for p in ranked.fits)
-    assert generate_flags(ParallelConfig(pipefusion_degree=2, ulysses_degree=2)).startswith(
-        "--nproc 4 --pipefusion 2"
-    )
+    assert as_flags(ParallelConfig(pipefusion=2, ulysses=2), LAYOUT) == "--pipefusion 2 --ulysses 2"
+    assert as_flags(ParallelConfig(pipefusion=2, patches=4), LAYOUT) == "--pipefusion 2 --patches 4"
     table = TABLES[0]
     serial = ParallelConfig()
     cal = calibrate(
@@ -171,28 +172,48 @@ def test_pipeline_1f1b_makespan_is_the_textbook_one():
         device=fast, link=Link(name="free", bandwidth=1e30, latency=0.0), dtype="fp32", efficiency=1.0
     )
     for pp, m in ((2, 4), (4, 4), (4, 8)):
-        c = TrainCandidate(dp=1, pp=pp, micro_batches=m)
+        c = Plan(dp=1, pp=pp, microbatches=m)
         t_f = (spec.layers // pp) * spec.layer_flops(4)  # one sample per micro-batch
-        got = predict_pipeline(spec, c, hw, global_batch=m, seq=4, micro_batches=m).seconds
+        got = predict_pipeline(spec, c, hw, global_batch=m, seq=4).seconds
         assert got == pytest.approx((m + pp - 1) * 3 * t_f, rel=1e-9), (pp, m)
     order = one_f_one_b(0, 4, 6)
     assert [k for k, _ in order[:4]] == ["F"] * 4 and sorted(order) == sorted(
         [(k, i) for k in "FB" for i in range(6)]
     )
-    assert TrainCandidate(dp=2, pp=2).flags() is None  # 1F1B needs >= pp micro-batches
-    assert TrainCandidate(dp=2, pp=2, zero=2, micro_batches=4).flags() is None  # ZeRO 0-1 under pp
-    flags = TrainCandidate(dp=2, pp=2, zero=1, micro_batches=4).flags()
-    from tessera.cli import build_parser  # what `tessera train` accepts
+    with pytest.raises(ValueError, match="needs at least pp=2 micro-batches"):
+        Plan(dp=2, pp=2, microbatches=1)  # 1F1B; the planner gives such a plan schedule="gpipe"
+    with pytest.raises(ValueError, match="zero=2 is not supported"):
+        Plan(dp=2, pp=2, zero=2, microbatches=4)
 
-    args = build_parser().parse_args(["train", "--recipe", "gpt2-text", *flags.split()])
-    assert (args.nproc, args.dp, args.pp, args.microbatches, args.zero, args.schedule) == (
-        4,
-        2,
-        2,
-        4,
-        1,
-        "1f1b",
-    )
+
+def test_the_training_planner_answers_with_plans_that_tessera_train_takes():
+    """Every plan `plan train` ranks is a tessera.Plan, and its printed flags parse back into
+    the same Plan under `tessera train` (pipeline, GPipe and offload plans included)."""
+    from tessera.cli import build_parser
+    from tessera.cli_flags import PLAN, given
+    from tessera.cli_train import RECIPES, _plan
+
+    hw = Hardware(device=device_named("h100"), link=link_named("nvlink4"), efficiency=0.4)
+    plans = []
+    for batch in (2, 8):  # 2 samples on 4 ranks: fewer micro-batches than stages, so GPipe
+        ranked = search_train(
+            model_spec("gpt2"), 4, hw, global_batch=batch, seq=1024, offload=("static", "auto")
+        )
+        plans += [p.plan for p in ranked.fits + ranked.dropped]
+    assert all(isinstance(p, Plan) for p in plans)
+    assert {p.schedule for p in plans if p.pp > 1} == {"1f1b", "gpipe"}
+    assert {p.offload for p in plans} == {None, "static", "auto"}
+    for plan in plans:
+        argv = [
+            "train",
+            "--recipe",
+            "gpt2-text",
+            "--nproc",
+            str(plan.world_size),
+            *as_flags(plan, PLAN).split(),
+        ]
+        args = build_parser().parse_args(argv)
+        assert _plan(RECIPES["gpt2-text"], given(args, PLAN), args.nproc) == plan, argv
 
 
 def test_measured_profiles_are_read_and_bad_ones_refused(tmp_path, monkeypatch):
@@ -280,7 +301,7 @@ def test_offload_moves_equal_an_offloaded_boost_runs_counted_moves(tmp_path):
 
     spec = gpt2_spec("tiny", 3, 32, 4, tokens=16, positions=16, vocab=128)
     hw = Hardware(device=UNIT, link=link_named("pcie4"), dtype="fp32", efficiency=1.0)
-    c = TrainCandidate(dp=1, zero=3)
+    c = Plan(dp=1, zero=3)
     kw = dict(global_batch=2, seq=16, host_link_bandwidth=25e9, host_memory_bandwidth=50e9)
     _, static = offload_prediction(spec, dataclasses.replace(c, offload="static"), hw, offload="static", **kw)
     assert static == measured
@@ -290,4 +311,4 @@ def test_offload_moves_equal_an_offloaded_boost_runs_counted_moves(tmp_path):
     pred, tight = offload_prediction(spec, c, small, offload="auto", **kw)
     assert 0 < tight < static and pred.memory_bytes_per_rank <= 600_000 + pred.activation_bytes
     with pytest.raises(ValueError, match="needs ZeRO stage 3"):
-        offload_prediction(spec, TrainCandidate(dp=1, zero=2), hw, offload="auto", **kw)
+        offload_prediction(spec, Plan(dp=1, zero=2), hw, offload="auto", **kw)

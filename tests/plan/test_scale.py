@@ -140,12 +140,12 @@ def test_host_floor_and_decode_in_the_dit_simulator():
     assert floored.seconds == pytest.approx(2 * spec.layers * 10 * 1e6)
     decoded = predict_generate(
         dataclasses.replace(spec, decode_flops=123.0),
-        ParallelConfig(ulysses_degree=2),
+        ParallelConfig(ulysses=2),
         hw,
         steps=2,
         guidance=False,
     )
-    plain = predict_generate(spec, ParallelConfig(ulysses_degree=2), hw, steps=2, guidance=False)
+    plain = predict_generate(spec, ParallelConfig(ulysses=2), hw, steps=2, guidance=False)
     assert decoded.seconds == pytest.approx(plain.seconds + 123.0)
 
 
@@ -220,7 +220,7 @@ def test_host_seconds_fit_recovers_the_value_a_table_was_made_with(monkeypatch):
     hw = Hardware(
         device=device_named("h100"), link=link_named("nvlink4"), efficiency=0.4, host_op_seconds=1e-5
     )
-    configs = [ParallelConfig(), ParallelConfig(ulysses_degree=2), ParallelConfig(ulysses_degree=4)]
+    configs = [ParallelConfig(), ParallelConfig(ulysses=2), ParallelConfig(ulysses=4)]
     rows = tuple((c, predict_generate(spec, c, hw, steps=4, guidance=False).seconds) for c in configs)
     table = PublishedTable(
         name="made", model="flux-4-layers", device="h100", link="nvlink4", steps=4, guidance=False, rows=rows,

@@ -41,11 +41,11 @@ GUIDANCE = 4.0
 
 LAYOUTS: dict[str, ParallelConfig] = {
     "serial": ParallelConfig(),
-    "pipefusion": ParallelConfig(pipefusion_degree=2, num_patches=4, warmup_steps=1),
-    "ulysses": ParallelConfig(ulysses_degree=2),
-    "ring": ParallelConfig(ring_degree=2),
-    "distrifusion": ParallelConfig(distrifusion_degree=2, warmup_steps=1),
-    "tensor_parallel": ParallelConfig(tp_degree=2),
+    "pipefusion": ParallelConfig(pipefusion=2, patches=4, warmup_steps=1),
+    "ulysses": ParallelConfig(ulysses=2),
+    "ring": ParallelConfig(ring=2),
+    "distrifusion": ParallelConfig(distrifusion=2, warmup_steps=1),
+    "tensor_parallel": ParallelConfig(tp=2),
     "cfg_parallel": ParallelConfig(cfg_parallel=True),
 }
 LABELS = {"serial": "serial: 1 process x 1 thread"} | {
@@ -110,7 +110,7 @@ def _set_up(model: DiT, config: ParallelConfig, mesh) -> None:
     elif config.method == "tp":
         from tessera.parallel.tp_plans import apply_tp, plan_for
 
-        apply_tp(model, plan_for(model), mesh.device_mesh["tp"], config.tp_degree, src_data_rank=None)
+        apply_tp(model, plan_for(model), mesh.device_mesh["tp"], config.tp, src_data_rank=None)
 
 
 def _timed(model, labels, mesh, kw: dict, steps: int) -> tuple[float, torch.Tensor]:

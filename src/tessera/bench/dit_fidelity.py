@@ -29,10 +29,8 @@ PATCHES = 4  # the digits DiT has 4 token rows: one per patch
 def fidelity_layouts() -> dict[str, ParallelConfig]:
     layouts = {}
     for warm in (0, 1, 2):
-        layouts[f"pipefusion_warmup{warm}"] = ParallelConfig(
-            pipefusion_degree=2, num_patches=PATCHES, warmup_steps=warm
-        )
-        layouts[f"distrifusion_warmup{warm}"] = ParallelConfig(distrifusion_degree=2, warmup_steps=warm)
+        layouts[f"pipefusion_warmup{warm}"] = ParallelConfig(pipefusion=2, patches=PATCHES, warmup_steps=warm)
+        layouts[f"distrifusion_warmup{warm}"] = ParallelConfig(distrifusion=2, warmup_steps=warm)
     return layouts
 
 
@@ -102,9 +100,7 @@ def run_fidelity(model_dir: Path, *, per_digit: int) -> list[dict]:
     serial = spawn(_sample_rank, 1, str(model_dir), labels, {"serial": ParallelConfig()})[0]["serial"]
     outputs = spawn(_sample_rank, 2, str(model_dir), labels, layouts)[0]
     model = _load(str(model_dir))
-    exact_latent, exact_path = _reference(
-        model, labels, ParallelConfig(num_patches=PATCHES, warmup_steps=STEPS)
-    )
+    exact_latent, exact_path = _reference(model, labels, ParallelConfig(patches=PATCHES, warmup_steps=STEPS))
     assert _relative(exact_latent, serial) < 1e-5, "the reference with full warm-up is serial sampling"
     clf = digit_classifier()
     rows = [_row("serial", serial, serial, serial, labels, clf, [0.0] * STEPS)]

@@ -29,9 +29,10 @@ from tessera.plan.devices import DeviceProfile, save_profile
 from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import PRESETS, gpt2_spec
 from tessera.plan.published import TABLES
-from tessera.plan.training import TrainCandidate, predict_train
+from tessera.plan.training import predict_train
 from tessera.runtime import spawn
 from tessera.runtime.link import Link, link_named
+from tessera.train.plan import Plan
 
 RESULTS = Path("benchmarks/results")
 
@@ -122,7 +123,7 @@ def _train_check(train: dict, hw: Hardware) -> dict:
     order = [("ddp", 0), ("tessera_zero1", 1), ("tessera_zero2", 2), ("tessera_zero3", 3)]
 
     def seconds(h: Hardware, zero: int) -> float:
-        return predict_train(spec, TrainCandidate(dp=2, zero=zero), h, global_batch=batch, seq=seq).seconds
+        return predict_train(spec, Plan(dp=2, zero=zero), h, global_batch=batch, seq=seq).seconds
 
     def measured(variant: str) -> float:
         return batch * seq / rows[variant]["tokens_per_s"]
@@ -130,7 +131,7 @@ def _train_check(train: dict, hw: Hardware) -> dict:
     hw = calibrate(lambda h: seconds(h, 0), hw, measured("ddp"))
     out = []
     for variant, zero in order:
-        pred = predict_train(spec, TrainCandidate(dp=2, zero=zero), hw, global_batch=batch, seq=seq)
+        pred = predict_train(spec, Plan(dp=2, zero=zero), hw, global_batch=batch, seq=seq)
         row = rows[variant]
         out.append(
             {

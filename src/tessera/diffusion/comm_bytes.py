@@ -46,15 +46,15 @@ def formula_bytes(config: ParallelConfig, d: Dims) -> int:
     act = model_batch * d.tokens * d.hidden * d.element_bytes  # one activation of the sequence
     method, group = config.method, 0  # group: the bytes of one cfg branch's ranks
     if method == "pipefusion":
-        p = config.pipefusion_degree
+        p = config.pipefusion
         if p > 1:
             group = (p - 1) * d.steps * act + (d.steps - 1) * lat + p * lat
     elif method == "distrifusion":
         group = d.steps * d.layers * 2 * act + lat
     elif method == "tp":
-        group = d.steps * d.layers * 2 * config.tp_degree * act
+        group = d.steps * d.layers * 2 * config.tp * act
     elif method == "sequence":
-        u, r = config.ulysses_degree, config.ring_degree
+        u, r = config.ulysses, config.ring
         # inside a Ulysses group the ring moves the group's 1/u of the heads for u x the tokens
         group = d.steps * d.layers * (4 * act * (u > 1) + 2 * (r - 1) * act) + lat
     # Each cfg branch runs the method on its own ranks; the branches swap velocities.

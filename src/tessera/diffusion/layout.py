@@ -7,7 +7,9 @@ varies fastest, so a Ulysses group is a block of neighbouring ranks, as in xDiT'
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,44 +19,66 @@ if TYPE_CHECKING:
 AXES = ("cfg", "pipefusion", "distrifusion", "tp", "ring", "ulysses")
 
 
+# The names before issue 29's one naming scheme (docs/conventions.md, "Names"): accepted as
+# keywords and read as attributes for one release, with a FutureWarning, then removed.
+_OLD_NAMES = {
+    "pipefusion_degree": "pipefusion",
+    "ulysses_degree": "ulysses",
+    "ring_degree": "ring",
+    "tp_degree": "tp",
+    "distrifusion_degree": "distrifusion",
+    "num_patches": "patches",
+    "sp_degree": "sp",
+}
+
+
+def _renamed(old: str) -> None:
+    warnings.warn(
+        f"ParallelConfig.{old} is renamed {_OLD_NAMES[old]}; the old name goes in the next release",
+        FutureWarning,
+        stacklevel=3,
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    pipefusion_degree: int = 1
-    num_patches: int | None = None  # PipeFusion patches along the height; default: the degree
+    """A degree per mesh axis, named by the axis (``pipefusion``, ``ulysses``, ``ring``,
+    ``tp``, ``distrifusion``; ``cfg_parallel`` puts the two guidance branches on two ranks),
+    as ``Plan`` names its ``dp``/``tp``/``pp``/``sp``. ``patches``: PipeFusion patches along the
+    height (None: the PipeFusion degree, resolved when the config is made)."""
+
+    pipefusion: int = 1
+    patches: int | None = None
     warmup_steps: int = 1  # PipeFusion / DistriFusion steps run synchronously on fresh K/V
     stage_layers: tuple[int, ...] | None = None  # layers per PipeFusion stage; default: even
-    ulysses_degree: int = 1
-    ring_degree: int = 1
+    ulysses: int = 1
+    ring: int = 1
     cfg_parallel: bool = False
-    tp_degree: int = 1  # baseline: Megatron-style tensor parallel
-    distrifusion_degree: int = 1  # baseline: DistriFusion patch parallel
+    tp: int = 1  # baseline: Megatron-style tensor parallel
+    distrifusion: int = 1  # baseline: DistriFusion patch parallel
 
     def __post_init__(self) -> None:
-        for name in (
-            "pipefusion_degree",
-            "ulysses_degree",
-            "ring_degree",
-            "tp_degree",
-            "distrifusion_degree",
-        ):
+        for name in ("pipefusion", "ulysses", "ring", "tp", "distrifusion"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.num_patches is not None and self.num_patches < self.pipefusion_degree:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ParallelConfig.{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
+        if self.patches is None:  # one spelling: the field holds the count used
+            object.__setattr__(self, "patches", self.pipefusion)
+        if not isinstance(self.patches, int) or self.patches < self.pipefusion:
             raise ValueError(
-                f"num_patches {self.num_patches} is fewer than the {self.pipefusion_degree} pipeline "
+                f"patches {self.patches} is fewer than the {self.pipefusion} pipeline "
                 "stages; use at least one patch per stage"
             )
         if self.stage_layers is not None:
-            if len(self.stage_layers) != self.pipefusion_degree or min(self.stage_layers) < 1:
+            if len(self.stage_layers) != self.pipefusion or min(self.stage_layers) < 1:
                 raise ValueError(
                     f"stage_layers {self.stage_layers} must give a positive layer count for each of "
-                    f"the {self.pipefusion_degree} stages"
+                    f"the {self.pipefusion} stages"
                 )
         used = [n for n in ("pipefusion", "distrifusion", "tp") if self.degree(n) > 1]
-        if self.sp_degree > 1 and self.pipefusion_degree == 1:
+        if self.sp > 1 and self.pipefusion == 1:
             used.append("ulysses/ring")
         if len(used) > 1:
             raise ValueError(
@@ -63,15 +87,20 @@ class ParallelConfig:
             )
 
     def degree(self, axis: str) -> int:
-        return 2 if axis == "cfg" and self.cfg_parallel else getattr(self, f"{axis}_degree", 1)
+        if axis == "cfg":
+            return 2 if self.cfg_parallel else 1
+        return getattr(self, axis) if axis in AXES else 1
 
     @property
-    def sp_degree(self) -> int:
-        return self.ulysses_degree * self.ring_degree
+    def sp(self) -> int:
+        """The sequence parallel degree: Ulysses x Ring."""
+        return self.ulysses * self.ring
 
-    @property
-    def patches(self) -> int:
-        return self.num_patches or self.pipefusion_degree
+    def __getattr__(self, name: str):  # only reached for names the class does not have
+        if name in _OLD_NAMES:
+            _renamed(name)
+            return getattr(self, _OLD_NAMES[name])
+        raise AttributeError(f"'ParallelConfig' object has no attribute {name!r}")
 
     @property
     def world_size(self) -> int:
@@ -84,7 +113,7 @@ class ParallelConfig:
         for axis in ("distrifusion", "tp"):
             if self.degree(axis) > 1:
                 return axis
-        return "sequence" if self.sp_degree > 1 else "serial"
+        return "sequence" if self.sp > 1 else "serial"
 
     def describe(self) -> str:
         parts = [f"{a}={self.degree(a)}" for a in AXES if self.degree(a) > 1]
@@ -105,6 +134,23 @@ class ParallelConfig:
                 f"is {world}; choose degrees whose product is {world}"
             )
         return Mesh(**{a: self.degree(a) for a in AXES})
+
+
+_init = ParallelConfig.__init__
+
+
+@functools.wraps(_init)  # the signature shown is the fields'
+def _init_accepting_old_names(self, **kwargs) -> None:
+    for old, new in _OLD_NAMES.items():
+        if old in kwargs:
+            _renamed(old)
+            if new in kwargs:
+                raise TypeError(f"ParallelConfig got both {old}= and {new}=; give {new}= only")
+            kwargs[new] = kwargs.pop(old)
+    _init(self, **kwargs)
+
+
+ParallelConfig.__init__ = _init_accepting_old_names
 
 
 def split_rows(total: int, parts: int) -> list[tuple[int, int]]:

@@ -21,21 +21,21 @@ def check_layout(adapter: Adapter, config: ParallelConfig, height: int, width: i
     """Every mistake that would otherwise surface mid-run, named with its numbers."""
     adapter.check_size(height, width)
     rows = height // adapter.patch_size
-    if adapter.num_heads % config.ulysses_degree:
+    if adapter.num_heads % config.ulysses:
         raise ValueError(
-            f"{adapter.num_heads} attention heads are not divisible by the Ulysses degree {config.ulysses_degree}"
+            f"{adapter.num_heads} attention heads are not divisible by the Ulysses degree {config.ulysses}"
         )
-    if adapter.num_heads % config.tp_degree:
+    if adapter.num_heads % config.tp:
         raise ValueError(
-            f"{adapter.num_heads} attention heads are not divisible by the TP degree {config.tp_degree}"
+            f"{adapter.num_heads} attention heads are not divisible by the TP degree {config.tp}"
         )
-    if config.tp_degree > 1 and not isinstance(adapter, TesseraDiTAdapter):
+    if config.tp > 1 and not isinstance(adapter, TesseraDiTAdapter):
         raise ValueError(
             f"the tensor-parallel baseline supports Tessera's DiT only, not {type(adapter.model).__name__}"
         )
     if config.method == "pipefusion":
-        stage_bounds(adapter.num_layers, config.pipefusion_degree, config.stage_layers)
-        sub_bands(rows, config.patches, config.sp_degree, 0)
+        stage_bounds(adapter.num_layers, config.pipefusion, config.stage_layers)
+        sub_bands(rows, config.patches, config.sp, 0)
     if config.method != "tp":  # every other method swaps the attention kernel in
         adapter.check_attention()
 

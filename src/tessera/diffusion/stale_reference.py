@@ -115,7 +115,7 @@ def stale_reference_denoise(
     height, width = noise.shape[2:]
     p = adapter.patch_size
     rows, cols = height // p, width // p
-    parts = split_rows(rows, config.patches if config.method == "pipefusion" else config.distrifusion_degree)
+    parts = split_rows(rows, config.patches if config.method == "pipefusion" else config.distrifusion)
     spans = [(r0 * cols, r1 * cols) for r0, r1 in parts]
     kv = (PipeFusionKV if config.method == "pipefusion" else DistriFusionKV)(spans)
     guided = guidance_scale != 1.0

@@ -30,8 +30,9 @@ from tessera.plan.published_scale import (
     capacity_rows,
     throughput_series,
 )
-from tessera.plan.training import TrainCandidate, predict_train
+from tessera.plan.training import predict_train
 from tessera.runtime.link import Link, link_named
+from tessera.train.plan import Plan
 
 CAPACITY_BATCH, THROUGHPUT_BATCH, SEQ = 4, 8, 1024
 # Inter-node link of the 16-GPU H200 row: not stated; one NDR 400 Gb/s port per GPU
@@ -170,7 +171,7 @@ def colossal_bench_checks() -> list[dict]:
 
     def predict(h: Hardware, row) -> float:
         _, gpus, model, _, batch, *_ = row
-        c = TrainCandidate(dp=gpus, zero=2, activation_checkpointing=True)
+        c = Plan(dp=gpus, zero=2, activation_checkpointing=True)
         pred = predict_train(LLAMA[model], c, h, global_batch=batch * gpus, seq=4096)
         return batch * gpus / pred.seconds
 

@@ -7,10 +7,12 @@ import argparse
 
 # Light modules only (profiles and presets as data): the parsers are built on every command,
 # so the planners load in the handlers.
+from tessera.cli_flags import PLAN, add_fields, add_renamed, as_flags, given, warn_renamed
 from tessera.plan.devices import DEVICES, device_named
 from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import PRESETS, model_spec
 from tessera.runtime.link import LINKS, link_named
+from tessera.train.plan import OFFLOADS, PRECISIONS
 
 GIB = 2**30
 
@@ -24,7 +26,10 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", default="nvlink4", help=f"link inside a node: one of {', '.join(LINKS)}")
     p.add_argument("--nodes", type=int, default=1, help="nodes the devices are spread over")
     p.add_argument("--inter-node-link", default="ib-hdr", help="link between nodes")
-    p.add_argument("--dtype", default="bf16", choices=["fp32", "bf16", "fp16"])
+    p.add_argument(
+        "--precision", default="bf16", choices=PRECISIONS, help="arithmetic precision (default bf16)"
+    )
+    add_renamed(p, "--dtype", "--precision")
     p.add_argument("--efficiency", type=float, default=0.4, help="achieved fraction of the device's peak")
     p.add_argument(
         "--host-op-us",
@@ -44,7 +49,7 @@ def _hardware(args) -> Hardware:
         link=link_named(args.link),
         devices_per_node=args.devices // args.nodes,
         inter_node=link_named(args.inter_node_link) if args.nodes > 1 else None,
-        dtype=args.dtype,
+        dtype=args.precision,
         efficiency=args.efficiency,
         host_op_seconds=args.host_op_us * 1e-6,
     )
@@ -65,7 +70,8 @@ def _check_fits(ranked, hw: Hardware, devices: int) -> None:
 
 
 def cmd_plan_generate(args) -> None:
-    from tessera.plan.search import generate_flags, search_generate
+    from tessera.cli_flags import LAYOUT
+    from tessera.plan.search import search_generate
 
     hw = _hardware(args)
     tokens = (args.height // 16) * (args.width // 16) if args.height and args.width else None
@@ -86,11 +92,13 @@ def cmd_plan_generate(args) -> None:
     )
     print(_table(["rank", "plan", "seconds", "GiB/rank", "GiB moved"], rows))
     _check_fits(ranked, hw, args.devices)
-    print(f"choice: tessera generate {generate_flags(ranked.fits[0].config)}")
+    best = ranked.fits[0].config
+    print(f"choice: tessera generate --nproc {best.world_size} {as_flags(best, LAYOUT)}".rstrip())
 
 
 def cmd_plan_train(args) -> None:
     from tessera.plan.search import search_train
+    from tessera.plan.training import describe
 
     hw = _hardware(args)
     spec = model_spec(args.model, args.seq)
@@ -98,15 +106,15 @@ def cmd_plan_train(args) -> None:
         spec,
         args.devices,
         hw,
-        global_batch=args.global_batch,
+        global_batch=args.batch_size,
         seq=spec.tokens,
-        offload=args.offload,
+        offload=tuple(dict.fromkeys(args.offload or ())),
         host_link_bandwidth=link_named(args.host_link).bandwidth,
     )
     rows = [
         [
             i + 1,
-            p.candidate.describe(),
+            describe(p.plan),
             f"{p.seconds:.3f}",
             f"{p.tokens_per_s:,.0f}",
             f"{p.memory_bytes_per_rank / GIB:.1f}",
@@ -114,18 +122,24 @@ def cmd_plan_train(args) -> None:
         for i, p in enumerate(ranked.fits[: args.top])
     ]
     print(
-        f"{spec.name}: {spec.total_params / 1e6:,.0f}M parameters, batch {args.global_batch} x {spec.tokens} tokens "
+        f"{spec.name}: {spec.total_params / 1e6:,.0f}M parameters, batch {args.batch_size} x {spec.tokens} tokens "
         f"on {args.devices} x {hw.device.name} ({hw.link.name})"
     )
     print(_table(["rank", "plan", "step s", "tokens/s", "GiB/rank"], rows))
     _check_fits(ranked, hw, args.devices)
-    runnable = [p for p in ranked.fits if p.candidate.flags()]
-    if ranked.fits[0].candidate.pp > 1:
-        print(
-            f"best predicted: {ranked.fits[0].candidate.describe()} (pipeline training is not in `tessera train` yet)"
-        )
-    if runnable:
-        print(f"choice: tessera train {runnable[0].candidate.flags()}")
+    best = ranked.fits[0].plan
+    print(f"choice: tessera train --nproc {best.world_size} {as_flags(best, PLAN)}".rstrip())
+
+
+class _OffloadPolicies(argparse.Action):
+    """``--offload POLICY``, repeatable; a bare ``--offload`` (the old switch) means both."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        policies = list(getattr(namespace, self.dest) or [])
+        if values is None:
+            warn_renamed("--offload without a policy", "--offload static --offload auto")
+            values = ["static", "auto"]
+        setattr(namespace, self.dest, policies + ([values] if isinstance(values, str) else values))
 
 
 def add_plan_parsers(plan_sub) -> None:
@@ -141,48 +155,74 @@ def add_plan_parsers(plan_sub) -> None:
     p = plan_sub.add_parser("train", help="rank the training plans (dp, tp, ZeRO stage, checkpointing)")
     add_hardware_args(p)
     p.add_argument("--seq", type=int, default=1024, help="tokens per sample")
-    p.add_argument("--global-batch", type=int, default=8, help="samples per optimizer step")
-    p.add_argument("--offload", action="store_true", help="also rank ZeRO-3 with static and planned offload")
+    p.add_argument("--batch-size", type=int, default=8, help="samples per optimizer step over all ranks")
+    add_renamed(p, "--global-batch", "--batch-size")
+    p.add_argument(
+        "--offload",
+        action=_OffloadPolicies,
+        nargs="?",
+        choices=[o for o in OFFLOADS if o is not None],
+        help="also rank ZeRO-3 under this offload policy (repeatable: --offload static --offload auto)",
+    )
     p.add_argument("--host-link", default="pcie4", help="link between a device and host memory (offload)")
     p.set_defaults(handler=cmd_plan_train)
+
+
+MEMORY_PLAN_FIELDS = (
+    "dp", "chunk_mib", "block_chunks", "offload", "device_memory", "host_memory", "offload_dir", "max_grad_norm",
+)  # fmt: skip
 
 
 def add_plan_memory_parser(plan_sub, positive_int) -> None:
     """`tessera plan memory`: the offload dry run (tessera.train.plan.gpt2_memory_report)."""
     p = plan_sub.add_parser("memory", help="dry run of an offloaded GPT-2: bytes per tier, moved, peak")
-    for flag, default, help_ in (
+    for flag_, default, help_ in (
         ("--layers", 12, "transformer blocks"),
-        ("--width", 768, "hidden size"),
+        ("--hidden-size", 768, "hidden size"),
         ("--heads", 12, "attention heads"),
         ("--vocab", 50257, "vocabulary"),
         ("--seq", 1024, "tokens per sequence"),
-        ("--batch", 1, "sequences per rank and micro-batch"),
-        ("--dp", 1, "data-parallel ranks (ZeRO-3 shards)"),
     ):
-        p.add_argument(flag, type=positive_int, default=default, help=help_)
-    p.add_argument("--chunk-mib", type=float, default=32.0, help="chunk size")
-    p.add_argument("--offload", default="auto", choices=["auto", "static"])
+        p.add_argument(flag_, type=positive_int, default=default, help=help_)
+    add_renamed(p, "--width", "--hidden-size")
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help="samples per optimizer step over all ranks (default: one per rank)",
+    )
+    p.add_argument(
+        "--batch", type=positive_int, dest="batch_per_rank", action=_RenamedBatch, help=argparse.SUPPRESS
+    )
     p.add_argument("--device", choices=["cpu", "cuda"], help="compute device (default: cuda if present)")
-    p.add_argument("--device-memory", help="model data on the GPU per rank, e.g. 8GiB")
-    p.add_argument("--host-memory", help="model data in host memory per rank, e.g. 16GiB")
-    p.add_argument("--offload-dir", help="directory for chunks on disk")
-    p.add_argument("--max-grad-norm", type=float, help="clipping (one more pass over the gradients)")
+    add_fields(p, PLAN, only=MEMORY_PLAN_FIELDS, defaults={"offload": "auto"})
     p.set_defaults(handler=cmd_plan_memory)
+
+
+class _RenamedBatch(argparse.Action):
+    """The old ``plan memory --batch N``: N sequences per rank (``--batch-size`` counts all ranks)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        warn_renamed("--batch N (per rank)", "--batch-size N x dp (over all ranks)")
+        setattr(namespace, self.dest, values)
 
 
 def cmd_plan_memory(args: argparse.Namespace) -> None:
     import tessera
-    from tessera.train.plan import gpt2_memory_report, parse_bytes
+    from tessera.train.plan import gpt2_memory_report
 
-    def size(text):
-        return None if text is None else parse_bytes(text)
-
-    plan = tessera.Plan(
-        dp=args.dp, zero=3, chunk_mib=args.chunk_mib, offload=args.offload, max_grad_norm=args.max_grad_norm,
-        device_memory=size(args.device_memory), host_memory=size(args.host_memory), offload_dir=args.offload_dir,
-    )  # fmt: skip
+    plan = tessera.Plan(zero=3, **given(args, PLAN))
+    if args.batch_per_rank is not None:
+        per_rank = args.batch_per_rank
+    elif args.batch_size is None:
+        per_rank = 1
+    elif args.batch_size % plan.dp:
+        raise ValueError(
+            f"--batch-size {args.batch_size} does not split over --dp {plan.dp}: use a multiple of {plan.dp}"
+        )
+    else:
+        per_rank = args.batch_size // plan.dp
     report = gpt2_memory_report(
-        layers=args.layers, width=args.width, heads=args.heads, vocab=args.vocab, seq=args.seq,
-        batch=args.batch, plan=plan, device=args.device,
+        layers=args.layers, width=args.hidden_size, heads=args.heads, vocab=args.vocab, seq=args.seq,
+        batch=per_rank, plan=plan, device=args.device,
     )  # fmt: skip
     print(report.text())

@@ -45,7 +45,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.plan.model_spec import TransformerSpec
-from tessera.plan.training import TrainCandidate, activation_bytes
+from tessera.plan.training import activation_bytes
+from tessera.train.plan import Plan
 
 SYSTEMS = ("pytorch-ddp", "zero-offload", "chunk")
 CHUNK_STATE_BYTES = 14  # fp16 param/grad chunk 2 + fp32 param, m, v 12 (PatrickStar INSIDE.md)
@@ -100,7 +101,7 @@ class Node:
 
 def non_model_bytes(spec: TransformerSpec, system: str, batch: int, seq: int, node: Node) -> float:
     """Per GPU: activations (checkpointing on, fp16) and the chunk buffers."""
-    c = TrainCandidate(dp=1, activation_checkpointing=True)
+    c = Plan(dp=1, activation_checkpointing=True)
     acts = activation_bytes(spec, c, batch, seq, 2)
     if system == "zero-offload":  # checkpoints in CPU memory: one block's activations remain
         acts -= spec.layers * 2 * seq * batch * spec.hidden

@@ -72,16 +72,14 @@ class _Builder:
     def ranks(self, c: int, p: int, d: int = 0, t: int = 0) -> list[int]:
         """The ring x ulysses group at (cfg c, stage p, distrifusion d, tp t)."""
         cfg = self.config
-        return [
-            self.grid[(c, p, d, t, r, u)] for r in range(cfg.ring_degree) for u in range(cfg.ulysses_degree)
-        ]
+        return [self.grid[(c, p, d, t, r, u)] for r in range(cfg.ring) for u in range(cfg.ulysses)]
 
     def layers(self, group, q: int, k: int, count: int, after: dict[int, int | None]):
         """``count`` layers on ``group``, which shares the work of ``q`` query tokens over
         ``k`` keys (a sequence-parallel group, a tp group or one rank); returns the last op
         of each rank."""
         s, hw, n = self.spec, self.hw, len(group)
-        u, r, tp = self.config.ulysses_degree, self.config.ring_degree, self.config.tp_degree > 1
+        u, r, tp = self.config.ulysses, self.config.ring, self.config.tp > 1
         b, e, h = self.batch, self.e, s.hidden
         linear = hw.compute_seconds(b * s.linear_flops(q) / n)
         attention = hw.compute_seconds(b * s.attention_flops(q, k) / n)
@@ -127,7 +125,7 @@ def _branch(bld: _Builder, c: int, after: dict[int, int | None]) -> dict[int, in
     if cfg.method == "pipefusion":
         return _pipefusion(bld, c, last)
     if cfg.method == "distrifusion":
-        d = cfg.distrifusion_degree
+        d = cfg.distrifusion
         groups = [bld.ranks(c, 0, i) for i in range(d)]
         band = n // d
         for step in range(bld.steps):
@@ -142,8 +140,8 @@ def _branch(bld: _Builder, c: int, after: dict[int, int | None]) -> dict[int, in
             if step < cfg.warmup_steps:  # warm-up: fresh K/V before the next step
                 last = dict.fromkeys(ranks, gather)
         return last
-    if cfg.tp_degree > 1:
-        group = [bld.grid[(c, 0, 0, t, 0, 0)] for t in range(cfg.tp_degree)]
+    if cfg.tp > 1:
+        group = [bld.grid[(c, 0, 0, t, 0, 0)] for t in range(cfg.tp)]
     else:
         group = bld.ranks(c, 0)
     for _ in range(bld.steps):
@@ -154,8 +152,8 @@ def _branch(bld: _Builder, c: int, after: dict[int, int | None]) -> dict[int, in
 def _pipefusion(bld: _Builder, c: int, last: dict[int, int | None]) -> dict[int, int | None]:
     cfg, s, hw = bld.config, bld.spec, bld.hw
     n, e, h, b = s.tokens, bld.e, s.hidden, bld.batch
-    stages = [bld.ranks(c, p) for p in range(cfg.pipefusion_degree)]
-    counts = [hi - lo for lo, hi in stage_bounds(s.layers, cfg.pipefusion_degree, cfg.stage_layers)]
+    stages = [bld.ranks(c, p) for p in range(cfg.pipefusion)]
+    counts = [hi - lo for lo, hi in stage_bounds(s.layers, cfg.pipefusion, cfg.stage_layers)]
     m = cfg.patches
     sp = len(stages[0])
     returned: list[int | None] = [None] * m  # latent of patch j back at stage 0
@@ -229,7 +227,7 @@ def predict_generate(
         * spec.tokens
         * (spec.ffn + 4 * spec.hidden)
         * bld.e
-        / config.sp_degree,
+        / config.sp,
         comm_bytes=formula_bytes(
             config,
             Dims(
@@ -251,21 +249,17 @@ def _params_per_rank(spec: TransformerSpec, config: ParallelConfig, e: int) -> f
     if config.method == "pipefusion":
         return (
             total
-            * max(
-                hi - lo for lo, hi in stage_bounds(spec.layers, config.pipefusion_degree, config.stage_layers)
-            )
+            * max(hi - lo for lo, hi in stage_bounds(spec.layers, config.pipefusion, config.stage_layers))
             / spec.layers
         )
-    return total / config.tp_degree
+    return total / config.tp
 
 
 def _kv_per_rank(spec: TransformerSpec, config: ParallelConfig, b: int, e: int) -> float:
     kv = 2 * b * spec.tokens * spec.hidden * e  # K and V of the whole sequence, one layer
     if config.method == "pipefusion":
-        counts = [
-            hi - lo for lo, hi in stage_bounds(spec.layers, config.pipefusion_degree, config.stage_layers)
-        ]
-        return kv * max(counts) / config.sp_degree
+        counts = [hi - lo for lo, hi in stage_bounds(spec.layers, config.pipefusion, config.stage_layers)]
+        return kv * max(counts) / config.sp
     if config.method == "distrifusion":
         return kv * spec.layers
     return 0.0

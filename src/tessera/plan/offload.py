@@ -21,7 +21,8 @@ import dataclasses
 
 from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import TransformerSpec
-from tessera.plan.training import MASTER_BYTES, TrainCandidate, TrainPrediction, predict_train, sharded_params
+from tessera.plan.training import MASTER_BYTES, TrainPrediction, predict_train, sharded_params
+from tessera.train.plan import Plan
 
 TRANSFERS_PER_STEP = 10  # shard-sized moves of each offloaded chunk per step (module doc)
 OFFLOADS = (None, "static", "auto")
@@ -29,7 +30,7 @@ OFFLOADS = (None, "static", "auto")
 
 def offload_prediction(
     spec: TransformerSpec,
-    c: TrainCandidate,
+    c: Plan,
     hw: Hardware,
     *,
     global_batch: int,
@@ -61,9 +62,11 @@ def offload_prediction(
     seconds = max(compute, transfer) + host_step
     on_device = {k: v * (1 - overflow) for k, v in base.state.items()}
     on_device["working"] = working
+    # "auto" keeps what fits on the device: that is the plan's device budget for model data
+    budget = int(resident) if offload == "auto" and resident >= 1 else None
     prediction = dataclasses.replace(
         base,
-        candidate=c,
+        plan=dataclasses.replace(c, offload=offload, device_memory=budget),
         seconds=seconds,
         tokens_per_s=global_batch * seq / seconds,
         state=on_device,

@@ -1,4 +1,4 @@
-"""A pipeline-parallel training step (pp stages x dp replicas, 1F1B schedule), simulated op
+"""A pipeline-parallel training step (pp stages x dp replicas, 1F1B or GPipe), simulated op
 by op: the bubble comes out of the dependencies, it is not a formula.
 
 Stage s holds layers [s L/pp, (s+1) L/pp) (the embedding on the first stage, the head on
@@ -6,9 +6,11 @@ the last); the global batch is cut into m micro-batches per replica. 1F1B: stage
 pp - s - 1 forwards, then alternates one forward and one backward, then the remaining
 backwards. F(s, i) needs F(s-1, i)'s activations (a send), B(s, i) needs B(s+1, i)'s
 gradient (a send) and its own F(s, i). After its last backward each stage all-reduces its
-gradients over dp (ZeRO 0; its own group, overlapping nothing), then steps.
+gradients over dp (ZeRO 0; its own group, overlapping nothing), then steps. GPipe (the
+schedule the planner gives fewer micro-batches than stages, which 1F1B does not take) runs
+every forward, then every backward.
 Memory per rank: the stage's model state (ZeRO 0 formulas on 1/pp of the layers) and the
-activations of the micro-batches in flight (at most pp on stage 0).
+activations of the micro-batches in flight (1F1B: at most pp on stage 0; GPipe: all m).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from __future__ import annotations
 from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import TransformerSpec
 from tessera.plan.simulate import Schedule, simulate
-from tessera.plan.training import MASTER_BYTES, TrainCandidate, TrainPrediction, activation_bytes
+from tessera.plan.training import MASTER_BYTES, TrainPrediction, activation_bytes
+from tessera.train.plan import Plan
 
 
 def one_f_one_b(stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
@@ -33,10 +36,18 @@ def one_f_one_b(stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
     return order
 
 
+def gpipe(stage: int, stages: int, micro: int) -> list[tuple[str, int]]:
+    """GPipe: every forward, then every backward."""
+    return [("F", i) for i in range(micro)] + [("B", i) for i in range(micro)]
+
+
 def predict_pipeline(
-    spec: TransformerSpec, c: TrainCandidate, hw: Hardware, *, global_batch: int, seq: int, micro_batches: int
+    spec: TransformerSpec, c: Plan, hw: Hardware, *, global_batch: int, seq: int
 ) -> TrainPrediction:
-    pp, m = c.pp, micro_batches
+    """``c.microbatches`` micro-batches per replica under ``c.schedule`` ("1f1b" or "gpipe")."""
+    if c.schedule not in ("1f1b", "gpipe") or c.virtual_stages != 1:
+        raise ValueError(f"the pipeline model simulates 1f1b and gpipe, got schedule={c.schedule!r}")
+    pp, m = c.pp, c.microbatches
     if global_batch % (c.dp * m):
         raise ValueError(f"global batch {global_batch} does not split into dp {c.dp} x {m} micro-batches")
     if spec.layers < pp:
@@ -48,7 +59,8 @@ def predict_pipeline(
     act = hw.comm_seconds("send", mb * seq * spec.hidden * e, [0, 1])
     sched = Schedule(ranks=pp)
     done: dict[tuple[str, int, int], int] = {}
-    orders = [one_f_one_b(s, pp, m) for s in range(pp)]
+    order = one_f_one_b if c.schedule == "1f1b" else gpipe
+    orders = [order(s, pp, m) for s in range(pp)]
     # Issue in an order that respects the dependencies: sweep the stages until all are issued.
     cursor, sent = [0] * pp, {}
     while any(cursor[s] < len(orders[s]) for s in range(pp)):
@@ -90,11 +102,11 @@ def predict_pipeline(
     state = {"params": p, "grads": p, "optimizer": 2 * p}
     per_layer = activation_bytes(spec, c, mb, seq, e) / spec.layers
     return TrainPrediction(
-        candidate=c,
+        plan=c,
         seconds=seconds,
         tokens_per_s=global_batch * seq / seconds,
         state=state,
-        activation_bytes=per_layer * max(layers) * min(pp, m),
+        activation_bytes=per_layer * max(layers) * (min(pp, m) if c.schedule == "1f1b" else m),
         comm_bytes_per_rank={
             "send@pp": 2 * m * mb * seq * spec.hidden * e,
             "all_reduce@dp": p if c.dp > 1 else 0,

@@ -34,7 +34,7 @@ class PublishedTable:
 
 
 def _sp(u: int = 1, r: int = 1, pp: int = 1, cfg: bool = False) -> ParallelConfig:
-    return ParallelConfig(ulysses_degree=u, ring_degree=r, pipefusion_degree=pp, cfg_parallel=cfg)
+    return ParallelConfig(ulysses=u, ring=r, pipefusion=pp, cfg_parallel=cfg)
 
 
 TABLES: tuple[PublishedTable, ...] = (

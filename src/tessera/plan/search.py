@@ -3,8 +3,8 @@ memory, rank the rest by predicted time."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tessera.diffusion.layout import ParallelConfig
@@ -13,7 +13,8 @@ from tessera.plan.inference import GeneratePrediction, predict_generate
 from tessera.plan.model_spec import TransformerSpec
 from tessera.plan.offload import offload_prediction
 from tessera.plan.pipeline import predict_pipeline
-from tessera.plan.training import TrainCandidate, TrainPrediction, predict_train
+from tessera.plan.training import TrainPrediction, predict_train
+from tessera.train.plan import Plan
 
 
 def divisors(n: int) -> list[int]:
@@ -33,20 +34,21 @@ def generate_configs(spec: TransformerSpec, world: int, guidance: bool) -> list[
                 continue
             r = rest // (p * u)
             for patches in sorted({p, 2 * p}) if p > 1 else (None,):
-                kwargs = dict(ulysses_degree=u, ring_degree=r, pipefusion_degree=p, cfg_parallel=cfg == 2)
-                out.append(ParallelConfig(**kwargs, num_patches=patches))
+                kwargs = dict(ulysses=u, ring=r, pipefusion=p, cfg_parallel=cfg == 2)
+                out.append(ParallelConfig(**kwargs, patches=patches))
     if world > 1:
         if spec.heads % world == 0:
-            out.append(ParallelConfig(tp_degree=world))
-        out.append(ParallelConfig(distrifusion_degree=world))
+            out.append(ParallelConfig(tp=world))
+        out.append(ParallelConfig(distrifusion=world))
     return out
 
 
-def train_candidates(spec: TransformerSpec, world: int, global_batch: int) -> list[TrainCandidate]:
-    """dp x tp with ZeRO 0-3 and checkpointing on or off, and dp x pp (1F1B, ZeRO 0) with as
-    many micro-batches as the batch allows, up to 4 per stage."""
+def train_plans(spec: TransformerSpec, world: int, global_batch: int) -> list[Plan]:
+    """dp x tp with ZeRO 0-3, block chunks (the per-block gradient reduce the model times) and
+    checkpointing on or off, and dp x pp (ZeRO 0) with as many micro-batches as the batch
+    allows, up to 4 per stage: 1F1B, or GPipe where there are fewer micro-batches than stages."""
     flat = [
-        TrainCandidate(dp=world // tp, tp=tp, zero=zero, activation_checkpointing=ckpt)
+        Plan(dp=world // tp, tp=tp, zero=zero, block_chunks=True, activation_checkpointing=ckpt)
         for tp in divisors(world)
         if spec.heads % tp == 0
         for zero in (0, 1, 2, 3)
@@ -59,8 +61,9 @@ def train_candidates(spec: TransformerSpec, world: int, global_batch: int) -> li
         if spec.layers < pp or global_batch % dp:
             continue
         micro = max(m for m in divisors(global_batch // dp) if m <= 4 * pp)
+        schedule = "1f1b" if micro >= pp else "gpipe"
         piped += [
-            TrainCandidate(dp=dp, pp=pp, micro_batches=micro, activation_checkpointing=ck)
+            Plan(dp=dp, pp=pp, microbatches=micro, schedule=schedule, activation_checkpointing=ck)
             for ck in (False, True)
         ]
     return flat + piped
@@ -94,47 +97,32 @@ def search_train(
     *,
     global_batch: int,
     seq: int,
-    offload: bool = False,
+    offload: Sequence[str] = (),
     host_link_bandwidth: float = 25e9,
     host_memory_bandwidth: float = 50e9,
 ) -> Ranked:
-    """The plans ranked; with ``offload`` also ZeRO-3 with static and planned offload."""
+    """The plans ranked; with ``offload`` ("static", "auto" or both) also ZeRO-3 under those
+    policies (tessera.plan.offload)."""
+    plans = [c for c in train_plans(spec, world, global_batch) if global_batch % c.dp == 0]
     preds: list[TrainPrediction] = [
-        predict_pipeline(spec, c, hw, global_batch=global_batch, seq=seq, micro_batches=c.micro_batches)
+        predict_pipeline(spec, c, hw, global_batch=global_batch, seq=seq)
         if c.pp > 1
         else predict_train(spec, c, hw, global_batch=global_batch, seq=seq)
-        for c in train_candidates(spec, world, global_batch)
-        if global_batch % c.dp == 0
+        for c in plans
     ]
-    if offload:
-        for c in train_candidates(spec, world, global_batch):
-            if c.zero == 3 and c.pp == 1 and global_batch % c.dp == 0:
-                for kind in ("static", "auto"):
-                    pred, _ = offload_prediction(
-                        spec,
-                        dataclasses.replace(c, offload=kind),
-                        hw,
-                        global_batch=global_batch,
-                        seq=seq,
-                        host_link_bandwidth=host_link_bandwidth,
-                        host_memory_bandwidth=host_memory_bandwidth,
-                        offload=kind,
-                    )
-                    preds.append(pred)
+    for c in plans:
+        if c.zero != 3 or c.pp > 1 or c.tp > 1:  # offload moves ZeRO-3 chunks, without tp
+            continue
+        for kind in offload:
+            pred, _ = offload_prediction(
+                spec,
+                c,
+                hw,
+                global_batch=global_batch,
+                seq=seq,
+                host_link_bandwidth=host_link_bandwidth,
+                host_memory_bandwidth=host_memory_bandwidth,
+                offload=kind,
+            )
+            preds.append(pred)
     return _rank(preds, hw.device.memory_bytes)
-
-
-def generate_flags(config: ParallelConfig) -> str:
-    parts = [f"--nproc {config.world_size}"]
-    for axis, flag in (("pipefusion", "--pipefusion"), ("ulysses", "--ulysses"), ("ring", "--ring")):
-        if config.degree(axis) > 1:
-            parts.append(f"{flag} {config.degree(axis)}")
-    if config.method == "pipefusion":
-        parts.append(f"--patches {config.patches} --warmup-steps {config.warmup_steps}")
-    if config.cfg_parallel:
-        parts.append("--cfg-parallel")
-    if config.tp_degree > 1:
-        parts.append(f"--tp {config.tp_degree}")
-    if config.distrifusion_degree > 1:
-        parts.append(f"--distrifusion {config.distrifusion_degree} --warmup-steps {config.warmup_steps}")
-    return " ".join(parts)

@@ -26,53 +26,29 @@ activation checkpointing only the block input (2 s b h) is kept, plus one block'
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import TransformerSpec
 from tessera.plan.simulate import Schedule, simulate
+from tessera.train.plan import Plan  # pure data: the planner returns what `tessera train` runs
 
 MASTER_BYTES = 4  # fp32 master weights, gradients and Adam moments at every precision
 
 
-@dataclass(frozen=True, kw_only=True)
-class TrainCandidate:
-    dp: int
-    tp: int = 1
-    zero: int = 0
-    activation_checkpointing: bool = False
-    pp: int = 1  # pipeline stages (tessera.plan.pipeline), 1F1B
-    micro_batches: int = 1  # per replica and step, with pp > 1
-    offload: str | None = None  # "static" | "auto" with zero=3 (tessera.plan.offload)
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
-
-    def describe(self) -> str:
-        text = f"dp={self.dp} tp={self.tp}" + (
-            f" pp={self.pp} (1F1B, {self.micro_batches} micro)" if self.pp > 1 else ""
-        )
-        text += f" zero={self.zero}" + (" ckpt" if self.activation_checkpointing else "")
-        return text + (f" offload={self.offload}" if self.offload else "")
-
-    def flags(self) -> str | None:
-        """The `tessera train` flags, or None where it cannot run the plan (offload is a
-        `Plan` setting the recipes do not take as a flag; pipelined plans take ZeRO 0-1 and
-        1F1B needs at least pp micro-batches)."""
-        if self.offload or (self.pp > 1 and (self.zero > 1 or self.micro_batches < self.pp)):
-            return None
-        text = f"--nproc {self.world_size} --dp {self.dp} --tp {self.tp} --zero {self.zero}"
-        if self.pp > 1:
-            text += f" --pp {self.pp} --microbatches {self.micro_batches} --schedule 1f1b"
-        else:
-            text += " --block-chunks"  # block chunks are ZeRO chunks: not under pp
-        return text + (" --activation-checkpointing" if self.activation_checkpointing else "")
+def describe(plan: Plan) -> str:
+    """One line for the planner's table: the degrees, the pipeline schedule, ZeRO, checkpointing."""
+    text = f"dp={plan.dp} tp={plan.tp}"
+    if plan.pp > 1:
+        text += f" pp={plan.pp} ({plan.schedule}, {plan.microbatches} micro)"
+    text += f" zero={plan.zero}" + (" ckpt" if plan.activation_checkpointing else "")
+    return text + (f" offload={plan.offload}" if plan.offload else "")
 
 
 @dataclass(frozen=True)
 class TrainPrediction:
-    candidate: TrainCandidate
+    plan: Plan
     seconds: float
     tokens_per_s: float
     state: dict[str, float]  # params, grads, optimizer: bytes per rank
@@ -83,6 +59,16 @@ class TrainPrediction:
     def memory_bytes_per_rank(self) -> float:
         return sum(self.state.values()) + self.activation_bytes
 
+    @property
+    def candidate(self) -> Plan:
+        """The old name of ``plan``: kept for one release, then removed."""
+        warnings.warn(
+            "TrainPrediction.candidate is renamed plan; the old name goes in the next release",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return self.plan
+
 
 def sharded_params(spec: TransformerSpec, tp: int) -> float:
     """Parameters one tp rank holds: the layers split t ways, the embedding whole."""
@@ -90,7 +76,7 @@ def sharded_params(spec: TransformerSpec, tp: int) -> float:
     return layers / tp + (spec.total_params - layers)
 
 
-def model_state_bytes(spec: TransformerSpec, c: TrainCandidate) -> dict[str, float]:
+def model_state_bytes(spec: TransformerSpec, c: Plan) -> dict[str, float]:
     p = sharded_params(spec, c.tp) * MASTER_BYTES
     d = c.dp
     params = p / d if c.zero == 3 else p
@@ -99,7 +85,7 @@ def model_state_bytes(spec: TransformerSpec, c: TrainCandidate) -> dict[str, flo
     return {"params": params, "grads": grads, "optimizer": optimizer}
 
 
-def activation_bytes(spec: TransformerSpec, c: TrainCandidate, micro_batch: int, seq: int, e: int) -> float:
+def activation_bytes(spec: TransformerSpec, c: Plan, micro_batch: int, seq: int, e: int) -> float:
     s, b, h, a, t = seq, micro_batch, spec.hidden, spec.heads, c.tp
     per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * e / 2
     if c.activation_checkpointing:
@@ -107,7 +93,7 @@ def activation_bytes(spec: TransformerSpec, c: TrainCandidate, micro_batch: int,
     return spec.layers * per_layer
 
 
-def comm_bytes_per_rank(spec: TransformerSpec, c: TrainCandidate, micro_batch: int, seq: int, e: int) -> dict:
+def comm_bytes_per_rank(spec: TransformerSpec, c: Plan, micro_batch: int, seq: int, e: int) -> dict:
     p = sharded_params(spec, c.tp) * MASTER_BYTES
     d = c.dp
     out: dict[str, float] = {}
@@ -124,7 +110,7 @@ def comm_bytes_per_rank(spec: TransformerSpec, c: TrainCandidate, micro_batch: i
 
 def predict_train(
     spec: TransformerSpec,
-    c: TrainCandidate,
+    c: Plan,
     hw: Hardware,
     *,
     global_batch: int,
@@ -133,7 +119,7 @@ def predict_train(
 ) -> TrainPrediction:
     if c.pp > 1:
         raise ValueError(
-            f"{c.describe()}: pipeline plans are predicted by tessera.plan.pipeline.predict_pipeline"
+            f"{describe(c)}: pipeline plans are predicted by tessera.plan.pipeline.predict_pipeline"
         )
     if global_batch % c.dp:
         raise ValueError(f"global batch {global_batch} is not divisible by dp {c.dp}")
@@ -189,7 +175,7 @@ def predict_train(
         collective("all_gather", sharded_params(spec, c.tp) * MASTER_BYTES / c.dp, dp_group, step)
     seconds = simulate(sched).makespan
     return TrainPrediction(
-        candidate=c,
+        plan=c,
         seconds=seconds,
         tokens_per_s=global_batch * seq / seconds,
         state=model_state_bytes(spec, c),

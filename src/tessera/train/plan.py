@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+ZERO_STAGES = (0, 1, 2, 3)
 OFFLOADS = (None, "auto", "static")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 SP_METHODS = ("ring", "ulysses")
@@ -39,7 +40,8 @@ class Plan:
     ``pp`` pipeline stages (``tessera.parallel.pipeline`` on torch.distributed.pipelining):
     the decoder layers split evenly, ``stage_layers`` per stage, or "balanced" by an estimate of
     each layer's compute (the head counted on the last stage); ``microbatches`` per
-    step (None: ``pp``; each dp replica's batch is cut into that many), ``schedule``
+    step (None: ``pp``, resolved when the Plan is made; each dp replica's batch is cut into
+    that many), ``schedule``
     "gpipe", "1f1b" or "interleaved" with ``virtual_stages`` stages per rank. ``sp``
     sequence parallel ranks (``sp_method`` "ring", zig-zag for causal, or "ulysses"); ZeRO
     then shards over the dp x sp ranks, as DeepSpeed-Ulysses does. ``sequence_parallel_norms``
@@ -75,7 +77,7 @@ class Plan:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Plan.{name} must be a positive integer, got {value!r}")
-        if self.zero not in (0, 1, 2, 3):
+        if self.zero not in ZERO_STAGES:
             raise ValueError(f"Plan.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Plan.precision must be one of {PRECISIONS}, got {self.precision!r}")
@@ -96,14 +98,16 @@ class Plan:
     def _check_pipeline(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"Plan.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        if self.pp == 1:
-            for name, default in (("microbatches", None), ("stage_layers", None), ("virtual_stages", 1)):
-                if getattr(self, name) != default:
-                    raise ValueError(f"Plan.{name}={getattr(self, name)!r} needs pipeline stages: set pp > 1")
-            return
         m = self.microbatches
         if m is not None and (not isinstance(m, int) or isinstance(m, bool) or m < 1):
             raise ValueError(f"Plan.microbatches must be a positive integer or None, got {m!r}")
+        if m is None:  # one spelling: the field holds the count used (pp unless set)
+            object.__setattr__(self, "microbatches", self.pp)
+        if self.pp == 1:
+            for name, default in (("microbatches", 1), ("stage_layers", None), ("virtual_stages", 1)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"Plan.{name}={getattr(self, name)!r} needs pipeline stages: set pp > 1")
+            return
         counts = self.stage_layers
         if (
             counts is not None
@@ -120,10 +124,10 @@ class Plan:
             )
         if self.virtual_stages > 1 and self.schedule != "interleaved":
             raise ValueError(f"Plan.virtual_stages={self.virtual_stages} needs schedule='interleaved'")
-        if self.schedule != "gpipe" and self.num_microbatches < self.pp:
+        if self.schedule != "gpipe" and self.microbatches < self.pp:
             raise ValueError(
                 f"Plan(schedule={self.schedule!r}) needs at least pp={self.pp} micro-batches, "
-                f"got microbatches={self.num_microbatches}"
+                f"got microbatches={self.microbatches}; raise microbatches or use schedule='gpipe'"
             )
         # ZeRO-2/3 reduce and gather in the backward hooks of one whole-model backward; the
         # schedule runs a stage's backward once per micro-batch, so pipelined gradients are
@@ -166,8 +170,9 @@ class Plan:
 
     @property
     def num_microbatches(self) -> int:
-        """Micro-batches per pipelined step (``microbatches``, or ``pp`` when None)."""
-        return self.microbatches if self.microbatches is not None else self.pp
+        """The old name of ``microbatches`` (which now holds the resolved count): kept for one
+        release, then removed."""
+        return self.microbatches
 
     def _check_offload(self) -> None:
         if self.offload not in OFFLOADS:

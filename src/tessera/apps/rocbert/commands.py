@@ -7,45 +7,17 @@ import argparse
 import time
 from pathlib import Path
 
-DEFAULT_OUT = "runs/rocbert-sentiment"
 LABELS = ("negative", "positive")
-CLIP = 1.0
+# the contrastive term's temperature (0.01) makes early gradients large: clip at 1 unless told
+CLIP = 1.0  # the recipe's default Plan.max_grad_norm (tessera.cli_train.RECIPES)
 
 
-def train_command(args: argparse.Namespace) -> str:
-    """--steps sets both stages' steps; the recipe's own defaults otherwise."""
-    import tessera
+def train_command(args: argparse.Namespace, plan, out: Path) -> str:
+    """--steps sets both stages' steps; the recipe's own defaults otherwise. ``plan``: the
+    Plan from the flags this recipe takes (tessera.cli_train refuses the others)."""
     from tessera.apps.rocbert.recipe import RECIPE_NAME, RocbertRecipe, recipe_features, train_rank
     from tessera.runtime import spawn
 
-    unused = [
-        flag
-        for flag, given in (
-            ("--tp", args.tp != 1),
-            ("--pp", getattr(args, "pp", 1) != 1),
-            ("--sp", getattr(args, "sp", 1) != 1),
-            ("--microbatches", getattr(args, "microbatches", None) is not None),
-            ("--resume", args.resume),
-            ("--activation-checkpointing", args.activation_checkpointing),
-            ("--block-chunks", args.block_chunks),
-        )
-        if given
-    ]
-    if unused:
-        raise ValueError(
-            f"recipe {RECIPE_NAME} trains data parallel (--nproc/--dp, --zero, --grad-accum, --precision, "
-            f"--max-grad-norm) from scratch in minutes; it does not take {', '.join(unused)}"
-        )
-    plan = tessera.Plan(
-        dp=args.dp or args.nproc,
-        zero=args.zero,
-        grad_accum=args.grad_accum,
-        precision=args.precision,
-        # the contrastive term's temperature (0.01) makes early gradients large: clip at 1 unless told
-        max_grad_norm=CLIP if args.max_grad_norm is None else args.max_grad_norm,
-        **({"chunk_mib": args.chunk_mib} if args.chunk_mib is not None else {}),
-    )
-    plan.check_world(args.nproc)
     overrides = {"seed": args.seed, "batch_size": args.batch_size}
     if args.steps is not None:
         overrides.update(pretrain_steps=args.steps, finetune_steps=args.steps)
@@ -54,9 +26,6 @@ def train_command(args: argparse.Namespace) -> str:
         raise ValueError(
             f"batch size {recipe.batch_size} does not split into dp={plan.dp} x grad_accum={plan.grad_accum}"
         )
-    out = Path(
-        DEFAULT_OUT if args.out == "runs/digits-dit" else args.out
-    )  # the train parser's default is digits-dit's
     if (out / "model").exists():
         raise ValueError(f"{out} already holds a trained model; choose another --out")
     began = time.perf_counter()

@@ -1,0 +1,221 @@
+"""`tessera train --recipe NAME`: the recipe registry and the handlers it dispatches to.
+
+A recipe is a name with its own defaults (its output folder, runs/NAME; the Plan settings it
+takes and its defaults for them) and the function that runs it. The Plan flags are generated
+from ``tessera.Plan``'s fields (tessera.cli_flags); a recipe refuses by name the settings it
+does not take. This module is light: recipes load their code when they run."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tessera.apps.rocbert.commands import CLIP as ROCBERT_CLIP  # light: its code loads on use
+from tessera.cli_flags import PLAN, UserError, add_fields, flag, given
+
+ALL_PLAN_FIELDS = tuple(f.name for f in PLAN.fields())
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    summary: str  # one line: what it trains, and how it may be spread
+    run: str  # "module:function", called as function(args, plan, out) -> the line to print
+    plan_fields: tuple[str, ...]  # the Plan settings it takes; the others are refused by name
+    plan_defaults: Mapping[str, object] = field(default_factory=dict)  # its own, under the flags
+    resumable: bool = True
+
+    @property
+    def default_out(self) -> str:
+        return f"runs/{self.name}"
+
+    def handler(self):
+        module, function = self.run.split(":")
+        return getattr(importlib.import_module(module), function)
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe(
+            name="digits-dit",
+            summary="a class-conditional DiT on 8x8 digits, data parallel over --nproc",
+            run="tessera.cli_train:train_digits_dit",
+            plan_fields=(),
+        ),
+        Recipe(
+            name="gpt2-text",
+            summary="a small GPT-2 on bytes of text, under any Plan (dp, tp, pp, sp, ZeRO, offload, ...)",
+            run="tessera.cli_train:train_gpt2_text",
+            plan_fields=ALL_PLAN_FIELDS,
+        ),
+        Recipe(
+            name="rocbert-sentiment",
+            summary="ROCBERT pretraining and sentiment fine-tuning, data parallel, from scratch in minutes",
+            run="tessera.apps.rocbert.commands:train_command",
+            plan_fields=("dp", "zero", "grad_accum", "precision", "max_grad_norm", "chunk_mib"),
+            plan_defaults={"max_grad_norm": ROCBERT_CLIP},
+            resumable=False,
+        ),
+    )
+}
+
+
+def add_train_parser(sub, positive_int) -> None:
+    p = sub.add_parser("train", help="train a recipe (" + ", ".join(RECIPES) + ") under a Plan")
+    p.add_argument(
+        "--recipe",
+        required=True,
+        help="; ".join(f"{r.name}: {r.summary}" for r in RECIPES.values()),
+    )
+    p.add_argument("--nproc", type=positive_int, default=1, help="local processes (ranks)")
+    p.add_argument("--out", help="checkpoint folder (default: runs/RECIPE)")
+    p.add_argument(
+        "--steps", type=positive_int, help="total optimizer steps (rocbert-sentiment: each stage's)"
+    )
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        help="samples per optimizer step over all ranks (default: the recipe's)",
+    )
+    p.add_argument("--seed", type=int)
+    p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is ended")
+    add_fields(p, PLAN, default_text={"dp": "--nproc / (tp x pp x sp)"})
+    p.set_defaults(handler=cmd_train)
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    recipe = RECIPES.get(args.recipe)
+    if recipe is None:
+        raise UserError(f"unknown recipe {args.recipe!r}; available: {', '.join(RECIPES)}")
+    settings = given(args, PLAN)
+    _refuse_unused(recipe, settings, args.resume)
+    plan = _plan(recipe, settings, args.nproc)
+    out = Path(args.out or recipe.default_out)
+    printed = recipe.handler()(args, plan, out)
+    if printed:
+        print(printed)
+
+
+def _refuse_unused(recipe: Recipe, settings: dict, resume: bool) -> None:
+    unused = [name for name in settings if name not in recipe.plan_fields]
+    refused_resume = resume and not recipe.resumable
+    flags = [flag(n) for n in unused] + (["--resume"] if refused_resume else [])
+    if not flags:
+        return
+    takers = [
+        r.name
+        for r in RECIPES.values()
+        if r is not recipe and (any(n in r.plan_fields for n in unused) or (refused_resume and r.resumable))
+    ]
+    takes = ", ".join(flag(n) for n in recipe.plan_fields) or "no Plan flags"
+    raise UserError(
+        f"recipe {recipe.name} takes {takes}; it does not take {', '.join(flags)} (they apply to {', '.join(takers)})"
+    )
+
+
+def _plan(recipe: Recipe, settings: dict, nproc: int):
+    """The Plan from the flags given over the recipe's defaults; dp fills the processes the
+    other degrees leave."""
+    from tessera.train.plan import Plan
+
+    values = {**recipe.plan_defaults, **settings}
+    if "dp" not in values:
+        other = values.get("tp", 1) * values.get("pp", 1) * values.get("sp", 1)
+        if nproc % other:
+            given_ = [
+                f"--{n} {values.get(n, 1)}" for n in ("tp", "pp", "sp") if n == "tp" or values.get(n, 1) > 1
+            ]
+            product = " x ".join(given_) + (f" = {other}" if len(given_) > 1 else "")
+            raise UserError(
+                f"--nproc {nproc} is not a multiple of {product}: dp x pp x sp x tp must equal the processes"
+            )
+        values["dp"] = nproc // other
+    plan = Plan(**values)
+    plan.check_world(nproc)
+    return plan
+
+
+# ---- digits-dit --------------------------------------------------------------------------
+
+
+def _digits_rank(recipe, out_dir: str, resume: bool) -> dict:
+    from tessera.runtime import Mesh
+    from tessera.runtime.mesh import world_size
+    from tessera.train.digits_dit import train
+
+    return train(recipe, Mesh(dp=world_size()), out_dir, resume=resume)
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    pairs = (("steps", args.steps), ("seed", args.seed), ("batch_size", args.batch_size))
+    return {k: v for k, v in pairs if v is not None}
+
+
+def train_digits_dit(args: argparse.Namespace, plan, out: Path) -> str | None:
+    from tessera.runtime import spawn
+    from tessera.train import checkpoint as ckpt
+    from tessera.train.digits_dit import DigitsDiTRecipe
+
+    recipe = DigitsDiTRecipe(**_overrides(args))
+    if recipe.batch_size % args.nproc:
+        raise UserError(f"batch size {recipe.batch_size} is not divisible by --nproc {args.nproc}")
+    if args.resume:
+        step = ckpt.read_train_meta(out)["step"]
+        if step >= recipe.steps:
+            return f"{out} is already trained to step {step} (of {recipe.steps}); nothing to do"
+    elif (out / "config.json").exists():
+        raise UserError(
+            f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out"
+        )
+    began = time.perf_counter()
+    if args.nproc == 1:
+        summary = _digits_rank(recipe, str(out), args.resume)
+    else:
+        summary = spawn(_digits_rank, args.nproc, recipe, str(out), args.resume, timeout_s=args.timeout)[0]
+    return (
+        f"trained {summary['steps_run']} steps on {args.nproc} process(es) in "
+        f"{time.perf_counter() - began:.1f}s (loop {summary['seconds']:.1f}s); "
+        f"final loss {summary['final_loss']:.4f}; checkpoint: {out}"
+    )
+
+
+# ---- gpt2-text ---------------------------------------------------------------------------
+
+
+def train_gpt2_text(args: argparse.Namespace, plan, out: Path) -> str:
+    from tessera.bench.harness import matmul_peak_flops
+    from tessera.runtime import spawn
+    from tessera.train import gpt2_text
+
+    recipe = gpt2_text.GPT2TextRecipe(**_overrides(args))
+    split, name = (plan.microbatches, "microbatches") if plan.pp > 1 else (plan.grad_accum, "grad_accum")
+    if recipe.batch_size % (plan.dp * split):
+        raise UserError(f"batch size {recipe.batch_size} does not split into dp={plan.dp} x {name}={split}")
+    if not args.resume and (out / "checkpoint").exists():
+        raise UserError(
+            f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out"
+        )
+    peak = matmul_peak_flops()
+    began = time.perf_counter()
+    call = (recipe, plan, str(out), args.resume, peak)
+    if args.nproc == 1:
+        summary = gpt2_text.train_rank(*call)
+    else:
+        summary = spawn(gpt2_text.train_rank, args.nproc, *call, timeout_s=args.timeout)[0]
+    last = summary["log"][-1] if summary["log"] else {}
+    skipped = f"; {last['skipped_steps']} fp16 steps skipped" if "skipped_steps" in last else ""
+    axes = f"dp={plan.dp} tp={plan.tp}" + "".join(
+        f" {n}={getattr(plan, n)}" for n in ("pp", "sp") if getattr(plan, n) > 1
+    )
+    return (
+        f"trained {summary['steps_run']} steps of {gpt2_text.RECIPE_NAME} with {axes} "
+        f"zero={plan.zero} in {time.perf_counter() - began:.1f}s; final loss {summary['final_loss']}{skipped}; "
+        f"{last.get('tokens_per_s', 0):.0f} tokens/s, MFU {last.get('mfu', 0):.1%}, peak RSS {last.get('peak_rss_mib', 0):.0f} MiB (rank 0); "
+        f"checkpoint: {out / 'checkpoint'}, HuggingFace export: {out / 'hf'}"
+    )
