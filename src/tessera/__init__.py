@@ -18,7 +18,7 @@ _WHERE = {
     "ParallelConfig": "tessera.diffusion.layout",
     "parallel_denoise": "tessera.diffusion.parallel",
     "parallel_sample": "tessera.diffusion.parallel",
-    "Plan": "tessera.train.plan",
+    "Plan": "tessera.plan.training_plan",
     "boost": "tessera.train.boost",
     "autochunk": "tessera.autochunk",
 }
@@ -53,6 +53,6 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from tessera.autochunk import autochunk
     from tessera.diffusion.layout import ParallelConfig
     from tessera.diffusion.parallel import parallel_denoise, parallel_sample
+    from tessera.plan.training_plan import Plan
     from tessera.runtime import Mesh, RankError, spawn
     from tessera.train.boost import boost
-    from tessera.train.plan import Plan

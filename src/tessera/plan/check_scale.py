@@ -31,8 +31,8 @@ from tessera.plan.published_scale import (
     throughput_series,
 )
 from tessera.plan.training import predict_train
+from tessera.plan.training_plan import Plan
 from tessera.runtime.link import Link, link_named
-from tessera.train.plan import Plan
 
 CAPACITY_BATCH, THROUGHPUT_BATCH, SEQ = 4, 8, 1024
 # Inter-node link of the 16-GPU H200 row: not stated; one NDR 400 Gb/s port per GPU

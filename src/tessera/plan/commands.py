@@ -11,8 +11,8 @@ from tessera.cli_flags import PLAN, add_fields, add_renamed, as_flags, given, wa
 from tessera.plan.devices import DEVICES, device_named
 from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import PRESETS, model_spec
+from tessera.plan.training_plan import OFFLOADS, PRECISIONS
 from tessera.runtime.link import LINKS, link_named
-from tessera.train.plan import OFFLOADS, PRECISIONS
 
 GIB = 2**30
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from tessera.plan.model_spec import TransformerSpec
 from tessera.plan.training import activation_bytes
-from tessera.train.plan import Plan
+from tessera.plan.training_plan import Plan
 
 SYSTEMS = ("pytorch-ddp", "zero-offload", "chunk")
 CHUNK_STATE_BYTES = 14  # fp16 param/grad chunk 2 + fp32 param, m, v 12 (PatrickStar INSIDE.md)

@@ -22,7 +22,7 @@ import dataclasses
 from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import TransformerSpec
 from tessera.plan.training import MASTER_BYTES, TrainPrediction, predict_train, sharded_params
-from tessera.train.plan import Plan
+from tessera.plan.training_plan import Plan
 
 TRANSFERS_PER_STEP = 10  # shard-sized moves of each offloaded chunk per step (module doc)
 OFFLOADS = (None, "static", "auto")

@@ -19,7 +19,7 @@ from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import TransformerSpec
 from tessera.plan.simulate import Schedule, simulate
 from tessera.plan.training import MASTER_BYTES, TrainPrediction, activation_bytes
-from tessera.train.plan import Plan
+from tessera.plan.training_plan import Plan
 
 
 def one_f_one_b(stage: int, stages: int, micro: int) -> list[tuple[str, int]]:

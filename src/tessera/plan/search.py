@@ -14,7 +14,7 @@ from tessera.plan.model_spec import TransformerSpec
 from tessera.plan.offload import offload_prediction
 from tessera.plan.pipeline import predict_pipeline
 from tessera.plan.training import TrainPrediction, predict_train
-from tessera.train.plan import Plan
+from tessera.plan.training_plan import Plan
 
 
 def divisors(n: int) -> list[int]:

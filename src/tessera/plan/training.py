@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import TransformerSpec
 from tessera.plan.simulate import Schedule, simulate
-from tessera.train.plan import Plan  # pure data: the planner returns what `tessera train` runs
+from tessera.plan.training_plan import Plan  # the planner returns what `tessera train` runs
 
 MASTER_BYTES = 4  # fp32 master weights, gradients and Adam moments at every precision
 
