@@ -242,3 +242,14 @@ def test_causal_attention_is_not_sliced_along_queries():
     whole = torch.nn.functional.scaled_dot_product_attention(q, k, k, is_causal=True)
     second_half = torch.nn.functional.scaled_dot_product_attention(q[:, :, 8:], k, k, is_causal=True)
     assert (second_half - whole[:, :, 8:]).abs().max() > 0.1  # what slicing the queries would compute
+
+
+def test_the_top_level_name_calls_autochunk_after_a_submodule_import():
+    """``tessera.autochunk`` is the package once a submodule is imported (as this file does):
+    the package is callable, so the public name still chunks a model."""
+    import tessera
+
+    model = nn.Sequential(nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    chunked = tessera.autochunk(model, (x,))
+    torch.testing.assert_close(chunked(x), model(x), rtol=0, atol=0)  # nothing to slice: the same ops
