@@ -169,10 +169,6 @@ def test_every_docs_block_is_executed_or_marked(path):
     assert not problems, "\n".join(problems)
 
 
-# README.md is being rewritten to a short page (issue #29 item 2) by another change, which marks
-# or registers its blocks; until then its blocks are neither. strict: the day every block is
-# executed or marked this test passes, pytest reports that as a failure, and this mark goes.
-@pytest.mark.xfail(strict=True, reason="README.md's blocks are not yet marked (issue #29 item 2)")
 def test_every_readme_block_is_executed_or_marked():
     problems = _problems(README)
     assert not problems, "\n".join(problems)
