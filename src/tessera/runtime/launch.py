@@ -261,9 +261,11 @@ class _Pool:
     its arguments (and the caller's sys.path, so a test module imports) and collects the
     results as ``spawn`` does. What a call leaves behind is undone before the next one: the
     environment, the default dtype, grad mode and thread count put back, torch's generator
-    seeded alike for every call. The process groups a call made stay (DTensor caches sharding
-    plans by mesh layout, and a later mesh of the same layout would meet a destroyed group);
-    after ``MAX_CALLS`` calls the pool is replaced, which bounds what piles up. Any failure or timeout ends the pool; the next call
+    seeded alike for every call. Process groups stay: destroying them breaks DTensor's
+    caches, which hold meshes by layout, and a ``Mesh`` of a layout already made reuses its
+    groups (``tessera.runtime.mesh``). Groups made otherwise (torch's FSDP2, DeepSpeed) pile
+    up, and each gloo group keeps threads that wake all the time: a pool whose ranks hold
+    more than ``MAX_THREADS`` threads, or that served ``MAX_CALLS`` calls, is replaced. Any failure or timeout ends the pool; the next call
     starts a new one. Starting ranks (a process, torch and the test's imports, the group) is
     most of a small distributed test's time; a pool pays it once per world size."""
 
@@ -286,6 +288,14 @@ class _Pool:
             q.put((list(sys.path), payload))
         return _collect(self.procs, self.results, timeout_s)
 
+    def worn(self) -> bool:
+        """Served enough calls, or a rank holds too many threads (Linux: /proc tells)."""
+        if self.calls >= MAX_CALLS:
+            return True
+        with contextlib.suppress(OSError):
+            return any(len(os.listdir(f"/proc/{p.pid}/task")) > MAX_THREADS for p in self.procs)
+        return False
+
     def close(self) -> None:
         for q in self.tasks:
             with contextlib.suppress(Exception):
@@ -299,11 +309,12 @@ class _Pool:
 
 _POOLS: dict[_RankSpec, _Pool] = {}
 MAX_CALLS = 40
+MAX_THREADS = 200
 
 
 def _run_pooled(key: _RankSpec, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
     pool = _POOLS.get(key)
-    if pool is None or pool.calls >= MAX_CALLS or not all(p.is_alive() for p in pool.procs):
+    if pool is None or pool.worn() or not all(p.is_alive() for p in pool.procs):
         if pool is not None:
             pool.close()
         pool = _POOLS[key] = _Pool(key)

@@ -26,6 +26,10 @@ def global_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+# (world group id, device type, layout) -> (the world group, its DeviceMesh): see _build_device_mesh
+_DEVICE_MESHES: dict[tuple, tuple] = {}
+
+
 class Mesh:
     """Named axes over the world's ranks; see the module docstring."""
 
@@ -52,10 +56,21 @@ class Mesh:
         self.comm = Comm(self)
 
     def _build_device_mesh(self):
+        """torch's DeviceMesh of this layout: made once per process group world and layout,
+        then shared by every Mesh of that layout. Process groups are resources of the process
+        (each gloo group keeps threads; the ranks of a layout are the same whoever asks), and
+        DTensor keys its caches on a mesh's layout, so one mesh per layout keeps them true."""
         from torch.distributed.device_mesh import init_device_mesh
 
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        return init_device_mesh(device_type, tuple(self.axes.values()), mesh_dim_names=self.names)
+        key = (id(dist.group.WORLD), device_type, tuple(self.axes.items()))
+        made = _DEVICE_MESHES.get(key)
+        if made is None or made[0] is not dist.group.WORLD:
+            made = _DEVICE_MESHES[key] = (
+                dist.group.WORLD,
+                init_device_mesh(device_type, tuple(self.axes.values()), mesh_dim_names=self.names),
+            )
+        return made[1]
 
     def _check_axis(self, axis: str) -> None:
         if axis not in self.axes:
