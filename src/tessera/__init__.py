@@ -6,8 +6,9 @@ The public names load on first use (PEP 562), so ``import tessera`` and the comm
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from tessera.runtime.lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -37,16 +38,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'tessera' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value  # loaded once
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__)
 
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly

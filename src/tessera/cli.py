@@ -18,18 +18,9 @@ from pathlib import Path
 
 from tessera.cli_flags import UserError
 from tessera.cli_train import add_train_parser
+from tessera.runtime.args import positive_int
 
 EXIT_USAGE = 2
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 # ---- bench -------------------------------------------------------------------------------
@@ -134,11 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    add_train_parser(sub, _positive_int)  # the recipe registry; recipes load on use
+    add_train_parser(sub, positive_int)  # the recipe registry; recipes load on use
 
     from tessera.cli_generate import add_generate_parser  # flags only: models load on use
 
-    add_generate_parser(sub, _positive_int)
+    add_generate_parser(sub, positive_int)
 
     p = sub.add_parser("bench", help="run a benchmark (baseline and Tessera in one run)")
     p.add_argument("name", help="benchmark: " + ", ".join(sorted(BENCHES)))
@@ -160,21 +151,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tessera.serve.commands import add_serve_parser  # flags only: the server loads on use
 
-    add_serve_parser(sub, _positive_int)
+    add_serve_parser(sub, positive_int)
 
     p = sub.add_parser("plan", help="choose a parallel plan by cost model and simulation")
     plan_sub = p.add_subparsers(dest="plan_command", required=True)
     from tessera.plan.commands import add_plan_memory_parser, add_plan_parsers  # light: no model is built
 
     add_plan_parsers(plan_sub)  # `plan train`, `plan generate`; `plan memory` (offload) joins here
-    add_plan_memory_parser(plan_sub, _positive_int)
+    add_plan_memory_parser(plan_sub, positive_int)
 
     from tessera.cli_apps import add_app_parsers
 
-    add_app_parsers(sub, _positive_int, cmd_bench)
+    add_app_parsers(sub, positive_int, cmd_bench)
     from tessera.stencil.commands import add_stencil_parser  # light: no numpy until it runs
 
-    add_stencil_parser(sub, _positive_int)
+    add_stencil_parser(sub, positive_int)
 
     # No arguments here: everything after "launch" reaches cmd_launch untouched (as `extra`),
     # which parses it with torchrun's own parser (importing torch only when launching).

@@ -5,8 +5,9 @@ Python) is importable without torch, as the command line's parsers need."""
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from tessera.runtime.lazy import lazy_names
 
 _WHERE = {
     "Comm": "tessera.runtime.comm",
@@ -20,16 +21,7 @@ _WHERE = {
 __all__ = ["Comm", "Ledger", "Mesh", "RankError", "init_from_env", "spawn"]
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'tessera.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value  # loaded once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | set(globals()))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__)
 
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tessera.runtime.args import positive_int
+
 DEFAULT_TIMEOUT_S = 300.0
 
 
@@ -196,15 +198,8 @@ def _end_all(procs: list) -> None:
 
 
 def _rank_main(spec: _RankSpec, fn: Callable[..., Any], args: tuple, results: mp.Queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = str(spec.threads)
+    _rank_environment(spec)
     torch.set_num_threads(spec.threads)
-    os.environ.update(
-        RANK=str(spec.rank),
-        LOCAL_RANK=str(spec.rank),
-        WORLD_SIZE=str(spec.world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(spec.port),
-    )
     try:
         _join_group(spec)
         gc.freeze()  # what start-up made (torch's modules): the exit's collection skips it
@@ -336,14 +331,7 @@ atexit.register(close_pools)
 
 
 def _pool_rank_main(spec: _RankSpec, tasks: mp.Queue, results: mp.Queue) -> None:
-    os.environ["OMP_NUM_THREADS"] = str(spec.threads)
-    os.environ.update(
-        RANK=str(spec.rank),
-        LOCAL_RANK=str(spec.rank),
-        WORLD_SIZE=str(spec.world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(spec.port),
-    )
+    _rank_environment(spec)
     try:
         _join_group(spec)
         gc.freeze()
@@ -368,6 +356,18 @@ def _pool_rank_main(spec: _RankSpec, tasks: mp.Queue, results: mp.Queue) -> None
         if dist.is_initialized():
             dist.destroy_process_group()
     _quick_exit()
+
+
+def _rank_environment(spec: _RankSpec) -> None:
+    """The variables a rank's code may read, as torchrun sets them (and its thread count)."""
+    os.environ["OMP_NUM_THREADS"] = str(spec.threads)
+    os.environ.update(
+        RANK=str(spec.rank),
+        LOCAL_RANK=str(spec.rank),
+        WORLD_SIZE=str(spec.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(spec.port),
+    )
 
 
 def _join_group(spec: _RankSpec) -> None:
@@ -450,16 +450,6 @@ class _LaunchParser(argparse.ArgumentParser):
         raise ValueError(f"launch: {message}; usage: {LAUNCH_USAGE}")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def torchrun_parser(prog: str = "torchrun") -> argparse.ArgumentParser:
     """torchrun's own parser (``torch.distributed.run.get_args_parser``: every flag it knows,
     with its arity), raising ValueError; a rendezvous flag or --nproc-per-node not given
@@ -481,7 +471,7 @@ def launch_parser() -> argparse.ArgumentParser:
     """The parser of `tessera launch`: torchrun's flags plus ``-n/--nproc``."""
     parser = torchrun_parser("tessera launch")
     parser.add_argument(
-        "-n", "--nproc", type=_positive_int, help="processes per node (the same as --nproc-per-node)"
+        "-n", "--nproc", type=positive_int, help="processes per node (the same as --nproc-per-node)"
     )
     return parser
 

@@ -9,8 +9,9 @@ transformers."""
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from tessera.runtime.lazy import lazy_names
 
 _WHERE = {
     "make_scheduler": "tessera.serve.choices",
@@ -45,16 +46,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'tessera.serve' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value  # loaded once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | set(globals()))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__)
 
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly

@@ -7,8 +7,9 @@ The names load on first use (PEP 562), so `tessera stencil --help` imports no nu
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from tessera.runtime.lazy import lazy_names
 
 _WHERE = {
     "StencilKernel": "tessera.stencil.kernel",
@@ -41,16 +42,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module 'tessera.stencil' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value  # loaded once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(__all__) | set(globals()))
+__getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__)
 
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
