@@ -55,7 +55,7 @@ def test_generate_simulation_small_cases():
     """Serial time is FLOPs / rate; a Ulysses pair halves compute and adds exactly its
     all-to-alls (link: 1 B/s, no latency); PipeFusion's bytes are the ledger formula's."""
     spec = PRESETS["bench-dit"].with_tokens(64)
-    hw = Hardware(device=UNIT, link=Link(name="l", bandwidth=1e12, latency=0.0), dtype="fp32", efficiency=1.0)
+    hw = Hardware(device=UNIT, link=Link(name="l", bandwidth=1e12, latency=0.0), precision="fp32", efficiency=1.0)
     serial = predict_generate(spec, ParallelConfig(), hw, steps=3, guidance=False)
     assert serial.seconds == pytest.approx(3 * spec.layers * spec.layer_flops(), rel=1e-9)
     u = predict_generate(spec, ParallelConfig(ulysses=2), hw, steps=3, guidance=False)
@@ -169,7 +169,7 @@ def test_pipeline_1f1b_makespan_is_the_textbook_one():
         name="u", fp32_flops=1.0, bf16_flops=1.0, memory_bandwidth=1e30, memory_bytes=2**40, source="t"
     )
     hw = Hardware(
-        device=fast, link=Link(name="free", bandwidth=1e30, latency=0.0), dtype="fp32", efficiency=1.0
+        device=fast, link=Link(name="free", bandwidth=1e30, latency=0.0), precision="fp32", efficiency=1.0
     )
     for pp, m in ((2, 4), (4, 4), (4, 8)):
         c = Plan(dp=1, pp=pp, microbatches=m)
@@ -300,7 +300,7 @@ def test_offload_moves_equal_an_offloaded_boost_runs_counted_moves(tmp_path):
     measured = after["read"] + after["written"] - before["read"] - before["written"]
 
     spec = gpt2_spec("tiny", 3, 32, 4, tokens=16, positions=16, vocab=128)
-    hw = Hardware(device=UNIT, link=link_named("pcie4"), dtype="fp32", efficiency=1.0)
+    hw = Hardware(device=UNIT, link=link_named("pcie4"), precision="fp32", efficiency=1.0)
     c = Plan(dp=1, zero=3)
     kw = dict(global_batch=2, seq=16, host_link_bandwidth=25e9, host_memory_bandwidth=50e9)
     _, static = offload_prediction(spec, dataclasses.replace(c, offload="static"), hw, offload="static", **kw)

@@ -125,7 +125,7 @@ def test_host_floor_and_decode_in_the_dit_simulator():
     """A layer whose kernels take less than the host needs to issue its ops takes the host's
     time (ops x seconds per op); the decoder runs once at the end, on one rank."""
     spec = TransformerSpec(name="u", layers=3, hidden=8, heads=2, ffn=32, tokens=4)
-    hw = Hardware(device=UNIT, link=Link(name="l", bandwidth=1e30, latency=0.0), dtype="fp32", efficiency=1.0)
+    hw = Hardware(device=UNIT, link=Link(name="l", bandwidth=1e30, latency=0.0), precision="fp32", efficiency=1.0)
     flops = spec.layers * spec.layer_flops()
     serial = predict_generate(spec, ParallelConfig(), hw, steps=2, guidance=False)
     assert serial.seconds == pytest.approx(2 * flops)

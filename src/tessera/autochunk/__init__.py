@@ -9,9 +9,9 @@ import sys
 import types
 
 from tessera.autochunk.api import AutoChunked, autochunk, estimate_peak
-from tessera.autochunk.search import BudgetError, Plan
+from tessera.autochunk.search import BudgetError, ChunkPlan
 
-__all__ = ["AutoChunked", "BudgetError", "Plan", "autochunk", "estimate_peak"]
+__all__ = ["AutoChunked", "BudgetError", "ChunkPlan", "autochunk", "estimate_peak"]
 
 
 class _CallablePackage(types.ModuleType):

@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from tessera.autochunk.codegen import apply_regions
 from tessera.autochunk.memory import MemoryModel
-from tessera.autochunk.search import MiB, Plan, plan
+from tessera.autochunk.search import ChunkPlan, MiB, plan
 
 
 def trace(module: nn.Module, example_inputs: tuple):
@@ -41,7 +41,7 @@ def _signature(inputs) -> list:
 class AutoChunked(nn.Module):
     """A module computing what ``module`` computes, with the planned regions in slices."""
 
-    def __init__(self, module: nn.Module, graph_module: torch.fx.GraphModule, chunk_plan: Plan, signature):
+    def __init__(self, module: nn.Module, graph_module: torch.fx.GraphModule, chunk_plan: ChunkPlan, signature):
         super().__init__()
         self.module = module
         self.graph_module = graph_module

@@ -34,7 +34,7 @@ class BudgetError(ValueError):
 
 
 @dataclass(frozen=True)
-class Plan:
+class ChunkPlan:
     regions: list[Region]
     original_peak: int
     estimated_peak: int
@@ -119,7 +119,7 @@ def plan(
     max_regions: int = 32,
     window: int = 48,
     slack: float = 1.1,
-) -> Plan:
+) -> ChunkPlan:
     original = model.timeline([])
     regions: list[Region] = []
     while len(regions) < max_regions:
@@ -179,7 +179,7 @@ def plan(
     laid_line = model.timeline(laid, measured=True)
     if max_memory is None or laid_line.peak <= max_memory:  # the layouts change what slices copy
         chosen, final = laid, laid_line
-    return Plan(
+    return ChunkPlan(
         regions=chosen,
         original_peak=original.peak,
         estimated_peak=final.peak,

@@ -103,7 +103,7 @@ def _dit_checks(dit: dict, hw: Hardware) -> list[dict]:
         rows = {r["method"]: r["seconds"] for r in dit["link_rows"] if r["link"] == name}
         table = [(LAYOUTS[m], rows[m]) for m in LAYOUTS if m in rows]
         linked = Hardware(
-            device=hw.device, link=link_named(name).scaled(scale), dtype="fp32", devices_per_node=2
+            device=hw.device, link=link_named(name).scaled(scale), precision="fp32", devices_per_node=2
         )
         out.append(
             {
@@ -153,7 +153,7 @@ def run_plan_bench(results_dir: str | Path = RESULTS, quick: bool = False) -> Be
     results_dir = Path(results_dir)
     cpu = measure_cpu()
     loopback = measure_loopback(reps=2 if quick else 5)
-    hw = Hardware(device=cpu, link=loopback, dtype="fp32", devices_per_node=2)
+    hw = Hardware(device=cpu, link=loopback, precision="fp32", devices_per_node=2)
     saved = save_profile(cpu)  # `tessera plan ... --device-profile this-cpu` plans for this machine
     checks: list[dict] = []
     notes = [

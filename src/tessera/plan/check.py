@@ -92,7 +92,7 @@ def check_published(table: PublishedTable, host_op_seconds: float = 0.0) -> dict
     """One published table; beside each prediction, the FLOPs-and-bytes-only one (no host
     floor, no decode), so what those two terms change is shown row by row."""
     host = 0.0 if table.compiled else host_op_seconds
-    hw = Hardware(device=device_named(table.device), link=link_named(table.link), dtype="bf16")
+    hw = Hardware(device=device_named(table.device), link=link_named(table.link), precision="bf16")
     spec, rows = model_spec(table.model), list(table.rows)
     kw = dict(steps=table.steps, guidance=table.guidance)
     result = check_generate_rows(spec, dataclasses.replace(hw, host_op_seconds=host), rows, **kw)

@@ -175,7 +175,7 @@ def colossal_bench_checks() -> list[dict]:
         pred = predict_train(LLAMA[model], c, h, global_batch=batch * gpus, seq=4096)
         return batch * gpus / pred.seconds
 
-    hw = Hardware(device=device_named("h200"), link=link_named("nvlink4"), inter_node=IB_NDR, dtype="bf16")
+    hw = Hardware(device=device_named("h200"), link=link_named("nvlink4"), inter_node=IB_NDR, precision="bf16")
     from tessera.plan.check import calibrate
 
     hw = calibrate(

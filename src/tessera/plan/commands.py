@@ -49,7 +49,7 @@ def _hardware(args) -> Hardware:
         link=link_named(args.link),
         devices_per_node=args.devices // args.nodes,
         inter_node=link_named(args.inter_node_link) if args.nodes > 1 else None,
-        dtype=args.precision,
+        precision=args.precision,
         efficiency=args.efficiency,
         host_op_seconds=args.host_op_us * 1e-6,
     )

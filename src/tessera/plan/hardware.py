@@ -24,15 +24,15 @@ class Hardware:
     link: Link  # between two devices of a node
     devices_per_node: int = 8
     inter_node: Link | None = None  # between nodes (None: one node)
-    dtype: str = "bf16"
+    precision: str = "bf16"  # the one name for it, as Plan and the command line say
     efficiency: float = 0.5
     # Host seconds to dispatch one eager op (PyTorch's dispatcher + the launch): kernels are
     # asynchronous, so a layer takes at least its op count times this (0: not modelled).
     host_op_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {tuple(DTYPE_BYTES)}")
+        if self.precision not in DTYPE_BYTES:
+            raise ValueError(f"precision {self.precision!r} is not one of {tuple(DTYPE_BYTES)}")
         if not self.efficiency > 0:  # above 1 only in checks, where it says the peak or FLOPs are off
             raise ValueError(f"efficiency must be > 0, got {self.efficiency!r}")
         if self.host_op_seconds < 0:
@@ -42,11 +42,11 @@ class Hardware:
 
     @property
     def element_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
+        return DTYPE_BYTES[self.precision]
 
     @property
     def flops(self) -> float:
-        peak = self.device.fp32_flops if self.dtype == "fp32" else self.device.bf16_flops
+        peak = self.device.fp32_flops if self.precision == "fp32" else self.device.bf16_flops
         return peak * self.efficiency
 
     def compute_seconds(self, flops: float) -> float:
