@@ -150,7 +150,7 @@ def test_plan_cli(capsys):
         == 0
     )
     out = capsys.readouterr().out
-    assert "choice: tessera generate --nproc 2" in out
+    assert "choice: tessera generate --model '<DIT_CHECKPOINT>' --steps 4 --nproc 2" in out
     assert main(["plan", "train", "--model", "gpt2", "--devices", "2", "--device-profile", "a100"]) == 0
     assert "choice: tessera train --nproc 2" in capsys.readouterr().out
     assert main(["plan", "train", "--model", "nope", "--devices", "2"]) == 2
@@ -262,7 +262,8 @@ def test_diffusers_pipeline_folders_are_read(tmp_path, capsys):
     flux = json.loads((tmp_path / "flux" / "transformer" / "config.json").read_text())
     assert seen["flux"].layers == 2 * flux["num_layers"] + flux["num_single_layers"]
     assert main(["plan", "generate", "--model", str(tmp_path / "sd3"), "--devices", "2", "--steps", "2"]) == 0
-    assert "choice: tessera generate --nproc 2" in capsys.readouterr().out
+    choice = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("choice: "))
+    assert choice.startswith(f"choice: tessera generate --model {tmp_path / 'sd3'} ") and "--nproc 2" in choice
 
 
 def test_offload_moves_equal_an_offloaded_boost_runs_counted_moves(tmp_path):

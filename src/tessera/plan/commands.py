@@ -4,10 +4,13 @@ print the choice as the flags `tessera train` / `tessera generate` take."""
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
+from pathlib import Path
 
 # Light modules only (profiles and presets as data): the parsers are built on every command,
 # so the planners load in the handlers.
-from tessera.cli_flags import PLAN, add_fields, add_renamed, as_flags, given, warn_renamed
+from tessera.cli_flags import LAYOUT, PLAN, add_fields, add_renamed, as_flags, given, warn_renamed
 from tessera.plan.devices import DEVICES, device_named
 from tessera.plan.hardware import Hardware
 from tessera.plan.model_spec import PRESETS, model_spec
@@ -69,12 +72,73 @@ def _check_fits(ranked, hw: Hardware, devices: int) -> None:
         raise ValueError(f"no plan fits {budget:.0f} GiB per device on {devices} devices")
 
 
+# `tessera generate --model` for a preset: the planner knows the model's shape, but there is
+# no folder of it here. (placeholder, what to put in its place, the image side in pixels the
+# preset's tokens stand for; None: a Tessera DiT samples at its checkpoint's own size.)
+PRESET_MODELS = {
+    "bench-dit": (
+        "<DIT_CHECKPOINT>",
+        "a Tessera DiT checkpoint folder (tessera train --recipe digits-dit --out DIR writes one; "
+        "it samples at its own image size)",
+        None,
+    ),
+    "pixart-alpha": ("<PIPELINE_DIR>", "the folder of a saved diffusers PixArt-alpha pipeline", 1024),
+    "flux-dev": ("<PIPELINE_DIR>", "the folder of a saved diffusers FLUX.1-dev pipeline", 1024),
+}
+RUNNABLE = "tessera generate samples PixArt, SD3 and Flux pipeline folders and Tessera DiT checkpoints"
+PROMPT_PLACEHOLDER = "<your prompt>"
+
+
+def _pipeline_pixels(folder: Path) -> tuple[int, int]:
+    """The image size `tessera generate` samples a pipeline folder at by default (its
+    transformer's sample size, Flux's 128 latents, times the VAE's downscale factor)."""
+    configs = [folder / part / "config.json" for part in ("transformer", "vae")]
+    for path in configs:
+        if not path.is_file():
+            raise ValueError(f"{folder}: a diffusers pipeline folder needs {path.relative_to(folder)}")
+    transformer, vae = (json.loads(path.read_text()) for path in configs)
+    side = transformer.get("sample_size", 128) * 2 ** (len(vae["block_out_channels"]) - 1)
+    return side, side
+
+
+def generate_command(args, best) -> tuple[list[str], str | None]:
+    """The argv (after `tessera`) that samples ``args.model`` under the layout ``best`` with the
+    planned steps, image size and guidance, and a one-line note where ``--model`` is a
+    placeholder (a preset has no folder here; a model tessera generate cannot sample)."""
+    size = (args.height, args.width) if args.height else None
+    note = None
+    if (Path(args.model) / "model_index.json").is_file():
+        model, text = args.model, True
+        size = size or _pipeline_pixels(Path(args.model))
+    elif args.model in PRESET_MODELS:
+        model, folder, pixels = PRESET_MODELS[args.model]
+        text = pixels is not None
+        size = (size or (pixels, pixels)) if text else None
+        note = f"{args.model} is a planner preset with no folder here: put {folder} in place of {model}"
+    else:
+        model, text = "<PIPELINE_DIR>", True
+        kind = "a planner preset" if args.model in PRESETS else "not a diffusers pipeline folder"
+        note = f"{args.model} is {kind}; {RUNNABLE}: put one of those in place of {model}"
+    argv = ["generate", "--model", model]
+    if text:
+        argv += ["--prompt", PROMPT_PLACEHOLDER]
+    if size:
+        argv += ["--height", str(size[0]), "--width", str(size[1])]
+    argv += ["--steps", str(args.steps)]
+    if args.no_guidance:
+        argv += ["--guidance", "1"]  # tessera generate runs the guidance branch only above 1
+    argv += ["--nproc", str(best.world_size), *shlex.split(as_flags(best, LAYOUT))]
+    return argv, note
+
+
 def cmd_plan_generate(args) -> None:
-    from tessera.cli_flags import LAYOUT
     from tessera.plan.search import search_generate
 
     hw = _hardware(args)
-    tokens = (args.height // 16) * (args.width // 16) if args.height and args.width else None
+    if (args.height is None) != (args.width is None):
+        only = f"--height {args.height}" if args.width is None else f"--width {args.width}"
+        raise ValueError(f"only {only}: give --height and --width together (pixels), or neither")
+    tokens = (args.height // 16) * (args.width // 16) if args.height else None
     spec = model_spec(args.model, tokens)
     ranked = search_generate(spec, args.devices, hw, steps=args.steps, guidance=not args.no_guidance)
     rows = [
@@ -93,7 +157,10 @@ def cmd_plan_generate(args) -> None:
     print(_table(["rank", "plan", "seconds", "GiB/rank", "GiB moved"], rows))
     _check_fits(ranked, hw, args.devices)
     best = ranked.fits[0].config
-    print(f"choice: tessera generate --nproc {best.world_size} {as_flags(best, LAYOUT)}".rstrip())
+    argv, note = generate_command(args, best)
+    print("choice: tessera " + shlex.join(argv))
+    if note:
+        print(f"note: {note}")
 
 
 def cmd_plan_train(args) -> None:
