@@ -90,11 +90,47 @@ def _pipeline_rank(model_dir: str, args: dict, config):
     return image
 
 
+DEFAULT_DIGITS, DEFAULT_PER_DIGIT = "0123456789", 10
+# The flags one kind of model takes and the other would ignore: refused by name instead.
+CLASS_FLAGS = ("digits", "per_digit")
+TEXT_FLAGS = ("prompt", "negative_prompt")
+SIZE_FLAGS = ("height", "width")
+
+
+def _given(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    return ["--" + n.replace("_", "-") for n in names if getattr(args, n) not in (None, "")]
+
+
+def refuse_other_conditioning(args: argparse.Namespace, pipeline: bool) -> None:
+    """A flag the model would ignore is a one-line error naming it and what the model takes:
+    a diffusers pipeline is text-conditioned (--prompt), a Tessera DiT checkpoint is
+    class-conditional (--digits) and samples at its own size."""
+    if pipeline:
+        wrong = _given(args, CLASS_FLAGS)
+        if wrong:
+            raise ValueError(
+                f"{' and '.join(wrong)}: {args.model} is a text-conditioned diffusers pipeline, "
+                "which takes no classes; describe the image with --prompt"
+            )
+        return
+    kind = f"{args.model} is read as a class-conditional Tessera DiT checkpoint (no model_index.json)"
+    wrong = _given(args, TEXT_FLAGS)
+    if wrong:
+        raise ValueError(
+            f"{' and '.join(wrong)}: {kind}, which takes no text; "
+            f"choose its classes with --digits (e.g. --digits {DEFAULT_DIGITS})"
+        )
+    wrong = _given(args, SIZE_FLAGS)
+    if wrong:
+        raise ValueError(f"{' and '.join(wrong)}: {kind}, which samples at its own image size; drop them")
+
+
 def cmd_generate_pipeline(args: argparse.Namespace) -> None:
     from tessera.diffusion.image_grid import check_writable
     from tessera.diffusion.pipelines import meta_pipeline, prepare_run
     from tessera.runtime import spawn
 
+    refuse_other_conditioning(args, pipeline=True)
     if not args.prompt:
         raise ValueError(f"{args.model} is a diffusers pipeline: give a --prompt")
     out = check_writable(args.out)
@@ -132,19 +168,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from tessera.runtime import spawn
     from tessera.train.checkpoint import load_dit
 
-    digits = parse_digits(args.digits)
+    digits = parse_digits(DEFAULT_DIGITS if args.digits is None else args.digits)
+    refuse_other_conditioning(args, pipeline=False)
+    per_digit = args.per_digit or DEFAULT_PER_DIGIT
     out = check_writable(args.out)
     config = _layout(args)
     model = load_dit(args.model)  # fail here, before any process starts, if it is unusable
     _check_layout(model, config, args.steps)  # and if the layout does not fit it
-    labels = torch.tensor(digits).repeat_interleave(args.per_digit)
+    labels = torch.tensor(digits).repeat_interleave(per_digit)
     job = (str(args.model), labels, config, args.steps, args.guidance, args.seed)
     if args.nproc == 1:
         images = _generate_rank(*job, True)
     else:
         images = spawn(_generate_rank, args.nproc, *job, False, timeout_s=args.timeout)[0]
     # One column per requested digit: each column shows `per_digit` samples of it.
-    grid = images.view(len(digits), args.per_digit, *images.shape[1:]).transpose(0, 1).flatten(0, 1)
+    grid = images.view(len(digits), per_digit, *images.shape[1:]).transpose(0, 1).flatten(0, 1)
     save_grid(grid, out, columns=len(digits), scale=8)
     print(f"wrote {len(images)} samples ({config.describe()}, {args.nproc} process(es)) to {out}")
     cfg = model.config
@@ -162,8 +200,12 @@ def add_generate_parser(sub, positive_int) -> None:
         "generate", help="sample a Tessera checkpoint or a saved diffusers pipeline into a PNG"
     )
     p.add_argument("--model", required=True, help="Tessera checkpoint folder or diffusers pipeline folder")
-    p.add_argument("--digits", default="0123456789", help="classes to draw, e.g. 0123456789")
-    p.add_argument("--per-digit", type=positive_int, default=10, help="samples per digit")
+    p.add_argument("--digits", help=f"classes to draw (Tessera DiT checkpoints; default {DEFAULT_DIGITS})")
+    p.add_argument(
+        "--per-digit",
+        type=positive_int,
+        help=f"samples per digit (Tessera DiT checkpoints; default {DEFAULT_PER_DIGIT})",
+    )
     p.add_argument("--steps", type=positive_int, default=20, help="sampling steps")
     p.add_argument("--guidance", type=float, default=2.0, help="classifier-free guidance scale")
     p.add_argument("--prompt", help="text prompt (diffusers pipelines)")

@@ -89,3 +89,37 @@ def test_a_refused_pipefusion_layout_leaves_the_pipeline_whole(pixart):
         assert rank["message"] == "cannot split 8 token rows into 9 bands; use at most 8"
         assert rank["whole"]  # every block still on the CPU with its weights
         assert rank["same"]  # exact: the same arithmetic on the same weights
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--digits", "07"], "--digits: "),
+        (["--per-digit", "3"], "--per-digit: "),
+        (["--digits", "07", "--per-digit", "3"], "--digits and --per-digit: "),
+    ],
+)
+def test_class_flags_to_a_text_pipeline_are_refused_by_name(pixart, tmp_path, capsys, flags, message):
+    """The reverse of a --prompt to a class-conditional checkpoint (tests/test_cli.py): a
+    pipeline takes no classes, so --digits is named and refused, not ignored."""
+    out = tmp_path / "image.png"
+    argv = ["generate", "--model", str(pixart), "--prompt", "a red cat", *flags, "--out", str(out)]
+    assert cli.main(argv) == cli.EXIT_USAGE
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"tessera: error: {message}"), err
+    assert "text-conditioned diffusers pipeline" in err and "--prompt" in err
+    assert not out.exists()
+
+
+def test_text_flags_to_a_class_conditional_checkpoint_are_refused_by_name(tmp_path, capsys):
+    model = _dit_checkpoint(tmp_path / "ck")
+    for flags, message in (
+        (["--prompt", "a red cat"], "--prompt: "),
+        (["--negative-prompt", "blurry"], "--negative-prompt: "),
+        (["--height", "16", "--width", "16"], "--height and --width: "),
+    ):
+        assert cli.main(["generate", "--model", str(model), *flags]) == cli.EXIT_USAGE
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"tessera: error: {message}"), err
+        assert "class-conditional Tessera DiT checkpoint" in err
+        assert ("--digits" in err) == (message != "--height and --width: ")
