@@ -1,5 +1,7 @@
 """The command line: a real (tiny) train -> generate run, and one-line errors."""
 
+import json
+
 import pytest
 
 from tessera import cli
@@ -43,7 +45,16 @@ def test_train_then_generate_then_resume(tmp_path, capsys):
     err = _error_of(capsys, ["train", "--recipe", "digits-dit", "--out", str(out), "--steps", "3"])
     assert "already holds a checkpoint; pass --resume" in err
     assert cli.main(["train", "--recipe", "digits-dit", "--out", str(out), "--steps", "3", "--resume"]) == 0
-    assert "trained 1 steps" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"resumed from step 2 (plan dp=1 tp=1; checkpoint {out})" in printed
+    assert "trained 1 steps" in printed
+    log = [json.loads(line) for line in out.with_name("ck.train_log.jsonl").read_text().splitlines()]
+    assert [e.get("step", e.get("resumed_from")) for e in log] == [2, 2, 3]  # kept, marked, appended
+    assert log[1] == {"resumed_from": 2, "plan": log[1]["plan"]} and log[1]["plan"]["dp"] == 1
+    # A class-conditional checkpoint refuses text (and a pipeline's size) by name, never ignores it
+    err = _error_of(capsys, [*args[:3], "--prompt", "a red cat"])
+    assert "--prompt: " in err and "class-conditional Tessera DiT" in err and "--digits" in err
+    assert "--height: " in _error_of(capsys, [*args[:3], "--height", "16"])
 
 
 def _pixels(path):
@@ -109,12 +120,29 @@ def test_train_gpt2_text_under_a_plan_then_resume_under_another(tmp_path, capsys
     assert cli.main([*common, "--nproc", "2", "--zero", "3", "--grad-accum", "2", "--steps", "3"]) == 0
     assert "trained 3 steps of gpt2-text with dp=2 tp=1 zero=3" in capsys.readouterr().out
     assert cli.main([*common, "--nproc", "2", "--tp", "2", "--steps", "5", "--resume"]) == 0
-    assert "trained 2 steps of gpt2-text with dp=1 tp=2 zero=0" in capsys.readouterr().out
-    from transformers import GPT2LMHeadModel
+    printed = capsys.readouterr().out
+    assert (
+        f"resumed from step 3 (plan dp=2 tp=1 zero=3 grad_accum=2; checkpoint {out / 'checkpoint'}), "
+        "continuing under plan dp=1 tp=2" in printed
+    )
+    assert "trained 2 steps of gpt2-text with dp=1 tp=2 zero=0" in printed
+    log = json.loads((out / "train_log.json").read_text())
+    assert [e["step"] for e in log["log"]] == [3, 5]  # the first run's entry kept, the resume's appended
+    assert log["plan"]["zero"] == 3 and [(r["resumed_from"], r["plan"]["tp"]) for r in log["resumes"]] == [
+        (3, 2)
+    ]
+    from transformers import AutoTokenizer, GPT2LMHeadModel
 
     model = GPT2LMHeadModel.from_pretrained(out / "hf")  # the export loads with HF's own class
     assert model.config.vocab_size == 256
+    tokenizer = AutoTokenizer.from_pretrained(out / "hf")  # the recipe's byte tokenizer beside it
+    text = "naïve café, 日本語 ✓ — «ok»"
+    assert (
+        tokenizer(text)["input_ids"] == list(text.encode()) and tokenizer.decode(list(text.encode())) == text
+    )
     capsys.readouterr()  # from_pretrained's progress bar
+    assert cli.main([*common, "--steps", "4", "--resume"]) == 0  # nothing to do: no step run, none lost
+    assert "is already trained to step 5 (of 4); nothing to do" in capsys.readouterr().out
     assert "already holds a checkpoint" in _error_of(capsys, [*common, "--nproc", "2"])
     assert "--nproc 2 is not a multiple of --tp 3" in _error_of(
         capsys, [*common, "--nproc", "2", "--tp", "3", "--resume"]

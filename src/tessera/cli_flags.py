@@ -191,24 +191,29 @@ def given(args: argparse.Namespace, settings: Settings) -> dict[str, object]:
     return {name: v for name, v in values.items() if v is not None and v is not False}
 
 
-def as_flags(value: object, settings: Settings) -> str:
-    """The flags that make ``value``: a field's flag where dropping it would change the value."""
-    parts = []
+def _changed(value: object, settings: Settings) -> list[tuple[str, object]]:
+    """(field, value as text or True) for each field where dropping it would change ``value``."""
+    out = []
     for f in settings.fields():
         current = getattr(value, f.name)
         try:
             same = dataclasses.replace(value, **{f.name: f.default}) == value
         except ValueError:  # the value needs this setting (e.g. offload with its budget)
             same = False
-        if same:
-            continue
-        if isinstance(current, bool):
-            parts.append(flag(f.name))
-        elif isinstance(current, tuple):
-            parts.append(f"{flag(f.name)} {','.join(map(str, current))}")
-        else:
-            parts.append(f"{flag(f.name)} {current}")
-    return " ".join(parts)
+        if not same:
+            text = ",".join(map(str, current)) if isinstance(current, tuple) else current
+            out.append((f.name, True if isinstance(current, bool) else str(text)))
+    return out
+
+
+def as_flags(value: object, settings: Settings) -> str:
+    """The flags that make ``value``: a field's flag where dropping it would change the value."""
+    return " ".join(flag(n) if v is True else f"{flag(n)} {v}" for n, v in _changed(value, settings))
+
+
+def as_settings(value: object, settings: Settings) -> str:
+    """``value`` in words, the fields ``as_flags`` would give: ``dp=2 zero=3 grad_accum=2``."""
+    return " ".join(n if v is True else f"{n}={v}" for n, v in _changed(value, settings))
 
 
 class _Renamed(argparse.Action):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessera.apps.rocbert.commands import CLIP as ROCBERT_CLIP  # light: its code loads on use
-from tessera.cli_flags import PLAN, UserError, add_fields, flag, given
+from tessera.cli_flags import PLAN, UserError, add_fields, as_settings, flag, given
 
 ALL_PLAN_FIELDS = tuple(f.name for f in PLAN.fields())
 
@@ -141,6 +141,35 @@ def _plan(recipe: Recipe, settings: dict, nproc: int):
     return plan
 
 
+# ---- resume ------------------------------------------------------------------------------
+
+
+def plan_text(plan) -> str:
+    """A Plan in one short line: its degrees, then each setting away from the defaults."""
+    rest = [w for w in as_settings(plan, PLAN).split() if not w.startswith(("dp=", "tp="))]
+    return " ".join([f"dp={plan.dp}", f"tp={plan.tp}", *rest])
+
+
+def saved_plan(values: dict | None):
+    """The Plan a checkpoint recorded (its ``to_dict``), or None where it recorded none."""
+    import dataclasses
+
+    from tessera.train.plan import Plan
+
+    if not values:
+        return None
+    known = {f.name for f in dataclasses.fields(Plan)}
+    return Plan(**{k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in known})
+
+
+def resumed_line(step: int, saved, plan, checkpoint: Path) -> str:
+    """``resumed from step N (plan ...; checkpoint DIR)``, and the plan it goes on under where
+    that differs."""
+    was = plan_text(saved) if saved is not None else "not recorded"
+    line = f"resumed from step {step} (plan {was}; checkpoint {checkpoint})"
+    return line if saved == plan else f"{line}, continuing under plan {plan_text(plan)}"
+
+
 # ---- digits-dit --------------------------------------------------------------------------
 
 
@@ -166,9 +195,11 @@ def train_digits_dit(args: argparse.Namespace, plan, out: Path) -> str | None:
     if recipe.batch_size % args.nproc:
         raise UserError(f"batch size {recipe.batch_size} is not divisible by --nproc {args.nproc}")
     if args.resume:
-        step = ckpt.read_train_meta(out)["step"]
+        meta = ckpt.read_train_meta(out)
+        step = meta["step"]
         if step >= recipe.steps:
             return f"{out} is already trained to step {step} (of {recipe.steps}); nothing to do"
+        print(resumed_line(step, saved_plan(meta.get("plan")), plan, out), flush=True)
     elif (out / "config.json").exists():
         raise UserError(
             f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out"
@@ -201,6 +232,17 @@ def train_gpt2_text(args: argparse.Namespace, plan, out: Path) -> str:
         raise UserError(
             f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out"
         )
+    if args.resume:
+        from tessera.train.checkpoint import read_config
+        from tessera.train.sharded_checkpoint import FORMAT
+
+        meta = read_config(out / "checkpoint", FORMAT)
+        step = meta.get("extra", {}).get("step", 0)
+        if step >= recipe.steps:
+            return (
+                f"{out / 'checkpoint'} is already trained to step {step} (of {recipe.steps}); nothing to do"
+            )
+        print(resumed_line(step, saved_plan(meta.get("plan")), plan, out / "checkpoint"), flush=True)
     peak = matmul_peak_flops()
     began = time.perf_counter()
     call = (recipe, plan, str(out), args.resume, peak)

@@ -112,7 +112,9 @@ def train_step(optimizer: BoostedOptimizer, batch, lr: float) -> float:
     return optimizer.train_step(batch, flow_matching_loss)["loss"]
 
 
-def save(out_dir: Path, recipe: DigitsDiTRecipe, model: DiT, ema: DiT, optimizer, step: int) -> None:
+def save(
+    out_dir: Path, recipe: DigitsDiTRecipe, model: DiT, ema: DiT, optimizer, step: int, plan: Plan
+) -> None:
     opt_tensors, opt_meta = optimizer_to_tensors(optimizer)
     train_tensors = {f"model.{k}": v for k, v in model.state_dict().items()} | opt_tensors
     ckpt.save_checkpoint(
@@ -120,7 +122,7 @@ def save(out_dir: Path, recipe: DigitsDiTRecipe, model: DiT, ema: DiT, optimizer
         config={"model": recipe.model.to_dict(), "recipe": recipe.to_dict(), "recipe_name": RECIPE_NAME},
         weights=ema.state_dict(),
         train_tensors=train_tensors,
-        train_meta={"step": step, "optimizer": opt_meta},
+        train_meta={"step": step, "optimizer": opt_meta, "plan": plan.to_dict()},
     )
 
 
@@ -168,12 +170,16 @@ def train(
     if resume:
         check_resume_recipe(out_dir, recipe)
         start = restore(out_dir, model, ema, optimizer)  # boost keeps the loaded optimizer state
-    model, boosted = boost(model, optimizer, Plan(dp=dp), mesh)
+    plan = Plan(dp=dp)
+    model, boosted = boost(model, optimizer, plan, mesh)
     is_logger = mesh.global_rank == 0
     bar = tqdm(
         total=recipe.steps, initial=start, desc="train digits-dit", disable=not (progress and is_logger)
     )
     loss_log = out_dir.with_name(out_dir.name + ".train_log.jsonl")
+    if resume and is_logger:  # the log goes on: mark where, and under which plan
+        with loss_log.open("a") as f:
+            f.write(json.dumps({"resumed_from": start, "plan": plan.to_dict()}) + "\n")
     began, loss_value = time.perf_counter(), float("nan")
     for step in range(start, recipe.steps):
         loss = train_step(boosted, global_batch(recipe, step, images, labels), learning_rate(recipe, step))
@@ -190,7 +196,7 @@ def train(
                     )
         if done % recipe.checkpoint_every == 0 or done == recipe.steps:
             if is_logger:
-                save(out_dir, recipe, model, ema, boosted.inner, done)
+                save(out_dir, recipe, model, ema, boosted.inner, done, plan)
             mesh.comm.barrier()
         bar.update(1)
     bar.close()

@@ -68,8 +68,19 @@ def gpt2_tensor_layout(name: str, t: torch.Tensor, degree: int, *, to_hf: bool) 
     return t.contiguous()
 
 
-def save_hf(model: nn.Module, optimizer, path: str | os.PathLike, *, is_writer: bool) -> None:
-    """Gather on every rank; ``is_writer`` writes ``path`` (atomically) with save_pretrained."""
+NO_TOKENIZER = """# No tokenizer in this folder
+
+This folder holds a model exported by Tessera (its `config.json` and weights) without the
+tokenizer it was trained with: `AutoTokenizer.from_pretrained` on this folder will not give
+the right one. Save that tokenizer beside these files (`tokenizer.save_pretrained(folder)`)
+to make the folder whole.
+"""
+
+
+def save_hf(model: nn.Module, optimizer, path: str | os.PathLike, *, is_writer: bool, tokenizer=None) -> None:
+    """Gather on every rank; ``is_writer`` writes ``path`` (atomically) with save_pretrained,
+    with ``tokenizer`` (anything with ``save_pretrained``) beside the weights, or, where none
+    is given, a README.md saying the folder has no tokenizer."""
     state = full_state_dict(model, optimizer)
     if not is_writer:
         return
@@ -84,6 +95,10 @@ def save_hf(model: nn.Module, optimizer, path: str | os.PathLike, *, is_writer: 
     partial = path.with_name(f".{path.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     fresh.save_pretrained(partial)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(partial)
+    else:
+        (partial / "README.md").write_text(NO_TOKENIZER)
     if path.exists():
         shutil.rmtree(path)
     os.replace(partial, path)

@@ -80,6 +80,33 @@ def gpt2_lm(*, vocab: int, n_embd: int, n_layer: int, n_head: int, seq: int, see
     return GPT2LMHeadModel(cfg)
 
 
+def _byte_chars() -> list[str]:
+    """GPT-2's byte-to-character table (Radford et al. 2019, ``bytes_to_unicode``): printable
+    bytes stand for themselves, the others for characters from U+0100 on, so that a byte-level
+    BPE vocabulary is text."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b], extra = chr(256 + extra), extra + 1
+    return [chars[b] for b in range(256)]
+
+
+def byte_tokenizer(max_length: int):
+    """The recipe's tokenizer as a transformers one: token id = UTF-8 byte (a byte-level BPE
+    with the 256 bytes and no merges, no special tokens), so decode(encode(text)) == text for
+    any text and the ids are exactly what the recipe trains on."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in enumerate(_byte_chars())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, model_max_length=max_length, clean_up_tokenization_spaces=False
+    )
+
+
 def flops_per_token(params: int, n_layer: int, n_embd: int, seq: int) -> float:
     """Training FLOPs per token: 6 per parameter, plus attention scores and values."""
     return 6 * params + 12 * n_layer * n_embd * seq
@@ -99,6 +126,22 @@ def build_model(recipe: GPT2TextRecipe) -> nn.Module:
         seq=recipe.seq,
         seed=recipe.seed,
     )
+
+
+def write_log(path: Path, plan, log: list[dict], *, resumed_from: int | None) -> None:
+    """``train_log.json``: ``plan`` (the first run's), ``log`` (every logged step of every
+    run, in order) and ``resumes`` (each resume: the step it continued from and its plan).
+    A resume appends to the log its checkpoint's run wrote."""
+    record: dict = {"plan": plan.to_dict(), "log": [], "resumes": []}
+    if resumed_from is not None:
+        resume = {"resumed_from": resumed_from, "plan": plan.to_dict()}
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):  # no earlier log to keep: say so where it would be
+            resume["earlier_log"] = "missing"
+        record.setdefault("resumes", []).append(resume)
+    record["log"] += log
+    path.write_text(json.dumps(record, indent=2))
 
 
 def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matmul_peak: float) -> dict:
@@ -158,11 +201,9 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
             scheduler=scheduler,
             extra={"step": recipe.steps, "recipe": asdict(recipe)},
         )
-        save_hf(model, opt, Path(out) / "hf", is_writer=rank0)
+        save_hf(model, opt, Path(out) / "hf", is_writer=rank0, tokenizer=byte_tokenizer(recipe.seq))
         if rank0:
-            (Path(out) / "train_log.json").write_text(
-                json.dumps({"plan": plan.to_dict(), "log": log}, indent=2)
-            )
+            write_log(Path(out) / "train_log.json", plan, log, resumed_from=first if resume else None)
     return {
         "seconds": seconds,
         "steps_run": recipe.steps - first,

@@ -152,7 +152,9 @@ def pretrain(recipe: RocbertRecipe, plan, mesh, features: Features, *, progress:
     return model, opt, log
 
 
-def finetune(recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: dict, *, progress: bool = False):
+def finetune(
+    recipe: RocbertRecipe, plan, mesh, features: Features, pretrained: dict, *, progress: bool = False
+):
     from tessera.train.boost import boost
 
     if recipe.attacked_copies and recipe.copy_positions == "salient" and plan.zero == 3:
@@ -244,7 +246,9 @@ def evaluate(model, features: Features, recipe: RocbertRecipe) -> dict:
     }
 
 
-def train_rank(recipe: RocbertRecipe, plan, out: str | None, features_dir: str, progress: bool = False) -> dict:
+def train_rank(
+    recipe: RocbertRecipe, plan, out: str | None, features_dir: str, progress: bool = False
+) -> dict:
     """One rank of a run (called directly, under spawn or under torchrun); ``progress``: rank 0
     shows a bar per stage (the loss every ``log_every`` steps)."""
     from tessera.runtime import Mesh
@@ -265,7 +269,7 @@ def train_rank(recipe: RocbertRecipe, plan, out: str | None, features_dir: str, 
         **evaluate(model, features, recipe),
     }
     if out is not None:
-        save_hf(model, opt, Path(out) / "model", is_writer=_rank0())
+        save_hf(model, opt, Path(out) / "model", is_writer=_rank0(), tokenizer=features.tokenizer())
         if _rank0():
             for name in (
                 "vocab.txt",
