@@ -27,6 +27,7 @@ _WHERE = {
     "OneByOne": "tessera.serve.scheduler",
     "Scheduler": "tessera.serve.scheduler",
     "SortWindow": "tessera.serve.scheduler",
+    "save_example_encoder": "tessera.serve.synthetic",
 }
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "SortWindow",
     "make_scheduler",
     "plan_batches",
+    "save_example_encoder",
 ]
 
 
@@ -56,3 +58,4 @@ if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
     from tessera.serve.engine import Engine
     from tessera.serve.request import DrainingError, QueueFullError, Request
     from tessera.serve.scheduler import BatchLimits, FifoPadded, OneByOne, Scheduler, SortWindow
+    from tessera.serve.synthetic import save_example_encoder

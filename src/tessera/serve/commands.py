@@ -12,6 +12,20 @@ _SERVE_FIELDS = (
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
+    from tessera.cli_flags import UserError
+
+    if args.make_example_model:
+        if args.model:
+            raise UserError(
+                f"--model {args.model} and --make-example-model {args.make_example_model}: give one "
+                "(write an example encoder folder, then serve it with --model)"
+            )
+        return make_example_model(args.make_example_model)
+    if not args.model:
+        raise UserError(
+            "give --model DIR: a folder written by save_pretrained with its tokenizer "
+            "(tessera serve --make-example-model DIR writes one to try)"
+        )
     from tessera.serve.server import ServeConfig, run_server
 
     config = ServeConfig(**{name: getattr(args, name) for name in _SERVE_FIELDS})
@@ -24,9 +38,24 @@ def cmd_serve(args: argparse.Namespace) -> None:
     run_server(config)
 
 
+def make_example_model(directory: str) -> None:
+    from tessera.serve.synthetic import save_example_encoder
+
+    path = save_example_encoder(directory)
+    print(
+        f"wrote an example encoder to {path} (BERT, random weights, an English WordPiece tokenizer); "
+        f"serve it with: tessera serve --model {path}"
+    )
+
+
 def add_serve_parser(sub, positive_int) -> None:
     p = sub.add_parser("serve", help="serve a transformers encoder over HTTP (TEI- and OpenAI-compatible)")
-    p.add_argument("--model", required=True, help="folder written by save_pretrained, tokenizer beside it")
+    p.add_argument("--model", help="folder written by save_pretrained, tokenizer beside it")
+    p.add_argument(
+        "--make-example-model",
+        metavar="DIR",
+        help="write a small example encoder folder to DIR (random weights, an English tokenizer) and exit",
+    )
     p.add_argument("--task", default="auto", choices=["auto", "embed", "classify"])
     p.add_argument("--pooling", default="mean", choices=["mean", "cls"], help="embeddings: token pooling")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")

@@ -1,7 +1,10 @@
 """Encoders built from configs with random weights and a word-level tokenizer made in
 code, saved with ``save_pretrained`` like a user's download: what the tests and
 `tessera bench serve` serve (nothing is downloaded). ``words(n)`` is a text that this
-tokenizer turns into exactly ``n`` tokens, special tokens included."""
+tokenizer turns into exactly ``n`` tokens, special tokens included.
+
+``save_example_encoder`` (`tessera serve --make-example-model DIR`) writes one with an English
+WordPiece tokenizer instead, for a user to try the server on real text."""
 
 from __future__ import annotations
 
@@ -100,6 +103,10 @@ def _config(spec: EncoderSpec):
 
 def build_encoder(directory: str | Path, spec: EncoderSpec = EncoderSpec()) -> Path:
     """Write a random-weight encoder of ``spec`` and its tokenizer to ``directory``."""
+    return _save(directory, spec, word_tokenizer(spec.vocab_size, spec.max_length))
+
+
+def _save(directory: str | Path, spec: EncoderSpec, tokenizer) -> Path:
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     torch.manual_seed(spec.seed)
@@ -108,9 +115,70 @@ def build_encoder(directory: str | Path, spec: EncoderSpec = EncoderSpec()) -> P
     model = cls.from_config(config).eval()
     directory = Path(directory)
     model.save_pretrained(directory)
-    word_tokenizer(spec.vocab_size, spec.max_length).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
     _portable_tokenizer_class(directory / "tokenizer_config.json")
     return directory
+
+
+def english_vocabulary(size: int = 6000) -> list[str]:
+    """A WordPiece vocabulary of English: the special tokens, every lower-case printable ASCII
+    character alone and letters and digits as word pieces (``##e``), so that any word spells
+    out and none is [UNK], then
+    the most frequent words of Python's own documentation (``pydoc_data``, shipped with
+    CPython: nothing is downloaded), ties by spelling so the list is the same on every run."""
+    import re
+    import string
+    from collections import Counter
+    from pydoc_data.topics import topics
+
+    chars = [c for c in string.printable if not (c.isspace() or c.isupper())]  # text is lower-cased
+    counts = Counter(re.findall(r"[a-z]+", " ".join(topics.values()).lower()))
+    pieces = [*SPECIALS, *chars, *(f"##{c}" for c in chars if c.isalnum())]
+    seen = set(pieces)
+    ranked = [w for w, _ in sorted(counts.items(), key=lambda wc: (-wc[1], wc[0])) if w not in seen]
+    return pieces + ranked[: max(0, size - len(pieces))]
+
+
+def english_tokenizer(max_length: int = 512, size: int = 6000):
+    """BERT's tokenization (lower-cased, accents stripped, split at spaces and punctuation,
+    WordPiece with [CLS] ... [SEP]) over ``english_vocabulary``; as a transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(english_vocabulary(size))}
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True, strip_accents=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B [SEP]",
+        special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
+    )
+    tok.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=max_length,
+    )
+
+
+def save_example_encoder(directory: str | Path, *, max_length: int = 512, seed: int = 0) -> Path:
+    """A folder ``tessera serve --model`` serves, to try the server with: a small BERT encoder
+    (2 layers, 128 wide; random weights, so its embeddings tell texts apart but carry no
+    meaning) and an English WordPiece tokenizer (``english_tokenizer``) beside it, written as
+    ``save_pretrained`` writes a downloaded model. ``directory`` must be new or empty."""
+    directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise ValueError(f"{directory} is not an empty folder; give a new one for the example encoder")
+    tokenizer = english_tokenizer(max_length)
+    spec = EncoderSpec(
+        layers=2, hidden=128, heads=4, vocab_size=len(tokenizer), max_length=max_length, seed=seed
+    )
+    return _save(directory, spec, tokenizer)
 
 
 def _portable_tokenizer_class(path: Path) -> None:
