@@ -90,6 +90,9 @@ PLAN = Settings(
         "sp": "sequence parallel degree",
         "sp_method": "sequence parallel attention: ring (zig-zag for causal) or ulysses (all-to-all)",
         "sequence_parallel_norms": "with tp > 1: norms and residuals on each tp rank's slice of the sequence",
+        "ep": "expert parallel degree (divides dp): each MoE layer's experts split over ep dp ranks",
+        "capacity_factor": "with ep > 1: cap each rank's tokens per expert at this x its fair share, "
+        "dropping the rest (default: dropless)",
     },
     choices={
         "zero": plan.ZERO_STAGES,

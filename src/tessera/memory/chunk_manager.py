@@ -1,7 +1,8 @@
 """Parameters living in chunks: which chunk holds which parameter, and the chunk's storage.
 
 ``ChunkManager`` packs a model's trainable parameters into flat chunks (``chunk.py``), one
-optimizer group and one kind (tensor-parallel-sharded or not) per chunk, in the optimizer's
+optimizer group and one kind (tensor-parallel-sharded, replicated, or expert parameters of
+an expert parallel plan, which ZeRO shards over other ranks) per chunk, in the optimizer's
 order. Each ``ParamChunk`` knows its parameters' slots and can:
 
 - copy their gradients into one flat buffer, and a flat buffer back into their gradients;
@@ -31,8 +32,16 @@ def tp_sharded(p: torch.Tensor) -> bool:
 
 
 class ParamChunk:
-    def __init__(self, chunk: Chunk, params: list[nn.Parameter], group_index: int, tp_sharded: bool):
+    def __init__(
+        self,
+        chunk: Chunk,
+        params: list[nn.Parameter],
+        group_index: int,
+        tp_sharded: bool,
+        expert: bool = False,
+    ):
         self.chunk, self.params, self.group_index, self.tp_sharded = chunk, params, group_index, tp_sharded
+        self.expert = expert  # expert parameters (tessera.parallel.experts): their own ranks
         self.resident = True
         self.state = ChunkState.FREE  # stage 3 moves it (ZeroEngine.gather / _release)
 
@@ -93,7 +102,10 @@ class ChunkManager:
 
     ``segment_of`` (optional) gives parameters a segment id (e.g. the transformer block they
     belong to): a chunk then never holds parameters of two segments, and each run of
-    consecutive parameters of one segment starts a new chunk."""
+    consecutive parameters of one segment starts a new chunk.
+
+    ``expert`` (optional) names expert parameters: they go into chunks of their own, after
+    the group's others, padded to a multiple of ``expert_align`` (the ranks sharing them)."""
 
     def __init__(
         self,
@@ -102,16 +114,22 @@ class ChunkManager:
         chunk_elems: int,
         align: int,
         segment_of: dict[nn.Parameter, int] | None = None,
+        expert: set[nn.Parameter] | None = None,
+        expert_align: int = 1,
     ):
         self.chunks: list[ParamChunk] = []
         self.owner: dict[nn.Parameter, ParamChunk] = {}
         self.transitions = 0
+        expert = expert or set()
         for gi, group in enumerate(param_groups):
-            params = [p for p in group["params"] if p.requires_grad]
+            params = [p for p in group["params"] if p.requires_grad and p not in expert]
             for kind in (True, False):
                 chosen = [p for p in params if tp_sharded(p) == kind]
                 for run in _runs(chosen, segment_of or {}):
                     self._add(run, gi, kind, chunk_elems=chunk_elems, align=align)
+            experts = [p for p in group["params"] if p.requires_grad and p in expert]
+            for run in _runs(experts, segment_of or {}):
+                self._add(run, gi, False, chunk_elems=chunk_elems, align=expert_align, expert=True)
 
     def transition(self, chunk, state: ChunkState) -> None:
         """The one place a chunk's state changes (``chunk`` has a ``state``: a tiered
@@ -120,10 +138,12 @@ class ChunkManager:
         chunk.state = state
         self.transitions += 1
 
-    def _add(self, params: list[nn.Parameter], gi: int, kind: bool, *, chunk_elems: int, align: int) -> None:
+    def _add(
+        self, params: list[nn.Parameter], gi: int, kind: bool, *, chunk_elems: int, align: int, expert=False
+    ) -> None:
         named = [(str(i), local(p.detach()).float()) for i, p in enumerate(params)]
         for chunk in pack(named, chunk_elems=chunk_elems, align=align, device=local(params[0]).device):
-            pc = ParamChunk(chunk, [params[int(slot.name)] for slot in chunk.slots], gi, kind)
+            pc = ParamChunk(chunk, [params[int(slot.name)] for slot in chunk.slots], gi, kind, expert)
             self.chunks.append(pc)
             for p in pc.params:
                 self.owner[p] = pc

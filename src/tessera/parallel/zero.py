@@ -34,12 +34,22 @@ Tensor parallel parameters (DTensors) take part through their local shards (at s
 shard itself is bound to the chunk buffer); a chunk holds
 parameters of one optimizer group and one kind (sharded over ``tp`` or replicated on it), so
 the global gradient norm counts each replicated element once.
+
+Expert parameters of an expert parallel plan (``tessera.parallel.experts``, DTensors sharded
+over ``ep``) live in chunks of their own, averaged and sharded over the ``edp`` axis of the
+expert mesh: the dp / ep ranks that hold the same experts. Every chunk's summed gradient is
+divided by dp: with the loss a mean over the global batch, a dense parameter's gradient is
+the average of dp local ones, and an expert's local gradient already sums the
+contributions of the tokens of all ep ranks of its group (the all-to-all brought them), so
+the sum over edp of those, over dp, is its gradient. The global norm counts each expert once
+(summed over ``ep``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -49,6 +59,18 @@ from tessera.memory.chunk_manager import ChunkManager, ParamChunk
 from tessera.memory.chunk_manager import local as _local
 from tessera.memory.offload import ShardOffload, check_offload
 from tessera.runtime import Mesh
+from tessera.runtime.comm import Comm
+
+
+@dataclass(frozen=True)
+class Span:
+    """The ranks a chunk is averaged and sharded over: ``size`` ranks along ``axis`` of the
+    mesh ``comm`` talks over, this rank at coordinate ``rank``."""
+
+    comm: Comm
+    axis: str
+    size: int
+    rank: int
 
 
 class ZeroEngine:
@@ -68,6 +90,8 @@ class ZeroEngine:
         tp_axis: str | None = None,
         segment_of: dict[nn.Parameter, int] | None = None,
         offload: dict | None = None,
+        expert_mesh: Mesh | None = None,
+        expert_params: set[nn.Parameter] | None = None,
     ):
         self.model, self.zero, self.mesh, self.axis = model, zero, mesh, axis
         self.tp_axis = tp_axis if tp_axis is not None and mesh.size(tp_axis) > 1 else None
@@ -77,10 +101,18 @@ class ZeroEngine:
         self.recomputing = False  # inside activation checkpointing's recomputation
         dp = mesh.size(axis)
         self.dp, self.rank = dp, mesh.rank(axis)
+        dense = Span(self.comm, axis, dp, self.rank)
+        experts = dense if expert_mesh is None else _expert_span(expert_mesh)
         self.manager = ChunkManager(
-            optimizer.param_groups, chunk_elems=chunk_elems, align=dp, segment_of=segment_of
+            optimizer.param_groups,
+            chunk_elems=chunk_elems,
+            align=dp,
+            segment_of=segment_of,
+            expert=expert_params,
+            expert_align=experts.size,
         )
         self.groups: list[ParamChunk] = self.manager.chunks
+        self.span = {cg: experts if cg.expert else dense for cg in self.groups}
         if offload is not None:  # refused before any chunk is bound or freed: the model stays whole
             assert zero == 3, "offload moves ZeRO-3 chunks (Plan checks)"
             check_offload(self.manager, optimizer, dp=dp, device=mesh.device, rank=self.rank, **offload)
@@ -95,7 +127,7 @@ class ZeroEngine:
             for cg in self.groups:
                 if zero < 3:  # the chunk becomes the parameters' storage, the shard a view of it
                     cg.bind()
-                piece = cg.chunk.shard(self.rank, dp)
+                piece = cg.chunk.shard(self.span[cg].rank, self.span[cg].size)
                 self.shards.append(nn.Parameter(piece if zero < 3 else piece.clone()))
             for gi, group in enumerate(optimizer.param_groups):
                 group["params"] = [
@@ -156,18 +188,21 @@ class ZeroEngine:
 
     def shard_bounds(self, cg: ParamChunk) -> tuple[int, int]:
         """The flat range of ``cg`` this rank owns."""
-        size = cg.chunk.capacity // self.dp
-        return self.rank * size, (self.rank + 1) * size
+        span = self.span[cg]
+        size = cg.chunk.capacity // span.size
+        return span.rank * size, (span.rank + 1) * size
 
     def _reduce(self, cg: ParamChunk) -> None:
         flat = cg.flat_grads()
         lo, hi = self.shard_bounds(cg)
+        span = self.span[cg]
         if self.zero <= 1:
             # which parameters got a gradient on any rank: those get the average everywhere
             # (a rank that did not use one gets it too); the others stay None (skipped)
             had = torch.tensor([float(p.grad is not None) for p in cg.params], device=self.mesh.device)
-            self.comm.all_reduce(had, self.axis, op="max")
-            self.comm.all_reduce(flat, self.axis, op="avg")
+            span.comm.all_reduce(had, span.axis, op="max")
+            span.comm.all_reduce(flat, span.axis)
+            flat.div_(self.dp)  # over dp, expert chunks too (see the module doc)
             cg.write_grads(flat, [bool(h) for h in had])
             self.grad_shard[cg] = flat[lo:hi].clone()
         elif self.offload is not None:
@@ -182,7 +217,7 @@ class ZeroEngine:
             self._release(cg)
         else:
             shard = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
-            self.comm.reduce_scatter_into(shard, flat, self.axis)
+            span.comm.reduce_scatter_into(shard, flat, span.axis)
             self.grad_shard[cg] = shard.div_(self.dp)
             for p in cg.params:
                 p.grad = None
@@ -206,7 +241,7 @@ class ZeroEngine:
             if self.offload is not None:  # from the master shards or, at bf16, their copies
                 self.offload.gather_into(buffer, i, after, self.comm, self.axis)
             else:
-                self.comm.all_gather_into(buffer, shard, self.axis)
+                self.span[cg].comm.all_gather_into(buffer, shard, self.span[cg].axis)
 
     def _release(self, cg: ParamChunk) -> None:  # stage 3: a whole chunk after its last use
         if not cg.resident:
@@ -225,8 +260,24 @@ class ZeroEngine:
     # ---- optimizer -------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
         """The global gradient norm over every parameter once (after reduction)."""
+        total = self._squares([cg for cg in self.groups if not cg.expert])
+        if self.zero >= 1:
+            self.comm.all_reduce(total, self.axis)
+        if self.tp_axis is not None:
+            self.comm.all_reduce(total, self.tp_axis)
+        experts = [cg for cg in self.groups if cg.expert]
+        if experts:  # each rank holds its ep share of the experts, ZeRO-sharded over edp
+            part, span = self._squares(experts), self.span[experts[0]]
+            if self.zero >= 1:
+                span.comm.all_reduce(part, span.axis)
+            span.comm.all_reduce(part, "ep")
+            total += part
+        return total.sqrt()
+
+    def _squares(self, chunks: list[ParamChunk]) -> torch.Tensor:
+        """This rank's sum of squared reduced gradients of ``chunks``."""
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        for cg in self.groups:
+        for cg in chunks:
             if self.zero == 0:
                 part = sum(
                     (_local(p.grad).double().pow(2).sum() for p in cg.params if p.grad is not None),
@@ -237,11 +288,7 @@ class ZeroEngine:
             if self.tp_axis is not None and not cg.tp_sharded:
                 part = part / self.mesh.size(self.tp_axis)  # every tp rank holds the same copy
             total += part
-        if self.zero >= 1:
-            self.comm.all_reduce(total, self.axis)
-        if self.tp_axis is not None:
-            self.comm.all_reduce(total, self.tp_axis)
-        return total.sqrt()
+        return total
 
     def reduced_grads(self) -> list[torch.Tensor]:
         """The gradients the optimizer will step with (after reduction): p.grad at stage 0,
@@ -315,7 +362,11 @@ class ZeroEngine:
         self.optimizer.step()
         if self.zero in (1, 2):  # the stepped shard is already in place; gather the others'
             for cg, shard in zip(self.groups, self.shards, strict=True):
-                self.comm.all_gather_into(cg.chunk.buffer, shard.detach().clone(), self.axis)
+                self.gather_shards(cg, cg.chunk.buffer, shard.detach().clone())
+
+    def gather_shards(self, cg: ParamChunk, out: torch.Tensor, shard: torch.Tensor) -> None:
+        """``out`` (the chunk's capacity) becomes every owner's ``shard`` of ``cg``, in order."""
+        self.span[cg].comm.all_gather_into(out, shard, self.span[cg].axis)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -439,6 +490,11 @@ class ZeroEngine:
         with self.offload.store.unbounded() if self.offload is not None else contextlib.nullcontext():
             for cg, shard in zip(self.groups, self.shards, strict=True):
                 self.gather(cg, shard.detach())
+
+
+def _expert_span(expert_mesh: Mesh) -> Span:
+    """Expert chunks: over the ``edp`` ranks of the expert mesh (those holding the same experts)."""
+    return Span(expert_mesh.comm, "edp", expert_mesh.size("edp"), expert_mesh.rank("edp"))
 
 
 def _scalar(value) -> torch.Tensor:

@@ -49,7 +49,16 @@ class Plan:
     sequence parallel ranks (``sp_method`` "ring", zig-zag for causal, or "ulysses"); ZeRO
     then shards over the dp x sp ranks, as DeepSpeed-Ulysses does. ``sequence_parallel_norms``
     (with tp > 1): Megatron-style, the norms and residuals between tensor-parallel regions run
-    on each tp rank's slice of the sequence (``tessera.parallel.tp_sequence``). World size: dp x pp x sp x tp."""
+    on each tp rank's slice of the sequence (``tessera.parallel.tp_sequence``). World size: dp x pp x sp x tp.
+
+    ``ep`` expert parallel ranks, carved out of dp as DeepSpeed-MoE and Colossal-AI do: every
+    mixture-of-experts layer's experts are split over ``ep`` consecutive dp ranks, each rank
+    keeps its own tokens and the ep ranks of a dp row exchange them by all-to-all
+    (``tessera.parallel.experts``); expert parameters are averaged and ZeRO-sharded over the
+    dp / ep ranks that hold the same experts, the rest over all dp ranks. ``capacity_factor``
+    (None: dropless) caps the (token, expert) pairs each rank sends one expert per layer at
+    ceil(capacity_factor x its pairs / experts); the rest are dropped (their expert output is
+    zero) and counted."""
 
     dp: int = 1
     tp: int = 1
@@ -74,9 +83,20 @@ class Plan:
     sp: int = 1
     sp_method: str = "ring"
     sequence_parallel_norms: bool = False
+    ep: int = 1
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "sp", "virtual_stages", "grad_accum", "loss_scale_growth_interval"):
+        for name in (
+            "dp",
+            "tp",
+            "pp",
+            "sp",
+            "ep",
+            "virtual_stages",
+            "grad_accum",
+            "loss_scale_growth_interval",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Plan.{name} must be a positive integer, got {value!r}")
@@ -97,6 +117,31 @@ class Plan:
         self._check_offload()
         self._check_pipeline()
         self._check_sequence()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or not cf > 0):
+            raise ValueError(f"Plan.capacity_factor must be > 0 or None (dropless), got {cf!r}")
+        if self.ep == 1:
+            if cf is not None:
+                raise ValueError(f"Plan.capacity_factor={cf!r} caps expert-parallel dispatch: set ep > 1")
+            return
+        if self.dp % self.ep:
+            raise ValueError(
+                f"Plan(ep={self.ep}) splits each dp row of ranks into expert-parallel groups: ep must divide "
+                f"dp={self.dp}; use an ep that divides {self.dp}"
+            )
+        for name, value, wanted in (
+            ("tp", self.tp, 1),
+            ("pp", self.pp, 1),
+            ("sp", self.sp, 1),
+            ("offload", self.offload, None),
+        ):
+            if value != wanted:
+                raise ValueError(
+                    f"Plan(ep={self.ep}) with {name}={value!r} is not supported yet; use {name}={wanted!r}"
+                )
 
     def _check_pipeline(self) -> None:
         if self.schedule not in SCHEDULES:

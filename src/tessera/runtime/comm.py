@@ -297,6 +297,30 @@ class Comm:
         chunks = out.chunk(n, dim=0)
         return torch.cat([c.movedim(0, scatter_dim) for c in chunks], dim=gather_dim)
 
+    def all_to_all_split(
+        self, t: torch.Tensor, axis: str, send_sizes: list[int], recv_sizes: list[int]
+    ) -> torch.Tensor:
+        """Rows ``send_sizes[i]`` of ``t`` (dim 0, in order) to rank i; returns the rows that
+        arrive, ``recv_sizes[i]`` from rank i, in rank order (any size, zero too).
+        Differentiable: the gradient goes back by the inverse exchange."""
+        if torch.is_grad_enabled() and t.requires_grad and self._moves(axis):
+            return _AllToAllSplit.apply(t, self, axis, tuple(send_sizes), tuple(recv_sizes))
+        return self._all_to_all_split(t, axis, send_sizes, recv_sizes)
+
+    def _all_to_all_split(self, t, axis: str, send_sizes, recv_sizes) -> torch.Tensor:
+        self._check("all_to_all", t)
+        n = self._size(axis)
+        assert len(send_sizes) == len(recv_sizes) == n, (send_sizes, recv_sizes)
+        assert sum(send_sizes) == t.shape[0], (send_sizes, t.shape)
+        if n == 1:
+            return t
+        self.ledger.record("all_to_all", axis, nbytes(t))
+        src = t.contiguous()
+        out = src.new_empty((sum(recv_sizes), *src.shape[1:]))
+        dist.all_to_all_single(out, src, list(recv_sizes), list(send_sizes), group=self._group(axis))
+        self._emulate_sync("all_to_all", axis, nbytes(t))
+        return out
+
     def broadcast(self, t: torch.Tensor, axis: str, *, src: int = 0) -> torch.Tensor:
         """In place from the rank at coordinate ``src`` along ``axis``."""
         self._check("broadcast", t)
@@ -371,6 +395,19 @@ class _AllToAll(torch.autograd.Function):
         out = ctx.comm._all_to_all(
             grad.contiguous(), ctx.axis, scatter_dim=gather_dim, gather_dim=scatter_dim
         )
+        return out, None, None, None, None
+
+
+class _AllToAllSplit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm: Comm, axis: str, send_sizes: tuple, recv_sizes: tuple):
+        ctx.comm, ctx.axis, ctx.sizes = comm, axis, (send_sizes, recv_sizes)
+        return comm._all_to_all_split(t, axis, send_sizes, recv_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_sizes, recv_sizes = ctx.sizes
+        out = ctx.comm._all_to_all_split(grad.contiguous(), ctx.axis, recv_sizes, send_sizes)
         return out, None, None, None, None
 
 

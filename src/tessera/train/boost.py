@@ -119,6 +119,7 @@ class _Setup:
     tp_plan: TPPlan | None
     blocks: list[nn.Module]  # transformer blocks (checkpointed or chunked by block), else []
     loaded: dict | None  # the state the optimizer held, loaded again after boost
+    ep_plan: dict[str, str] | None = None  # expert parallel plan, one entry per name (ep > 1)
 
 
 def _validate(model, optimizer, plan: Plan, mesh: Mesh, tp_plan: TPPlan | None) -> _Setup:
@@ -156,7 +157,12 @@ def _validate(model, optimizer, plan: Plan, mesh: Mesh, tp_plan: TPPlan | None) 
         check_sequence_parallel(model)
     if plan.offload is not None:
         _check_offload(model, optimizer, plan, mesh, blocks)
-    return _Setup(group_names, tp_plan, blocks, loaded)
+    ep_plan = None
+    if plan.ep > 1:
+        from tessera.parallel.experts import ep_plan_of
+
+        ep_plan = ep_plan_of(model, plan.ep)
+    return _Setup(group_names, tp_plan, blocks, loaded, ep_plan)
 
 
 def _check_storage(model: nn.Module) -> None:
@@ -278,6 +284,7 @@ def _boost(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
             sequence_parallel=plan.sequence_parallel_norms,
         )
     _same_start(model, mesh)
+    expert_mesh, expert_params = _apply_experts(model, plan, mesh, setup)
     _regroup(model, optimizer, setup.group_names)
     # Any state the optimizer held (loaded by the user) was taken whole by _validate and is
     # loaded again below into whatever shards and pieces the plan makes.
@@ -298,6 +305,8 @@ def _boost(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
         tp_axis="tp" if has_tp else None,
         segment_of=segment_of,
         offload=_offload_settings(plan),
+        expert_mesh=expert_mesh,
+        expert_params=expert_params,
     )
     if plan.activation_checkpointing:
         checkpoint_blocks(
@@ -313,6 +322,18 @@ def _boost(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
     if setup.loaded is not None:
         boosted.load_state_dict(setup.loaded)
     return model, boosted
+
+
+def _apply_experts(model, plan: Plan, mesh: Mesh, setup: _Setup):
+    """ep > 1: the experts split over ep ranks (after every replica has the same weights);
+    the expert mesh and the expert parameters for ZeRO. (None, None) otherwise."""
+    if setup.ep_plan is None:
+        return None, None
+    from tessera.parallel.experts import apply_experts, expert_mesh_for
+
+    expert_mesh = expert_mesh_for(mesh, plan.ep)
+    params = apply_experts(model, setup.ep_plan, expert_mesh, capacity_factor=plan.capacity_factor)
+    return expert_mesh, params
 
 
 def plan_mesh(plan: Plan) -> Mesh:

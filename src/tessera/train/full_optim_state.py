@@ -51,7 +51,7 @@ def _shard_states(engine) -> dict:
             value = state[key]
             if isinstance(value, torch.Tensor) and value.dim() > 0:
                 full = torch.empty(cg.chunk.capacity, dtype=value.dtype, device=value.device)
-                engine.comm.all_gather_into(full, value, engine.axis)
+                engine.gather_shards(cg, full, value)
                 flat[key] = full
         for slot, p in zip(cg.chunk.slots, cg.params, strict=True):
             entry = {k: v for k, v in state.items() if k not in flat}
