@@ -78,3 +78,30 @@ def test_served_model_loader_refuses_an_unknown_transformers(fake_versions, tmp_
     fake_versions["transformers"] = "4.57.1"
     with pytest.raises(compat.VersionError, match=r"transformers 4\.57\.1 .*transformers>=5\.24,<5\.25"):
         load_model(tmp_path)  # refused before the folder is read
+
+
+def test_boost_refuses_an_unknown_transformers_for_plans_that_read_it(fake_versions):
+    """tp/pp/sp/ep read transformers' plans, mask functions and attention interface: boost
+    refuses an untested release by name before it changes anything."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import torch
+
+    from tessera import Plan, boost
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(config)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fake_versions["transformers"] = "5.30.0"
+    with pytest.raises(compat.VersionError, match=r"transformers 5\.30\.0 .*transformers>=5\.24,<5\.25"):
+        boost(model, torch.optim.SGD(model.parameters(), lr=0.1), Plan(pp=2))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_constraints_file_pins_the_same_ranges():
+    """constraints.txt (what make install and CI resolve against) says the same ranges."""
+    lines = (PYPROJECT.parent / "constraints.txt").read_text().splitlines()
+    reqs = {r.name: r.specifier for r in (Requirement(l) for l in lines if l.strip() and not l.startswith("#"))}
+    for package, wanted in compat.KNOWN_GOOD.items():
+        assert reqs.get(package) == SpecifierSet(wanted), (package, str(reqs.get(package)), wanted)

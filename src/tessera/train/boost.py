@@ -101,6 +101,11 @@ def boost(
     Every refusal comes before the model or the optimizer is changed (``_validate``)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"boost needs a tessera.Plan, got {type(plan).__name__}")
+    if _is_transformers_model(model) and (plan.tp > 1 or plan.pp > 1 or plan.sp > 1 or plan.ep > 1):
+        # these plans read transformers' tp/ep plans, mask functions and attention interface
+        from tessera.compat import check_versions
+
+        check_versions("transformers")
     plan.check_world(world_size())
     mesh = mesh or plan_mesh(plan)
     _check_mesh(mesh, plan)
@@ -120,6 +125,10 @@ class _Setup:
     blocks: list[nn.Module]  # transformer blocks (checkpointed or chunked by block), else []
     loaded: dict | None  # the state the optimizer held, loaded again after boost
     ep_plan: dict[str, str] | None = None  # expert parallel plan, one entry per name (ep > 1)
+
+
+def _is_transformers_model(model) -> bool:
+    return any(c.__module__.startswith("transformers.") for c in type(model).__mro__)
 
 
 def _validate(model, optimizer, plan: Plan, mesh: Mesh, tp_plan: TPPlan | None) -> _Setup:
