@@ -2,6 +2,8 @@
 byte formulas against a real boost run's counted state and ledger, the DiT byte formulas
 as the simulator reports them, and the search and command line."""
 
+import shlex
+
 import pytest
 import torch
 
@@ -152,7 +154,22 @@ def test_plan_cli(capsys):
     out = capsys.readouterr().out
     assert "choice: tessera generate --model '<DIT_CHECKPOINT>' --steps 4 --nproc 2" in out
     assert main(["plan", "train", "--model", "gpt2", "--devices", "2", "--device-profile", "a100"]) == 0
-    assert "choice: tessera train --nproc 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    choice = next(line for line in out.splitlines() if line.startswith("choice: "))
+    assert choice.startswith("choice: tessera train --recipe gpt2-text --nproc 2"), choice
+    # the printed command parses with the CLI's own parser, and its Plan is the table's rank 1
+    # and the printed Python expression
+    from tessera.cli import build_parser
+    from tessera.cli_flags import PLAN, given
+    from tessera.cli_train import RECIPES, _plan
+    from tessera.plan.commands import plan_expression
+    from tessera.train.plan import Plan
+
+    args = build_parser().parse_args(shlex.split(choice.removeprefix("choice: tessera ")))
+    plan = _plan(RECIPES[args.recipe], given(args, PLAN), args.nproc)
+    python = next(line for line in out.splitlines() if line.startswith("in Python: "))
+    assert f"boost(model, optimizer, {plan_expression(plan)})" in python, (python, plan)
+    assert eval(plan_expression(plan), {"Plan": Plan}) == plan
     assert main(["plan", "train", "--model", "nope", "--devices", "2"]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
     assert main(["plan", "generate", "--model", "gpt2", "--devices", "4", "--nodes", "3"]) == 2

@@ -195,7 +195,24 @@ def cmd_plan_train(args) -> None:
     print(_table(["rank", "plan", "step s", "tokens/s", "GiB/rank"], rows))
     _check_fits(ranked, hw, args.devices)
     best = ranked.fits[0].plan
-    print(f"choice: tessera train --nproc {best.world_size} {as_flags(best, PLAN)}".rstrip())
+    # gpt2-text is the recipe that takes every Plan setting; it trains its own small GPT-2, so
+    # the plan for the model asked about is also given as the Plan a user's loop passes to boost
+    print(f"choice: tessera train --recipe gpt2-text --nproc {best.world_size} {as_flags(best, PLAN)}".rstrip())
+    print(f"in Python: boost(model, optimizer, {plan_expression(best)})  (docs/training.md)")
+
+
+def plan_expression(plan) -> str:
+    """``plan`` as the constructor call that makes it: ``Plan(dp=2, zero=3)``."""
+    import dataclasses
+
+    def needed(f) -> bool:  # dropping it would change the plan (a resolved default does not)
+        try:
+            return dataclasses.replace(plan, **{f.name: f.default}) != plan
+        except ValueError:
+            return True
+
+    changed = [f"{f.name}={getattr(plan, f.name)!r}" for f in dataclasses.fields(plan) if f.init and needed(f)]
+    return f"Plan({', '.join(changed)})"
 
 
 class _OffloadPolicies(argparse.Action):
