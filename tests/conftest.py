@@ -20,6 +20,17 @@ def kernel_cache(tmp_path_factory):
         os.environ["TESSERA_KERNEL_CACHE"] = old
 
 
+@pytest.fixture(scope="session")
+def measured_machine(kernel_cache):
+    """This CPU measured briefly (50 ms a figure) once for the session and saved where the
+    tuner looks for it (in the session's kernel cache)."""
+    from tessera.kernels.machine import measure, save_machine
+
+    m = measure(seconds=0.05)
+    save_machine(m)
+    return m
+
+
 @pytest.fixture(scope="session", autouse=True)
 def reused_ranks():
     """spawn() keeps its ranks between tests (one pool per world size): starting a rank (a

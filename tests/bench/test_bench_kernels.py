@@ -8,9 +8,10 @@ from tessera.bench.harness import write_results
 from tessera.bench.kernels import QUICK, plot_kernels, run_kernels_bench
 
 
-def test_quick_kernels_bench(tmp_path, monkeypatch):
-    monkeypatch.setenv("TESSERA_KERNEL_CACHE", str(tmp_path / "cache"))
-    result = run_kernels_bench(QUICK, progress=False)
+def test_quick_kernels_bench(tmp_path, measured_machine):
+    # the session's machine and kernel cache (tests/conftest.py): tests/kernels trains the same
+    # ResNet-8 (test_train_cnn) and tunes the same shapes, so each kernel compiles once a session
+    result = run_kernels_bench(QUICK, progress=False, machine=measured_machine, fresh_cache=False)
     assert {(r["kind"], r["threads"]) for r in result.rows} == {(k, t) for k in ("gemm", "conv") for t in (1, 2)}
     for row in result.rows:
         assert row["gflops"] > 0 and row["torch_gflops"] > 0 and row["numpy_gflops"] > 0

@@ -1,4 +1,4 @@
-"""One kernel cache and one quickly measured machine for the whole kernels suite: every
+"""One kernel cache and one quickly measured machine (tests/conftest.py) for the whole kernels suite: every
 kernel compiles once per session (in a temporary folder), later tests reuse it."""
 
 import pytest
@@ -8,12 +8,10 @@ import pytest
 def _isolated_kernel_cache(kernel_cache):  # tests/conftest.py: a temporary cache for the session
     return kernel_cache
 
+# `machine` (this CPU measured once for the session) is in tests/conftest.py: the kernels
+# benchmark's test uses the same one.
+
 
 @pytest.fixture(scope="session")
-def machine(kernel_cache):
-    """Measured briefly (50 ms a figure) and saved where the tuner looks for it."""
-    from tessera.kernels.machine import measure, save_machine
-
-    m = measure(seconds=0.05)
-    save_machine(m)
-    return m
+def machine(measured_machine):
+    return measured_machine

@@ -18,7 +18,7 @@ LOSS_TOLERANCE = 1e-4
 
 def test_resnet8_trains_like_torch(machine):
     T._KERNELS.clear()
-    losses = train_pair(STEPS, batch=32)
+    losses = train_pair(STEPS)  # the kernels benchmark's batch (64): the same kernels, compiled once a session
     used = {k[0].split("[")[0] for k in T._KERNELS}
     # forward convs, their weight and data gradients (GEMM + col2im or direct), the classifier's
     # forward (x W^T), input gradient (dY W) and weight gradient (dY^T X)

@@ -229,15 +229,23 @@ def _fresh_kernel_cache():
                 os.environ["TESSERA_KERNEL_CACHE"] = old
 
 
-def run_kernels_bench(plan: KernelsPlan = FULL, *, progress: bool = True) -> BenchResult:
+def run_kernels_bench(
+    plan: KernelsPlan = FULL, *, progress: bool = True, machine=None, fresh_cache: bool = True
+) -> BenchResult:
+    """``machine``: a Machine already measured (else measured here for ``plan.machine_seconds``
+    a figure); ``fresh_cache=False`` keeps the current kernel cache (the test suite's, where
+    other tests compiled the same kernels), so tuning times then exclude those compiles."""
+    if not fresh_cache:
+        return _run(plan, progress, machine)
     with _fresh_kernel_cache():
-        return _run(plan, progress)
+        return _run(plan, progress, machine)
 
 
-def _run(plan: KernelsPlan, progress: bool) -> BenchResult:
+def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
     began = time.perf_counter()
-    machine = measure(seconds=plan.machine_seconds)
-    save_machine(machine)
+    if machine is None:
+        machine = measure(seconds=plan.machine_seconds)
+        save_machine(machine)
     rows = []
     cases = [(c, t) for c in _cases(plan) for t in plan.threads]
     for (kind, label, op, spec, flops), threads in tqdm(cases, desc="bench kernels", disable=not progress):
