@@ -84,7 +84,7 @@ def test_chunked_equals_original_and_uses_less_memory(build):
     traced = autochunk(model, inputs, max_memory=2**40)  # no region fits better: the plain graph
     assert not traced.plan.regions
     original, after = _tracked_peak(traced, inputs), _tracked_peak(chunked, inputs)
-    assert after < 0.8 * original, (after, original)
+    assert after < 0.8 * original, (after, original)  # 0.8: at least a fifth off the peak
     assert _tracked_peak(model, inputs) >= 0.95 * original  # eager is no leaner than its graph
     for estimate, measured in ((chunked.plan.original_peak, original), (chunked.plan.estimated_peak, after)):
         assert ESTIMATE_LOW * measured <= estimate <= ESTIMATE_HIGH * measured, (estimate, measured)
@@ -125,6 +125,7 @@ def test_budget_picks_slices_that_fit_and_too_small_a_budget_names_the_numbers()
     assert fitted.plan.estimated_peak <= budget
     assert _tracked_peak(fitted, inputs) <= budget / ESTIMATE_LOW
     for ref, out in zip(_outputs(model, inputs), _outputs(fitted, inputs), strict=True):
+        # fp32 rounding only, as in test_chunked_equals_original_and_uses_less_memory
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(BudgetError) as err:
         autochunk(model, inputs, max_memory=loose.plan.floor_peak // 2)
@@ -167,6 +168,8 @@ def test_a_reduction_over_the_long_dim_is_never_sliced():
     torch.manual_seed(0)
     model, x = ColumnSoftmax().eval(), torch.randn(512, 16)
     chunked = autochunk(model, (x,))
+    # column slices of the same ops: fp32 rounding only (measured 2.4e-7 absolute and relative
+    # on outputs up to 2.6); atol 1e-6 is a floor for outputs near zero
     torch.testing.assert_close(_outputs(chunked, (x,))[0], _outputs(model, (x,))[0], rtol=1e-5, atol=1e-6)
     for region in chunked.plan.regions:
         softmax_nodes = [n for n in region.dims if "softmax" in str(n.target)]
@@ -221,7 +224,7 @@ def test_grouped_query_attention_is_sliced_by_queries_never_by_heads():
     q, k = torch.randn(1, 8, 16, 8), torch.randn(1, 2, 16, 8)
     whole = torch.nn.functional.scaled_dot_product_attention(q, k, k, enable_gqa=True)
     sliced = torch.nn.functional.scaled_dot_product_attention(q[:, :2], k[:, :2], k[:, :2], enable_gqa=True)
-    assert (sliced - whole[:, :2]).abs().max() > 0.1
+    assert (sliced - whole[:, :2]).abs().max() > 0.1  # other keys read: O(1) apart, not rounding
 
 
 def test_attention_with_dropout_is_not_sliced():

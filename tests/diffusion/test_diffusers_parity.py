@@ -94,4 +94,5 @@ def test_scheduler_stepped_per_slice_equals_the_whole():
         whole = whole_stepper.step("all", step, whole, outs[step])
         top = sliced_stepper.step("top", step, top, outs[step][:, :, :4])
         bottom = sliced_stepper.step("bottom", step, bottom, outs[step][:, :, 4:])
+    # exact: the solver's update is elementwise, the same ops on the same numbers per slice
     torch.testing.assert_close(torch.cat([top, bottom], dim=2), whole, rtol=0, atol=0)

@@ -47,10 +47,11 @@ def test_gemm_operators_equal_matmul(ta, tb):
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((5, 7)), rng.standard_normal((7, 3))
     got = reference.evaluate(ops.gemm(5, 3, 7, trans_a=ta, trans_b=tb), {"A": a.T if ta else a, "B": b.T if tb else b})
+    # float64 sums of 7 products, perhaps in another order: ~1e-15 relative; 1e-12 is float64-tight
     np.testing.assert_allclose(got, a @ b, rtol=1e-12)
     batched = rng.standard_normal((4, 5, 7))
     got = reference.evaluate(ops.batched_gemm(4, 5, 3, 7), {"A": batched, "B": np.stack([b] * 4)})
-    np.testing.assert_allclose(got, batched @ b, rtol=1e-12)
+    np.testing.assert_allclose(got, batched @ b, rtol=1e-12)  # as above
 
 
 def test_affine_algebra_and_guards():

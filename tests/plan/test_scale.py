@@ -46,6 +46,7 @@ def test_chunk_placement_is_14_bytes_a_parameter_over_gpu_and_cpu():
     assert fits(TINY, "chunk", 1, 16, node)
     short = dataclasses.replace(node, cpu_bytes=14 * P - 500_001)
     assert placement(TINY, "chunk", 1, 16, short)["over"] == 1.0 and not fits(TINY, "chunk", 1, 16, short)
+    # approx's default 1e-6 relative: bytes / 14 in float64, only rounding apart
     assert capacity_params(TINY, "chunk", 1, 16, node) == pytest.approx(P)
     two = dataclasses.replace(node, gpus=2)  # a second GPU: its room, and 2 more chunks in flight on each
     assert placement(TINY, "chunk", 1, 16, two)["gpu"] == 2 * (500_000 - 2 * 1000)
@@ -63,7 +64,7 @@ def test_patrickstar_budget_the_warm_up_iteration_bounds_the_model():
     node = Node(gpus=1, gpu_bytes=2_000_000, cpu_bytes=cpu, chunk_bytes=1000, budget=budget)
     got = placement(TINY, "chunk", 1, 16, node)
     assert got["gpu"] == 1_000_000 - (ACTS + 2000) and got["over"] == 0.0  # steady state: 953,968 on the GPU
-    assert capacity_params(TINY, "chunk", 1, 16, node) == pytest.approx(P)
+    assert capacity_params(TINY, "chunk", 1, 16, node) == pytest.approx(P)  # float64 rounding only
     assert not fits(TINY, "chunk", 1, 16, dataclasses.replace(node, cpu_bytes=cpu - 2))
     assert (PATRICKSTAR_BUDGET.gpu_ratio, PATRICKSTAR_BUDGET.warmup_gpu_ratio) == (
         0.8,
@@ -96,10 +97,12 @@ def test_chunk_step_moves_the_bytes_that_do_not_fit():
     node = Node(gpus=1, gpu_bytes=ACTS + 2 * 1000 + room, cpu_bytes=1e12, gpu_flops=1e12, gpu_bandwidth=1e12,
                 pcie_bandwidth=1e9, cpu_bandwidth=1e10, chunk_bytes=1000)  # fmt: skip
     parts = step_seconds(TINY, "chunk", 1, 16, node, efficiency=0.5)
+    # the same float64 formulas in another order: approx's default 1e-6 relative is ample
     assert parts["compute"] == pytest.approx(8 * P * 16 / 0.5e12)
     assert parts["pcie"] == pytest.approx((3 * 2 * P / 2 + 2 * 2 * P) / 1e9)
     assert parts["cpu_adam"] == pytest.approx(28 * P / 1e10) and parts["gpu_adam"] == 0.0
     eff = calibrate_efficiency(TINY, "chunk", 1, 16, node, 0.01)
+    # 80 geometric bisection steps over [1e-4, 4] leave float64 rounding only: 1e-6 is loose
     assert tflops_total(TINY, "chunk", 1, 16, node, eff) == pytest.approx(0.01, rel=1e-6)
 
 
@@ -128,7 +131,7 @@ def test_host_floor_and_decode_in_the_dit_simulator():
     hw = Hardware(device=UNIT, link=Link(name="l", bandwidth=1e30, latency=0.0), precision="fp32", efficiency=1.0)
     flops = spec.layers * spec.layer_flops()
     serial = predict_generate(spec, ParallelConfig(), hw, steps=2, guidance=False)
-    assert serial.seconds == pytest.approx(2 * flops)
+    assert serial.seconds == pytest.approx(2 * flops)  # default 1e-6 rel: float64 sums, another order
     slow_host = dataclasses.replace(hw, host_op_seconds=1e6)  # each layer's ops take 10 x 1e6 s to issue
     floored = predict_generate(
         dataclasses.replace(spec, host_ops_per_layer=10.0),
@@ -137,7 +140,7 @@ def test_host_floor_and_decode_in_the_dit_simulator():
         steps=2,
         guidance=False,
     )
-    assert floored.seconds == pytest.approx(2 * spec.layers * 10 * 1e6)
+    assert floored.seconds == pytest.approx(2 * spec.layers * 10 * 1e6)  # as above: float64 rounding
     decoded = predict_generate(
         dataclasses.replace(spec, decode_flops=123.0),
         ParallelConfig(ulysses=2),
@@ -146,7 +149,7 @@ def test_host_floor_and_decode_in_the_dit_simulator():
         guidance=False,
     )
     plain = predict_generate(spec, ParallelConfig(ulysses=2), hw, steps=2, guidance=False)
-    assert decoded.seconds == pytest.approx(plain.seconds + 123.0)
+    assert decoded.seconds == pytest.approx(plain.seconds + 123.0)  # as above: float64 rounding
 
 
 def test_block_op_counts_and_decoder_flops_match_the_presets():
@@ -173,6 +176,7 @@ def test_block_op_counts_and_decoder_flops_match_the_presets():
     double = count_block_ops(lambda n: flux(n, 1))
     single = count_block_ops(lambda n: flux(1, n))
     assert (double, single) == (158, 83)
+    # approx's default 1e-6 relative: the preset holds this same fraction, computed in float64
     assert PRESETS["flux-dev"].host_ops_per_layer == pytest.approx((19 * double + 38 * single) / 76)
 
     def sana(n: int):
@@ -194,6 +198,7 @@ def test_block_op_counts_and_decoder_flops_match_the_presets():
         up_block_types=["UpDecoderBlock2D"] * 4, block_out_channels=[128, 256, 512, 512], layers_per_block=2,
         latent_channels=16, use_quant_conv=False, use_post_quant_conv=False,
     )  # fmt: skip
+    # rel=1e-3: the preset stores 4 significant digits (10.47e12)
     assert decode_flops(vae, (1, 16, 128, 128)) == pytest.approx(PRESETS["flux-dev"].decode_flops, rel=1e-3)
 
 
@@ -226,6 +231,7 @@ def test_host_seconds_fit_recovers_the_value_a_table_was_made_with(monkeypatch):
         name="made", model="flux-4-layers", device="h100", link="nvlink4", steps=4, guidance=False, rows=rows,
         source="test",
     )  # fmt: skip
+    # the grid point 60e-6 * 4 / 24: 1e-5 up to float64 rounding (approx's default 1e-6 relative)
     assert check.fit_host_op_seconds(table) == pytest.approx(1e-5)
     result = check.check_published(table, 1e-5)
     # rows report seconds rounded to 0.1 ms, and these runs take ~10 ms: 1% is that rounding

@@ -14,6 +14,8 @@ def test_unit_zap_and_background_levels():
         assert np.mean(zap[:80] ** 2) == pytest.approx(1.0)  # its first 5 ms has power 1
     for snr in (0.0, 10.0, 20.0):
         noise = background(160000, Weather(insects=0.5, wind=0.5, rain=0.5), snr, rng, 16000)
+        # rel=1e-3: the float32 mix is scaled to that power, exact up to float32 rounding
+        # (measured <= 3.2e-7 relative); 1e-3 is loose, an SNR off by 0.01 dB already fails
         assert np.mean(noise.astype(np.float64) ** 2) == pytest.approx(10 ** (-snr / 10), rel=1e-3)
 
 
@@ -26,6 +28,7 @@ def test_synthesis_is_seeded():
 
 def test_match_pairs_one_to_one_within_tolerance():
     assert match(np.array([1.0, 1.004, 2.5]), np.array([1.002, 2.0]), tol_s=0.01) == 1
+    # one of two found, one of two true: precision = recall = 1/2; approx's default only for float rounding
     assert f1_score(np.array([1.0, 3.0]), np.array([1.001, 2.0]))["f1"] == pytest.approx(0.5)
 
 
@@ -46,6 +49,8 @@ def test_wav_round_trip_and_corrupt_files(tmp_path):
     scale = write_wav(path, audio, 16000)
     back, rate = read_wav(path)
     assert rate == 16000 and back.size == audio.size
+    # 16-bit PCM: written as round(x / scale * 32767), read as n / 32768, so up to half a
+    # step of rounding plus <= 0.99 step of the 32767/32768 gain: < 1.5 * scale / 32768
     np.testing.assert_allclose(back * scale, audio, atol=scale / 16000)
     bad = tmp_path / "bad.wav"
     bad.write_bytes(b"RIFF\x00\x00\x00\x00WAVEjunk")

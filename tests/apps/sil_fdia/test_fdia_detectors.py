@@ -73,25 +73,28 @@ def test_the_plan_tests_rain(result):
 @pytest.mark.parametrize("kind", ["battery", "daytime", "zero", "scale"])
 def test_telemetry_physics_sees_what_breaks_physics(result, kind):
     # energy balance (battery), kills while off (daytime), dips without kills (zero), grid sag (scale)
+    # 0.75: clearly above chance (0.5); measured 0.91-0.99 on this seeded run
     assert _auc(result, kind, "telemetry") > 0.75
 
 
 @pytest.mark.parametrize("kind", ["zero", "scale", "stealthy", "replay"])
 def test_sound_hears_what_the_counts_hide(result, kind):
-    assert _auc(result, kind, "sound") > 0.8
+    assert _auc(result, kind, "sound") > 0.8  # clearly above chance; measured 0.90-1.0 (seeded)
 
 
 def test_sound_cannot_see_a_battery_spoof(result):
     # the microphone knows nothing of the battery: no better than chance (the test can fail
     # if the sound score leaks time of day or the report itself)
+    # chance is 0.5; 0.65 leaves room for a small sample's noise (measured 0.62 on this seeded run)
     assert _auc(result, "battery", "sound") < 0.65
 
 
 def test_fused_is_not_worse_than_its_better_detector(result):
     for kind, res in result["results"].items():
         aucs = {name: det["auc"] for name, det in res["detectors"].items()}
-        assert aucs["fused"] > 0.5, kind
-        # adding a detector that sees nothing costs something, never everything
+        assert aucs["fused"] > 0.5, kind  # above chance on every kind (measured >= 0.91)
+        # adding a detector that sees nothing costs something, never everything: at most 0.15
+        # of AUC (measured: 0.034 under the better one at most, on stealthy)
         assert aucs["fused"] > max(aucs["telemetry"], aucs["sound"]) - 0.15, (kind, aucs)
     delays = result["results"]["battery"]["detectors"]["telemetry"]["delays_min"]
     assert any(math.isfinite(d) for d in delays)
@@ -101,9 +104,10 @@ def test_thresholds_hold_on_the_held_out_clean_nights(result):
     # set for 1% of clean night intervals on other nights (telemetry: the calibration days;
     # sound: the calibration deployments); on the test nights with no attack anywhere
     # (4 lamps x 2 nights, whole nights at a time since the score accumulates) 4% is the
-    # target plus that clustering's sampling noise, and the ~30% of the first version is far
+    # target plus that clustering's sampling noise (measured 0.4% on this seeded run), and the
+    # ~30% of the first version is far
     rates = result["clean_false_alarms"]
-    assert max(rates.values()) <= 0.04, rates
+    assert max(rates.values()) <= 0.04, rates  # the 4% above
 
 
 def test_scores_are_finite_and_labels_cover_both_classes(result):
