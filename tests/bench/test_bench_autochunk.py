@@ -21,6 +21,8 @@ def test_quick_autochunk_bench(tmp_path):
     for row in sweep:
         if row["variant"] == "autochunk":
             assert row["regions"] >= 1
+            # 0.3: a cut far past a few MiB of process noise (the committed full run cuts this
+            # model's peak by 84-93%)
             assert row["tracked_cut"] > 0.3 and row["rss_cut"] > 0.3, row
     for model in MODELS:
         lengths = {}

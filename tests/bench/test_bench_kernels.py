@@ -17,9 +17,12 @@ def test_quick_kernels_bench(tmp_path, measured_machine):
         assert row["gflops"] > 0 and row["torch_gflops"] > 0 and row["numpy_gflops"] > 0
         assert row["measured_candidates"] >= QUICK.top_k and row["tuning_s"] > 0
     h = result.headline
+    # a timing ratio, so a generous bound: above 0, below the measured peak plus turbo slack
     assert 0 < h["sgemm_256_fraction_of_peak_1_thread"] < 1.2
     assert 0 <= h["win_fraction_vs_best_anchor"] <= 1 and h["shapes"] == len(result.rows)
     assert "tvm" in h or h["tvm_shapes"] >= 1  # either measured or why not stated
+    # the same 4 ResNet-8 steps as test_train_cnn (gap measured <= 3e-6 there, held to 1e-4);
+    # 1e-3 checks the benchmark's plumbing and is still 10x under one step's loss change (~1e-2)
     assert result.extra["training"]["max_abs_gap"] < 1e-3
     paths = write_results(result, tmp_path, plot_kernels)
     data = json.loads(paths[0].read_text())

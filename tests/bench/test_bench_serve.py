@@ -32,11 +32,14 @@ def test_small_serve_bench(tmp_path):
     assert systems["tessera"]["max_abs_diff_vs_model"] < 1e-5
     assert systems["fifo_padded"]["max_abs_diff_vs_model"] < 1e-5
     if "infinity" in systems:  # its own padded batches; CLS instead of mean pooling would be off by ~0.1
+        # 1e-4: another server's fp32 forward (its own padding, kernels and pooling code), so 10x
+        # the 1e-5 of our own batches, still 1000x below the ~0.1 of a wrong pooling
         assert systems["infinity"]["max_abs_diff_vs_model"] < 1e-4
     assert systems["fifo_padded"]["padding_overhead"] > 0.05  # padded to the longest of a batch
     assert systems["tessera"]["padding_overhead"] == 0
     assert systems["tessera"]["cost_table"]["seconds"]
-    assert result.extra["dp_plan_us_per_request"] < 1000  # "well under a millisecond"
+    # a generous wall-clock bound: "well under a millisecond"; measured ~10 us (test_dp_scheduler)
+    assert result.extra["dp_plan_us_per_request"] < 1000
     memory = result.extra["memory_plan"]  # the plan on the workload's batches, in process
     assert memory["first_pass"]["allocations"] == memory["second_pass"]["allocations"] == 0
     assert memory["held_mib"] > 0 and memory["max_ratio"] >= 1  # a placement never beats the peak

@@ -18,13 +18,14 @@ T = 0.1  # emulated seconds of one send of ELEMS floats
 def test_link_times_follow_the_ring_formulas():
     link = Link(name="x", bandwidth=1e9, latency=1e-6)
     b = 8_000_000
+    # approx's default 1e-6 relative: the same float64 formulas, written out in another order
     assert link.seconds("send", b, 2) == pytest.approx(1e-6 + 8e-3)
     assert link.seconds("all_reduce", b, 4) == pytest.approx(6e-6 + 2 * 3 / 4 * 8e-3)
     assert link.seconds("all_gather", b, 4) == pytest.approx(3e-6 + 3 * 8e-3)
     assert link.seconds("reduce_scatter", b, 4) == pytest.approx(3e-6 + 3 / 4 * 8e-3)
     assert link.seconds("all_to_all", b, 2) == pytest.approx(1e-6 + 1 / 2 * 8e-3)
     scaled = link.scaled(1e-3)  # a device 1000x slower sees the link 1000x slower
-    assert scaled.seconds("send", b, 2) == pytest.approx(1e-3 + 8.0)
+    assert scaled.seconds("send", b, 2) == pytest.approx(1e-3 + 8.0)  # as above: float64 rounding
     assert "scaled" in scaled.describe() and "pcie4" in LINKS
 
 
@@ -83,6 +84,7 @@ def _emulated_transfers() -> dict:
     began = time.monotonic()
     gathered = finish()
     out["gather_wait_s"] = time.monotonic() - began
+    out["gather_emulated"] = comm.ledger.emulated_seconds()
     out["gather_ok"] = torch.equal(gathered[ELEMS:], torch.arange(ELEMS, dtype=torch.float32) + 1)
 
     comm.emulate(None)
@@ -100,16 +102,25 @@ def _emulated_transfers() -> dict:
 def test_emulated_link_waits_without_punishing_overlap():
     rank0, rank1 = spawn(_emulated_transfers, 2, timeout_s=120)
     assert rank1["recv_ok"] and rank0["all_reduce_ok"] and rank1["gather_ok"]
-    # The sleeps are lower bounds: the real loopback time and the scheduler only add.
+    # Wall-clock times are asserted only as lower bounds, which a loaded machine cannot break:
+    # the emulated sleeps guarantee them, the real loopback time and the scheduler only add.
     assert rank1["blocking_s"] >= T and rank0["blocking_s"] >= T
-    # Overlapped: the whole exchange takes the 2T of compute plus a little, not 3T.
-    assert rank1["overlap_s"] < 2.5 * T
+    # Overlapped: the whole exchange takes the 2T of compute plus a little, not 3T. The wall
+    # time is printed, not asserted (a stalled machine adds to it); what the link model itself
+    # added is: ~0, where a model that punished overlap adds T. 0.2T (20 ms) allows the sender
+    # to post its send up to 1.2T late without a false failure.
     assert rank1["overlap_emulated"] < 0.2 * T
+    print(f"overlap: {rank1['overlap_s'] / T:.2f} T wall, {rank1['overlap_emulated'] / T:.3f} T emulated")
     assert rank0["all_reduce_s"] >= T
     entry = rank0["ledger"]["all_reduce@x"]
     assert entry["bytes"] == 4 * ELEMS and entry["calls"] == 1  # bytes stay exact
+    # the emulated wait is T less the moments between two clock reads after the real call: 0.5T
+    # fails only on a 50 ms stall between them; never above T (1.1T: slack for float rounding)
     assert 0.5 * T < entry["emulated_s"] <= 1.1 * T
-    assert rank0["gather_wait_s"] < 0.2 * T
+    # the gather overlapped 2T of compute: the link model adds ~0 (a model that punished the
+    # overlap would add T; the wall time of the wait is printed, not asserted)
+    assert rank0["gather_emulated"] < 0.2 * T
+    print(f"gather wait: {rank0['gather_wait_s'] / T:.2f} T wall, {rank0['gather_emulated'] / T:.3f} T emulated")
     # A tensor off the mesh's device is refused by name before it reaches the backend.
     assert rank0["device_error"].startswith("all_reduce: a tensor on meta was handed to a collective")
     assert "runs on cpu" in rank0["device_error"]

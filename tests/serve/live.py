@@ -52,7 +52,7 @@ def thread_server(config: ServeConfig, service=None):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 30  # a hang guard, not a timing check: 30 s is far above any start
     while not server.started:
         assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.01)
