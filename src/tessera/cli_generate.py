@@ -86,6 +86,8 @@ def _pipeline_rank(model_dir: str, args: dict, config):
         seed=args["seed"],
         config=config,
         progress=global_rank() == 0,
+        parallel_vae=args.get("parallel_vae", False),
+        vae_chunk_rows=args.get("vae_chunk_rows"),
     )
     return image
 
@@ -123,6 +125,11 @@ def refuse_other_conditioning(args: argparse.Namespace, pipeline: bool) -> None:
     wrong = _given(args, SIZE_FLAGS)
     if wrong:
         raise ValueError(f"{' and '.join(wrong)}: {kind}, which samples at its own image size; drop them")
+    wrong = [
+        f for f, v in (("--parallel-vae", args.parallel_vae), ("--vae-chunk-rows", args.vae_chunk_rows)) if v
+    ]
+    if wrong:
+        raise ValueError(f"{' and '.join(wrong)}: {kind}, which has no VAE (it samples pixels); drop them")
 
 
 def cmd_generate_pipeline(args: argparse.Namespace) -> None:
@@ -137,12 +144,28 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
     config = _layout(args)
     job = {
         k: getattr(args, k)
-        for k in ("prompt", "negative_prompt", "height", "width", "steps", "guidance", "seed")
+        for k in (
+            "prompt",
+            "negative_prompt",
+            "height",
+            "width",
+            "steps",
+            "guidance",
+            "seed",
+            "parallel_vae",
+            "vae_chunk_rows",
+        )
     }
     # what the ranks would refuse, refused here on the weightless pipeline before any starts
     meta = meta_pipeline(args.model)
     height, width = _size(meta, job)
-    prepare_run(meta, height=height, width=width, num_steps=args.steps, seed=args.seed, config=config)
+    noise, _ = prepare_run(
+        meta, height=height, width=width, num_steps=args.steps, seed=args.seed, config=config
+    )
+    if args.parallel_vae or args.vae_chunk_rows:
+        from tessera.diffusion.pipelines import check_vae_split
+
+        check_vae_split(meta, noise, args.nproc if args.parallel_vae else 1)
     if args.nproc == 1:
         image = _pipeline_rank(str(args.model), job, config)
     else:
@@ -218,6 +241,16 @@ def add_generate_parser(sub, positive_int) -> None:
         "--nproc", type=positive_int, default=1, help="local processes; the product of the degrees"
     )
     add_fields(p, LAYOUT)
+    p.add_argument(
+        "--parallel-vae",
+        action="store_true",
+        help="decode the image with the latent's rows split over every process (diffusers pipelines)",
+    )
+    p.add_argument(
+        "--vae-chunk-rows",
+        type=positive_int,
+        help="run the VAE's convolutions over chunks of this many output rows: a lower memory peak",
+    )
     p.add_argument(
         "--timeout", type=float, default=1800.0, help="seconds before a multi-process run is ended"
     )

@@ -76,8 +76,12 @@ class PixArtFamily:
     def scheduler_kwargs(self, pipe, noise: torch.Tensor, num_steps: int) -> dict[str, Any]:
         return {}
 
+    def vae_input(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+        """The denoised latent as the pipeline hands it to ``vae.decode``."""
+        return latents / pipe.vae.config.scaling_factor
+
     def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
-        return pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+        return pipe.vae.decode(self.vae_input(pipe, latents), return_dict=False)[0]
 
 
 class SD3Family(PixArtFamily):
@@ -113,9 +117,9 @@ class SD3Family(PixArtFamily):
         p = pipe.transformer.config.patch_size
         return {"mu": _calculate_shift(pipe.scheduler, (noise.shape[2] // p) * (noise.shape[3] // p), 1.16)}
 
-    def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
+    def vae_input(self, pipe, latents: torch.Tensor) -> torch.Tensor:
         c = pipe.vae.config
-        return pipe.vae.decode(latents / c.scaling_factor + c.shift_factor, return_dict=False)[0]
+        return latents / c.scaling_factor + c.shift_factor
 
 
 class FluxFamily(SD3Family):

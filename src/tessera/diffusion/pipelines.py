@@ -138,8 +138,14 @@ def generate(
     output_type: str = "pil",
     progress: bool = False,
     release_unused: bool = True,
+    parallel_vae: bool = False,
+    vae_chunk_rows: int | None = None,
 ) -> Any:
     """The image for ``prompt`` on rank 0 (None on the other ranks).
+
+    ``parallel_vae``: every rank decodes a band of the latent's rows (tessera.diffusion.
+    vae_parallel) instead of rank 0 decoding it all; ``vae_chunk_rows``: the VAE's
+    convolutions run over chunks of that many output rows (a lower activation peak).
 
     Under PipeFusion each rank first frees the transformer blocks its stage never runs
     (``release_unused``; the memory saving PipeFusion exists for): the pipeline's
@@ -149,6 +155,8 @@ def generate(
     noise, stepper = prepare_run(
         pipe, height=height, width=width, num_steps=num_steps, seed=seed, config=config
     )
+    if parallel_vae or vae_chunk_rows:
+        check_vae_split(pipe, noise, mesh.size() if parallel_vae else 1)
     family, device = family_of(type(pipe).__name__), pipe.transformer.device
     if release_unused and config.method == "pipefusion" and mesh.size("pipefusion") > 1:
         release_other_stages(pipe.transformer, config, mesh)
@@ -167,6 +175,37 @@ def generate(
         mesh=mesh,
         progress=progress,
     )
+    if parallel_vae or vae_chunk_rows:
+        decoded = _decode_split(pipe, family, latents, mesh, parallel_vae, vae_chunk_rows)
+    else:
+        decoded = family.decode(pipe, latents) if mesh.global_rank == 0 else None
     if mesh.global_rank != 0:
         return None
-    return pipe.image_processor.postprocess(family.decode(pipe, latents), output_type=output_type)[0]
+    return pipe.image_processor.postprocess(decoded, output_type=output_type)[0]
+
+
+def check_vae_split(pipe, noise: torch.Tensor, ranks: int) -> None:
+    """What a parallel or chunked VAE decode of this run would refuse (the VAE's class and
+    configuration, a latent with fewer rows than ranks), before anything runs."""
+    from tessera.diffusion.vae_parallel import check_vae
+
+    check_vae(pipe.vae)
+    if noise.shape[-2] < ranks:
+        raise ValueError(
+            f"--parallel-vae: a latent of {noise.shape[-2]} rows cannot be split over {ranks} ranks; "
+            f"use at most {noise.shape[-2]} processes or decode serially"
+        )
+
+
+def _decode_split(pipe, family, latents: torch.Tensor, mesh: Mesh, parallel: bool, chunk_rows: int | None):
+    """The decoded image on rank 0 (None elsewhere): every rank decoding a band of rows
+    (``parallel``), or rank 0 alone, chunk by chunk."""
+    from tessera.diffusion.vae_parallel import VaeSplit, decode_rows
+
+    if parallel and mesh.size() > 1:
+        split = VaeSplit(mesh=Mesh(vae=mesh.size()), chunk_rows=chunk_rows)
+    elif mesh.global_rank == 0:
+        split = VaeSplit(chunk_rows=chunk_rows)
+    else:
+        return None
+    return decode_rows(pipe.vae, family.vae_input(pipe, latents), split)
