@@ -1,9 +1,12 @@
-"""Sharded checkpoints: saved at dp2 x tp2 (ZeRO-2, GPT-2's TP layout), loaded in one process
-and back, bit-exact; training continues identically; crashes and foreign checkpoints."""
+"""Sharded checkpoints (torch.distributed.checkpoint's format): saved at dp2 x tp2 (ZeRO-2,
+GPT-2's TP layout), loaded in one process and back, bit-exact; read by plain torch DCP code
+and the reverse; training continues identically; crashes and foreign checkpoints."""
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from tiny_lm import SEQ, VOCAB, tiny_gpt2, tiny_llama
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
 
 import tessera
 from tessera.runtime import spawn
@@ -40,9 +43,9 @@ def _save_worker(folder):
     for i in range(2):
         opt.train_step(_batch(i), causal_lm_loss)
     sc.save_sharded(model, opt, folder)
-    snapshot, full = _local_snapshot(model, opt), full_state_dict(model, opt)
+    snapshot, full, optim = _local_snapshot(model, opt), full_state_dict(model, opt), opt.state_dict()
     next_loss = opt.train_step(_batch(2), causal_lm_loss)["loss"]
-    return snapshot, full, next_loss, full_state_dict(model, opt)
+    return snapshot, full, next_loss, full_state_dict(model, opt), optim
 
 
 def _reload_worker(folder):
@@ -55,7 +58,23 @@ def test_save_at_dp2_tp2_load_in_one_process_and_back(tmp_path):
     first, second = tmp_path / "dp2xtp2", tmp_path / "dp1"
     saved = spawn(_save_worker, 4, str(first))
     snapshots = [s[0] for s in saved]
-    full, next_loss, full_after = saved[0][1], saved[0][2], saved[0][3]
+    full, next_loss, full_after, optim = saved[0][1], saved[0][2], saved[0][3], saved[0][4]
+
+    # plain torch, one process, DCP's own loader: every tensor whole under its usual name
+    plain = tiny_gpt2()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, eps=1e-4)
+    state = {"model": plain.state_dict(), "optimizer": get_optimizer_state_dict(plain, plain_opt)}
+    dcp.load(state, checkpoint_id=first, no_dist=True)
+    set_state_dict(plain, plain_opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(p.detach(), full[name], rtol=0, atol=0, msg=name)  # bit-exact
+    for i, entry in optim["state"].items():
+        for key, value in entry.items():
+            torch.testing.assert_close(plain_opt.state_dict()["state"][i][key], value, rtol=0, atol=0)
+    loss = causal_lm_loss(plain, _batch(2))
+    loss.backward()
+    plain_opt.step()
+    assert loss.item() == pytest.approx(next_loss, rel=1e-5)  # sums in another order: fp32 rounding
 
     model, opt = _boosted(tessera.Plan())  # one process: no tensor parallel layout, no sharding
     meta = sc.load_sharded(model, opt, first)
@@ -95,11 +114,12 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
     before = full_state_dict(model, opt)
     opt.train_step(_batch(0), causal_lm_loss)
 
-    def crash(*args, **kwargs):
-        raise OSError("disk full")
+    class FullDisk(sc.FileSystemWriter):
+        def write_data(self, plan, planner):
+            raise OSError("disk full")
 
-    monkeypatch.setattr(sc, "save_file", crash)
-    with pytest.raises(OSError, match="disk full"):
+    monkeypatch.setattr(sc, "FileSystemWriter", FullDisk)
+    with pytest.raises(dcp.api.CheckpointException, match="OSError: disk full"):
         sc.save_sharded(model, opt, tmp_path / "ckpt")
     monkeypatch.undo()
     fresh, fresh_opt = _boosted(tessera.Plan())
@@ -207,33 +227,63 @@ def test_resume_restores_scheduler_lr_and_rng_and_takes_the_same_next_step(tmp_p
 
 
 def test_missing_pieces_and_files_are_named(tmp_path):
-    import json
+    import pickle
 
     model, opt = _boosted(tessera.Plan(zero=3, chunk_mib=0.005))
     opt.train_step(_batch(0), causal_lm_loss)
     folder = sc.save_sharded(model, opt, tmp_path / "ckpt")
-    index_file = folder / "index-00000.json"
-    index = json.loads(index_file.read_text())
-    whole = json.loads(index_file.read_text())
-    target = "transformer.h.1.mlp.c_fc.weight"
-    for e in index["pieces"]:
-        if e["name"] == "transformer.wpe.weight" and e["kind"] == "param":
-            e["stop"] -= 7
-    index_file.write_text(json.dumps(index))
+    whole = (folder / ".metadata").read_bytes()
+    md = sc.FileSystemReader(folder).read_metadata()
+    wpe = md.state_dict_metadata["model.transformer.wpe.weight"]
+    lost = wpe.chunks.pop()  # as if the rank that wrote this box had not
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
     fresh, fresh_opt = _boosted(tessera.Plan())
     with pytest.raises(
         CheckpointError,
-        match=r"does not cover every tensor: missing .*transformer.wpe.weight param \(7 elements\)",
+        match=rf"does not cover every tensor: missing transformer.wpe.weight \({lost.sizes.numel()} elements\)",
     ):
         sc.load_sharded(fresh, fresh_opt, folder)
-    index["pieces"] = [e for e in whole["pieces"] if e["name"] != target]
-    index_file.write_text(json.dumps(index))
+    target = "transformer.h.1.mlp.c_fc.weight"
+    md = pickle.loads(whole)
+    del md.state_dict_metadata[f"model.{target}"]
+    (folder / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(CheckpointError, match=rf"missing {target} \(no pieces\)"):
         sc.load_sharded(fresh, fresh_opt, folder)
-    index_file.write_text(json.dumps(whole))
-    (folder / "shard-00000.safetensors").unlink()
-    with pytest.raises(
-        CheckpointError,
-        match=r"is incomplete: shard-00000.safetensors is missing \(it was saved by 1 ranks\)",
-    ):
+    (folder / ".metadata").write_bytes(whole)
+    (folder / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"is incomplete: __0_0.distcp is missing \(it holds 1 files\)"):
         sc.load_sharded(fresh, fresh_opt, folder)
+    (folder / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"not a complete checkpoint: DCP's .metadata is missing"):
+        sc.load_sharded(fresh, fresh_opt, folder)
+
+
+def _from_plain_torch_worker(folder):
+    model, opt = _boosted(tessera.Plan(tp=2, zero=1))
+    meta = sc.load_sharded(model, opt, folder)
+    full, optim = full_state_dict(model, opt), opt.state_dict()
+    return meta["format"], full, optim, opt.train_step(_batch(2), causal_lm_loss)["loss"]
+
+
+def test_a_checkpoint_plain_torch_wrote_loads_under_a_plan(tmp_path):
+    """Plain torch on one process trains two steps and saves with DCP as its users do; two
+    ranks at tp2 ZeRO-1 (GPT-2's TP layout) load it: parameters and Adam's states to the bit."""
+    model = tiny_gpt2()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
+    for i in range(2):
+        causal_lm_loss(model, _batch(i)).backward()
+        opt.step()
+        opt.zero_grad()
+    state = {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt)}
+    dcp.save(state, checkpoint_id=tmp_path / "plain", no_dist=True)
+    want = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want_optim = opt.state_dict()
+    next_loss = causal_lm_loss(model, _batch(2)).item()
+    for fmt, full, optim, loss in spawn(_from_plain_torch_worker, 2, str(tmp_path / "plain")):
+        assert fmt == "torch-dcp"
+        for name, value in want.items():
+            torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=name)
+        for i, entry in want_optim["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(optim["state"][i][key], value, rtol=0, atol=0, msg=f"{i} {key}")
+        assert loss == pytest.approx(next_loss, rel=1e-5)  # tp sums in another order: fp32 rounding
