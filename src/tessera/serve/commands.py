@@ -26,6 +26,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
             "give --model DIR: a folder written by save_pretrained with its tokenizer "
             "(tessera serve --make-example-model DIR writes one to try)"
         )
+    if args.task == "generate" or (args.task == "auto" and _is_generation_model(args.model)):
+        from tessera.serve.generate_commands import cmd_serve_generate
+
+        return cmd_serve_generate(args)
     from tessera.serve.server import ServeConfig, run_server
 
     config = ServeConfig(**{name: getattr(args, name) for name in _SERVE_FIELDS})
@@ -36,6 +40,20 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.replicas != 1:
         raise ValueError(f"--replicas {args.replicas} needs --ray (one local server is one engine)")
     run_server(config)
+
+
+def _is_generation_model(directory: str) -> bool:
+    """A diffusers pipeline folder or a Tessera DiT checkpoint (served by --task generate)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(directory)
+    if (folder / "model_index.json").is_file():
+        return True
+    try:
+        return json.loads((folder / "config.json").read_text()).get("format") == "tessera-dit"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def make_example_model(directory: str) -> None:
@@ -49,14 +67,27 @@ def make_example_model(directory: str) -> None:
 
 
 def add_serve_parser(sub, positive_int) -> None:
-    p = sub.add_parser("serve", help="serve a transformers encoder over HTTP (TEI- and OpenAI-compatible)")
-    p.add_argument("--model", help="folder written by save_pretrained, tokenizer beside it")
+    p = sub.add_parser(
+        "serve",
+        help="serve a transformers encoder (TEI- and OpenAI-compatible) or a DiT's image generation over HTTP",
+    )
+    p.add_argument(
+        "--model",
+        help="folder written by save_pretrained, tokenizer beside it; or (--task generate) a Tessera DiT "
+        "checkpoint or a saved diffusers pipeline",
+    )
     p.add_argument(
         "--make-example-model",
         metavar="DIR",
         help="write a small example encoder folder to DIR (random weights, an English tokenizer) and exit",
     )
-    p.add_argument("--task", default="auto", choices=["auto", "embed", "classify"])
+    p.add_argument(
+        "--task",
+        default="auto",
+        choices=["auto", "embed", "classify", "generate"],
+        help="generate: image generation over a group of --nproc ranks (auto picks it for a DiT checkpoint "
+        "or a diffusers pipeline folder)",
+    )
     p.add_argument("--pooling", default="mean", choices=["mean", "cls"], help="embeddings: token pooling")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (printed)")
@@ -92,4 +123,7 @@ def add_serve_parser(sub, positive_int) -> None:
     )
     p.add_argument("--ray", action="store_true", help="serve through Ray Serve replicas of the engine")
     p.add_argument("--replicas", type=positive_int, default=1, help="Ray Serve replicas (with --ray)")
+    from tessera.serve.generate_commands import add_generate_flags
+
+    add_generate_flags(p, positive_int)
     p.set_defaults(handler=cmd_serve)
