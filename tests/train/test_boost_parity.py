@@ -180,7 +180,7 @@ def _check(runs, results):
         assert (
             sum(not torch.equal(ref_params[n], start[n]) for n in ref_params) > len(ref_params) // 2
         )  # it trained
-        if "unused.weight" in params:
+        if "unused.weight" in params:  # exact: no step may touch a parameter no loss uses
             torch.testing.assert_close(params["unused.weight"], start["unused.weight"], rtol=0, atol=0)
 
 
@@ -244,7 +244,7 @@ def test_export_after_tensor_parallel_loads_with_from_pretrained(tmp_path):
     loaded = GPT2LMHeadModel.from_pretrained(folder)
     assert not list(tmp_path.glob(".*partial*"))  # written atomically: no temporary left
     for name, p in loaded.named_parameters():
-        torch.testing.assert_close(p, params[name], rtol=0, atol=0, msg=name)
+        torch.testing.assert_close(p, params[name], rtol=0, atol=0, msg=name)  # exact: the saved fp32 values
     logits = loaded(input_ids=_batches()[0][:2]).logits
     assert logits.shape == (2, SEQ, VOCAB) and torch.isfinite(logits).all()
 
@@ -283,6 +283,6 @@ def test_a_parameter_used_on_one_rank_only_keeps_the_replicas_equal():
     must run the same modules; it is not part of this test.)"""
     for zero in (0, 1, 2):
         (start, a), (_, b) = spawn(_rank_dependent_worker, 2, zero)
-        for name in a:
+        for name in a:  # exact: both replicas apply the same reduced gradient with the same ops
             torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=f"zero={zero} {name}")
         assert not torch.equal(a["extra.weight"], start["extra.weight"]), zero

@@ -49,6 +49,7 @@ def _assert_state_close(got, want, label, exact=False):
     for i, entry in want["state"].items():
         assert got["state"][i].keys() == entry.keys(), (label, i)
         for key, value in entry.items():
+            # the module docstring's: round trips bit-exact, across plans 1e-4 / 1e-6
             tol = dict(rtol=0, atol=0) if exact else dict(rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(got["state"][i][key], value, **tol, msg=f"{label} param {i} {key}")
     for g, w in zip(got["param_groups"], want["param_groups"], strict=True):
@@ -108,6 +109,8 @@ def test_state_dict_is_the_torch_optimizers_under_every_plan_and_loads_across_pl
                 assert chunks >= 4, chunks  # several chunks on each rank, not one
             _assert_state_close(state, ref_state, f"rank {rank} {label}")
             _assert_state_close(again, state, f"rank {rank} {label} round trip", exact=True)
+        # weights after one more AdamW step: the moments' 1e-4 (docstring) and 1e-5 absolute
+        # for weights near zero, as test_boost_parity compares Adam-trained weights
         for name, ref in ref_after.items():
             torch.testing.assert_close(out["continued"][name], ref, rtol=1e-4, atol=1e-5, msg=name)
     # and the boosted state loads into a plain torch optimizer, which then steps the same
@@ -118,7 +121,7 @@ def test_state_dict_is_the_torch_optimizers_under_every_plan_and_loads_across_pl
     plain.load_state_dict(state)
     causal_lm_loss(model, _batches()[STEPS]).backward()
     plain.step()
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters():  # as above
         torch.testing.assert_close(p.detach(), ref_after[name], rtol=1e-4, atol=1e-5, msg=name)
 
 

@@ -74,6 +74,8 @@ def test_loss_scaling_follows_grad_scaler_on_one_process():
         assert [s["loss_scale"] for s in stats] == ref_scales, plan_kwargs
         assert [s["skipped"] for s in stats] == ref_skipped, plan_kwargs
         assert stats[-1]["skipped_steps"] == sum(ref_skipped) == opt.skipped_steps
+        # assert_close's fp32 default (rtol 1.3e-6, atol 1e-5): the first loss is bit-equal,
+        # later ones see weights that differ by the optimizer's rounding (~1e-7 relative a step)
         torch.testing.assert_close(torch.tensor([s["loss"] for s in stats]), torch.tensor(ref_losses))
         params = full_state_dict(model, opt)  # ZeRO-3 keeps only shards: gather them
         for name, ref in ref_params.items():
