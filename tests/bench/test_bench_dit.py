@@ -22,6 +22,8 @@ def test_toy_bench_writes_consistent_results(tmp_path):
             assert row["rel_diff_vs_serial"] < 1e-5, row  # exact methods: float32 rounding only
     held = {r["method"]: r["param_mib_per_rank"] for r in result.rows}
     # Measured from the tensors each rank holds: PipeFusion keeps its stage, TP its shards.
+    # On 2 ranks the committed run holds 0.51 and 0.67 of serial's (what stays whole, e.g.
+    # embeddings and norms, keeps them above 0.5): 0.7 / 0.8 fail a rank that keeps everything.
     assert held["pipefusion"] < 0.7 * held["serial"] and held["tensor_parallel"] < 0.8 * held["serial"]
     assert held["ulysses"] == held["serial"]
     links = {r["method"]: r for r in result.extra["link_rows"]}

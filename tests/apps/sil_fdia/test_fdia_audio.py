@@ -11,7 +11,8 @@ def test_unit_zap_and_background_levels():
     rng = np.random.default_rng(0)
     for _ in range(5):
         zap = unit_zap(rng, 16000)
-        assert np.mean(zap[:80] ** 2) == pytest.approx(1.0)  # its first 5 ms has power 1
+        # its first 5 ms has power 1, scaled so in float: approx's default 1e-6 relative
+        assert np.mean(zap[:80] ** 2) == pytest.approx(1.0)
     for snr in (0.0, 10.0, 20.0):
         noise = background(160000, Weather(insects=0.5, wind=0.5, rain=0.5), snr, rng, 16000)
         # rel=1e-3: the float32 mix is scaled to that power, exact up to float32 rounding
