@@ -62,8 +62,13 @@ def _generate_rank(model_dir: str, labels, config, steps: int, guidance: float, 
     return images if global_rank() == 0 else None
 
 
+WAN_DEFAULT_SIZE = (480, 832)  # WanPipeline.__call__'s defaults
+
+
 def _size(pipe, args: dict) -> tuple[int, int]:
     """(height, width) in pixels: as asked, else the pipeline's own default size."""
+    if type(pipe).__name__ == "WanPipeline":
+        return args["height"] or WAN_DEFAULT_SIZE[0], args["width"] or WAN_DEFAULT_SIZE[1]
     latent = getattr(pipe, "default_sample_size", None) or pipe.transformer.config.sample_size
     return args["height"] or latent * pipe.vae_scale_factor, args["width"] or latent * pipe.vae_scale_factor
 
@@ -88,6 +93,7 @@ def _pipeline_rank(model_dir: str, args: dict, config):
         progress=global_rank() == 0,
         parallel_vae=args.get("parallel_vae", False),
         vae_chunk_rows=args.get("vae_chunk_rows"),
+        num_frames=args.get("frames"),
     )
     return image
 
@@ -140,8 +146,12 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
     refuse_other_conditioning(args, pipeline=True)
     if not args.prompt:
         raise ValueError(f"{args.model} is a diffusers pipeline: give a --prompt")
-    out = check_writable(args.out)
+    from tessera.diffusion.pipeline_families import family_of
+
     config = _layout(args)
+    meta = meta_pipeline(args.model)
+    video = family_of(type(meta).__name__).video
+    out = check_writable(args.out, ".gif" if video else ".png")
     job = {
         k: getattr(args, k)
         for k in (
@@ -154,13 +164,19 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
             "seed",
             "parallel_vae",
             "vae_chunk_rows",
+            "frames",
         )
     }
     # what the ranks would refuse, refused here on the weightless pipeline before any starts
-    meta = meta_pipeline(args.model)
     height, width = _size(meta, job)
     noise, _ = prepare_run(
-        meta, height=height, width=width, num_steps=args.steps, seed=args.seed, config=config
+        meta,
+        height=height,
+        width=width,
+        num_steps=args.steps,
+        seed=args.seed,
+        config=config,
+        num_frames=args.frames,
     )
     if args.parallel_vae or args.vae_chunk_rows:
         from tessera.diffusion.pipelines import check_vae_split
@@ -171,10 +187,20 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
     else:
         image = spawn(_pipeline_rank, args.nproc, str(args.model), job, config, timeout_s=args.timeout)[0]
     partial = out.with_name(f".{out.name}.partial")
-    image.save(partial, format="PNG")
+    if video:
+        save_gif(image, partial)
+        what = f"a {len(image)}-frame {image[0].width}x{image[0].height} video"
+    else:
+        image.save(partial, format="PNG")
+        what = f"a {image.width}x{image.height} image"
     partial.replace(out)
-    print(
-        f"wrote a {image.width}x{image.height} image ({config.describe()}, {args.nproc} process(es)) to {out}"
+    print(f"wrote {what} ({config.describe()}, {args.nproc} process(es)) to {out}")
+
+
+def save_gif(frames, path, fps: int = 16) -> None:
+    """An animated GIF of PIL frames, looping (Wan 2.1 makes 16 frames a second)."""
+    frames[0].save(
+        path, format="GIF", save_all=True, append_images=frames[1:], duration=round(1000 / fps), loop=0
     )
 
 
@@ -235,8 +261,13 @@ def add_generate_parser(sub, positive_int) -> None:
     p.add_argument("--negative-prompt", default="", help="negative prompt (diffusers pipelines)")
     p.add_argument("--height", type=positive_int, help="image height in pixels (diffusers pipelines)")
     p.add_argument("--width", type=positive_int, help="image width in pixels (diffusers pipelines)")
+    p.add_argument(
+        "--frames",
+        type=positive_int,
+        help="video frames (video pipelines: Wan takes 4k+1 with its VAE's 4x time compression)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="grid.png", help="output PNG")
+    p.add_argument("--out", default="grid.png", help="output PNG (a video: an animated .gif)")
     p.add_argument(
         "--nproc", type=positive_int, default=1, help="local processes; the product of the degrees"
     )

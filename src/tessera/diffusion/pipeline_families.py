@@ -28,6 +28,14 @@ def _calculate_shift(scheduler, image_seq_len: int, max_shift_default: float) ->
 class PixArtFamily:
     names = ("PixArtAlphaPipeline", "PixArtSigmaPipeline")
     classifier_free = True  # guidance by a second (negative-prompt) branch
+    video = False
+
+    def vae_factor(self, pipe) -> int:
+        """Pixels per latent pixel (height and width)."""
+        return pipe.vae_scale_factor
+
+    def postprocess(self, pipe, decoded: torch.Tensor, output_type: str):
+        return pipe.image_processor.postprocess(decoded, output_type=output_type)[0]
 
     def keys(self, cfg: bool) -> tuple[str, ...]:
         keys = ("prompt_embeds", "prompt_attention_mask")
@@ -80,8 +88,8 @@ class PixArtFamily:
         """The denoised latent as the pipeline hands it to ``vae.decode``."""
         return latents / pipe.vae.config.scaling_factor
 
-    def decode(self, pipe, latents: torch.Tensor) -> torch.Tensor:
-        return pipe.vae.decode(self.vae_input(pipe, latents), return_dict=False)[0]
+    def decode(self, pipe, latents: torch.Tensor, **video) -> torch.Tensor:
+        return pipe.vae.decode(self.vae_input(pipe, latents, **video), return_dict=False)[0]
 
 
 class SD3Family(PixArtFamily):
@@ -156,7 +164,84 @@ class FluxFamily(SD3Family):
         return {"sigmas": sigmas, "mu": _calculate_shift(pipe.scheduler, tokens, 1.15)}
 
 
-FAMILIES = [PixArtFamily(), SD3Family(), FluxFamily()]
+class WanFamily(PixArtFamily):
+    """Wan 2.1 text-to-video. The samplers see the latent (1, C, F, H, W) as the image
+    (1, C, F*H, W) (frame x row rows; see adapters/wan.py); ``vae_input`` folds it back."""
+
+    names = ("WanPipeline",)
+    video = True
+    max_sequence_length = 512  # WanPipeline.__call__'s defaults
+    default_frames = 81
+
+    def vae_factor(self, pipe) -> int:
+        return pipe.vae_scale_factor_spatial
+
+    def size_multiple(self, pipe) -> int:
+        """WanPipeline.check_inputs asks height and width divisible by 16; patches need
+        the VAE factor times the patch size."""
+        return max(16, pipe.vae_scale_factor_spatial * pipe.transformer.config.patch_size[1])
+
+    def check(self, pipe, num_frames: int) -> None:
+        if getattr(pipe, "transformer_2", None) is not None or pipe.config.get("boundary_ratio") is not None:
+            raise ValueError("WanPipeline with a second transformer (Wan 2.2) is not supported; Wan 2.1 is")
+        if pipe.config.get("expand_timesteps"):
+            raise ValueError("WanPipeline with expand_timesteps (Wan 2.2 TI2V) is not supported; Wan 2.1 is")
+        k = pipe.vae_scale_factor_temporal
+        if num_frames < 1 or (num_frames - 1) % k:
+            below = max(1, (num_frames - 1) // k * k + 1)
+            raise ValueError(
+                f"--frames {num_frames}: this Wan VAE compresses time {k}x, so it takes {k}k+1 frames "
+                f"(e.g. {below} or {below + k})"
+            )
+
+    def latent_frames(self, pipe, num_frames: int) -> int:
+        return (num_frames - 1) // pipe.vae_scale_factor_temporal + 1
+
+    def keys(self, cfg: bool) -> tuple[str, ...]:
+        return ("prompt_embeds", "negative_prompt_embeds") if cfg else ("prompt_embeds",)
+
+    def encode(self, pipe, prompt: str, negative_prompt: str, cfg: bool) -> dict[str, torch.Tensor]:
+        embeds, neg = pipe.encode_prompt(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            do_classifier_free_guidance=cfg,
+            max_sequence_length=self.max_sequence_length,
+            device=CPU,
+        )
+        return {"prompt_embeds": embeds} | ({"negative_prompt_embeds": neg} if cfg else {})
+
+    def conditions(
+        self, pipe, text: dict, cfg: bool, height: int, width: int, guidance_scale: float, num_frames: int = 1
+    ):
+        t = pipe.transformer
+        frames = torch.full([1], self.latent_frames(pipe, num_frames), dtype=torch.int64, device=t.device)
+        cond = {"prompt_embeds": text["prompt_embeds"].to(t.dtype), "latent_frames": frames}
+        uncond = {"prompt_embeds": text["negative_prompt_embeds"].to(t.dtype), "latent_frames": frames}
+        return cond, (uncond if cfg else None), guidance_scale if cfg else 1.0
+
+    def noise(self, pipe, height: int, width: int, seed: int, num_frames: int = 1) -> torch.Tensor:
+        t = pipe.transformer
+        latents = pipe.prepare_latents(
+            1, t.config.in_channels, height, width, num_frames, torch.float32, t.device, _generator(seed)
+        )
+        b, c, f, h, w = latents.shape
+        return latents.reshape(b, c, f * h, w)
+
+    def vae_input(self, pipe, latents: torch.Tensor, num_frames: int = 1) -> torch.Tensor:
+        vae = pipe.vae
+        b, c, rows, w = latents.shape
+        frames = self.latent_frames(pipe, num_frames)
+        video = latents.reshape(b, c, frames, rows // frames, w).to(vae.dtype)
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(video)
+        inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(video)
+        return video / inv_std + mean
+
+    def postprocess(self, pipe, decoded: torch.Tensor, output_type: str):
+        """The video's frames: a list of PIL images ("pil") or a (F, 3, H, W) tensor ("pt")."""
+        return pipe.video_processor.postprocess_video(decoded, output_type=output_type)[0]
+
+
+FAMILIES = [PixArtFamily(), SD3Family(), FluxFamily(), WanFamily()]
 
 
 def family_of(class_name: str):

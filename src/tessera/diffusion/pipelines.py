@@ -79,17 +79,41 @@ def meta_pipeline(directory: str | Path):
             diffusers_logging.enable_progress_bar()
 
 
-def prepare_run(pipe, *, height: int, width: int, num_steps: int, seed: int, config: ParallelConfig):
-    """(initial noise, stepper) of one image, after every refusal the run can meet (image
-    size, the layout: attention layers, patches, stages; warm-up steps), before anything
-    of ``pipe`` changes. A ``meta_pipeline`` gives the same refusals without weights."""
-    vae_factor = pipe.vae_scale_factor
+def prepare_run(
+    pipe,
+    *,
+    height: int,
+    width: int,
+    num_steps: int,
+    seed: int,
+    config: ParallelConfig,
+    num_frames: int | None = None,
+):
+    """(initial noise, stepper) of one image (or video: ``num_frames``), after every refusal
+    the run can meet (image size, frame count, the layout: attention layers, patches,
+    stages; warm-up steps), before anything of ``pipe`` changes. A ``meta_pipeline`` gives
+    the same refusals without weights. A video's noise is (1, C, F*H, W): frame x row rows."""
+    family = family_of(type(pipe).__name__)
+    if family.video:
+        num_frames = num_frames or family.default_frames
+        family.check(pipe, num_frames)
+        multiple = family.size_multiple(pipe)
+        if height % multiple or width % multiple:
+            raise ValueError(
+                f"video size {height}x{width} is not divisible by {multiple} ({type(pipe).__name__})"
+            )
+    elif num_frames is not None:
+        raise ValueError(
+            f"--frames {num_frames}: {type(pipe).__name__} makes images; frames are for video pipelines "
+            "(WanPipeline)"
+        )
+    vae_factor = family.vae_factor(pipe)
     if height % vae_factor or width % vae_factor:
         raise ValueError(
             f"image size {height}x{width} is not divisible by the VAE's downscale factor {vae_factor}"
         )
-    family = family_of(type(pipe).__name__)
-    noise = family.noise(pipe, height, width, seed)
+    video = {"num_frames": num_frames} if family.video else {}
+    noise = family.noise(pipe, height, width, seed, **video)
     device = pipe.transformer.device
     stepper = DiffusersStepper(
         pipe.scheduler,
@@ -140,12 +164,15 @@ def generate(
     release_unused: bool = True,
     parallel_vae: bool = False,
     vae_chunk_rows: int | None = None,
+    num_frames: int | None = None,
 ) -> Any:
     """The image for ``prompt`` on rank 0 (None on the other ranks).
 
     ``parallel_vae``: every rank decodes a band of the latent's rows (tessera.diffusion.
     vae_parallel) instead of rank 0 decoding it all; ``vae_chunk_rows``: the VAE's
     convolutions run over chunks of that many output rows (a lower activation peak).
+    ``num_frames``: a video pipeline's frame count; it returns the video's frames (a list of
+    PIL images, or a (F, 3, H, W) tensor for ``output_type="pt"``).
 
     Under PipeFusion each rank first frees the transformer blocks its stage never runs
     (``release_unused``; the memory saving PipeFusion exists for): the pipeline's
@@ -153,7 +180,7 @@ def generate(
     mesh = mesh or config.build_mesh()
     # every refusal before any weight is freed: a refused call leaves the pipeline whole
     noise, stepper = prepare_run(
-        pipe, height=height, width=width, num_steps=num_steps, seed=seed, config=config
+        pipe, height=height, width=width, num_steps=num_steps, seed=seed, config=config, num_frames=num_frames
     )
     if parallel_vae or vae_chunk_rows:
         check_vae_split(pipe, noise, mesh.size() if parallel_vae else 1)
@@ -163,7 +190,8 @@ def generate(
     cfg = guidance_scale > 1.0 and family.classifier_free
     encoded = family.encode(pipe, prompt, negative_prompt, cfg) if mesh.global_rank == 0 else None
     text = {k: v.to(device) for k, v in _broadcast_tensors(mesh, encoded, family.keys(cfg)).items()}
-    cond, uncond, scale = family.conditions(pipe, text, cfg, height, width, guidance_scale)
+    video = {"num_frames": num_frames or family.default_frames} if family.video else {}
+    cond, uncond, scale = family.conditions(pipe, text, cfg, height, width, guidance_scale, **video)
     latents = parallel_denoise(
         pipe.transformer,
         cond=cond,
@@ -176,12 +204,12 @@ def generate(
         progress=progress,
     )
     if parallel_vae or vae_chunk_rows:
-        decoded = _decode_split(pipe, family, latents, mesh, parallel_vae, vae_chunk_rows)
+        decoded = _decode_split(pipe, family, latents, mesh, parallel_vae, vae_chunk_rows, video)
     else:
-        decoded = family.decode(pipe, latents) if mesh.global_rank == 0 else None
+        decoded = family.decode(pipe, latents, **video) if mesh.global_rank == 0 else None
     if mesh.global_rank != 0:
         return None
-    return pipe.image_processor.postprocess(decoded, output_type=output_type)[0]
+    return family.postprocess(pipe, decoded, output_type)
 
 
 def check_vae_split(pipe, noise: torch.Tensor, ranks: int) -> None:
@@ -197,7 +225,9 @@ def check_vae_split(pipe, noise: torch.Tensor, ranks: int) -> None:
         )
 
 
-def _decode_split(pipe, family, latents: torch.Tensor, mesh: Mesh, parallel: bool, chunk_rows: int | None):
+def _decode_split(
+    pipe, family, latents: torch.Tensor, mesh: Mesh, parallel: bool, chunk_rows: int | None, video: dict
+):
     """The decoded image on rank 0 (None elsewhere): every rank decoding a band of rows
     (``parallel``), or rank 0 alone, chunk by chunk."""
     from tessera.diffusion.vae_parallel import VaeSplit, decode_rows
@@ -208,4 +238,4 @@ def _decode_split(pipe, family, latents: torch.Tensor, mesh: Mesh, parallel: boo
         split = VaeSplit(chunk_rows=chunk_rows)
     else:
         return None
-    return decode_rows(pipe.vae, family.vae_input(pipe, latents), split)
+    return decode_rows(pipe.vae, family.vae_input(pipe, latents, **video), split)

@@ -69,4 +69,7 @@ class DiffusersStepper:
         return self.scalers[step].scale_model_input(x, self.timesteps[step])
 
     def step(self, key: Hashable, step: int, x: torch.Tensor, model_out: torch.Tensor) -> torch.Tensor:
-        return self._state(key).step(model_out, self.timesteps[step], x, return_dict=False)[0]
+        # A copy: some schedulers keep the sample they are given for the next step (UniPC's
+        # corrector reads ``last_sample``), and PipeFusion then writes the result into the
+        # very rows ``x`` views.
+        return self._state(key).step(model_out, self.timesteps[step], x.clone(), return_dict=False)[0]

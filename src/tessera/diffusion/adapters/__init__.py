@@ -21,6 +21,7 @@ def adapter_for(model: nn.Module) -> Adapter:
     if adapter is None:
         raise ValueError(
             f"no parallel method supports {type(model).__name__}; supported: tessera DiT, "
-            "diffusers PixArtTransformer2DModel, SD3Transformer2DModel, FluxTransformer2DModel"
+            "diffusers PixArtTransformer2DModel, SD3Transformer2DModel, FluxTransformer2DModel, "
+            "WanTransformer3DModel"
         )
     return adapter

@@ -15,11 +15,13 @@ def diffusers_adapter_for(model: nn.Module):
     from tessera.diffusion.adapters.flux import FluxAdapter
     from tessera.diffusion.adapters.pixart import PixArtAdapter
     from tessera.diffusion.adapters.sd3 import SD3Adapter
+    from tessera.diffusion.adapters.wan import WanAdapter
 
     for cls, adapter in (
         (diffusers.PixArtTransformer2DModel, PixArtAdapter),
         (diffusers.SD3Transformer2DModel, SD3Adapter),
         (diffusers.FluxTransformer2DModel, FluxAdapter),
+        (diffusers.WanTransformer3DModel, WanAdapter),
     ):
         if isinstance(model, cls):
             # the adapters follow the class's internals: a release they were not written for is refused
