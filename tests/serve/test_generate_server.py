@@ -1,10 +1,11 @@
 """`tessera serve --task generate`: the real command on a free loopback port, a group of 2
-ranks (Ulysses 2) serving a tiny class-conditional Tessera DiT (random weights), shared by
-every check here; the last test drains it with SIGTERM.
+ranks (PipeFusion 2 stages, 2 patches, 1 warm-up step) serving a tiny class-conditional
+Tessera DiT (random weights), shared by every check here; the last test drains it with
+SIGTERM.
 
-Pixels are compared to `tessera generate`'s (one process) within one uint8 level: the
-layouts and batches here are exact, and float32 rounding can move a pixel across a uint8
-boundary, no more."""
+Pixels are compared to `tessera generate`'s under the same layout, and a batch's to each
+request's alone, within one uint8 level: the same computation, where float32 rounding (a
+different batch size) can move a pixel across a uint8 boundary, no more."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from PIL import Image
 from tessera import cli
 
 STEPS = 4
+LAYOUT = ["--nproc", "2", "--pipefusion", "2", "--patches", "2", "--warmup-steps", "1"]
 LONG = 5000  # steps of a request that runs until cancelled, timed out or failed (~10 ms a step)
 MAX_QUEUE = 4
 
@@ -44,7 +46,7 @@ def dit_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(dit_dir):
-    args = ["--task", "generate", "--model", str(dit_dir), "--nproc", "2", "--ulysses", "2",
+    args = ["--task", "generate", "--model", str(dit_dir), *LAYOUT,
             "--max-queue", str(MAX_QUEUE), "--max-steps", str(LONG), "--max-images", "4",
             "--max-batch-images", "8", "--request-timeout", "120", "--drain-timeout", "60"]  # fmt: skip
     with cli_server(*args, timeout=180) as (url, proc):
@@ -60,7 +62,7 @@ def generate_pngs(dit_dir, tmp_path, digit: int, count: int, seed: int) -> list[
     """`tessera generate`'s samples, cut out of its grid (one column, 8x nearest scale, 1-px pad)."""
     out = tmp_path / f"ref-{digit}-{count}-{seed}.png"
     argv = ["generate", "--model", str(dit_dir), "--digits", str(digit), "--per-digit", str(count),
-            "--steps", str(STEPS), "--seed", str(seed), "--out", str(out)]  # fmt: skip
+            "--steps", str(STEPS), "--seed", str(seed), "--out", str(out), *LAYOUT]  # fmt: skip
     assert cli.main(argv) == 0
     grid = np.asarray(Image.open(out), dtype=np.int16)[::8, ::8]
     return [grid[1 + r * 9 : 9 + r * 9, 1:9] for r in range(count)]
@@ -89,7 +91,12 @@ def test_openai_client_gets_tessera_generates_images(server, dit_dir, tmp_path):
 
     url, client, _ = server
     info = client.get("/info").json()
-    assert (info["layout"], info["ranks"], info["sizes"], info["kind"]) == ("ulysses=2", 2, ["8x8"], "class")
+    assert (info["layout"], info["ranks"], info["sizes"], info["kind"]) == (
+        "pipefusion=2 (patches=2, warmup_steps=1)",
+        2,
+        ["8x8"],
+        "class",
+    )
     assert client.get("/health").json()["status"] == "ok"
     assert "/v1/images/generations" in client.get("/openapi.json").json()["paths"]
     api = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
@@ -143,7 +150,8 @@ def test_bad_input_is_a_4xx_naming_the_field(server):
 def test_progress_cancel_batching_queue_timeout_and_disconnect(server):
     """One long job holds the group: its progress is polled; requests queue behind it (a
     full queue is 429), a client that leaves is dropped; DELETE stops the job at a step
-    boundary, the queued requests of one shape run as one batch, each image equal to its
+    boundary (PipeFusion's latents in flight are drained: the next batches would read them
+    otherwise), the queued requests of one shape run as one batch, each image equal to its
     request run alone; a request past its timeout is a 504 and frees the group."""
     url, client, _ = server
     jid = running_job(client)
@@ -179,6 +187,7 @@ def test_progress_cancel_batching_queue_timeout_and_disconnect(server):
     late = client.post("/generate", json={"labels": [1], "steps": LONG, "timeout_s": 0.5})
     assert late.status_code == 504 and "timed out after 0.5 s" in late.json()["error"]["message"], late.text
     assert client.post("/generate", json={"labels": [1], "steps": STEPS}).status_code == 200
+    assert client.get("/health").json()["restarts"] == 0  # every stop was clean: no group was replaced
 
 
 def in_thread(client, body) -> tuple[threading.Thread, dict]:

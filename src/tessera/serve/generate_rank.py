@@ -330,8 +330,11 @@ def rank_main(spec, directory: str, config, tasks, results, shared: Shared) -> N
                 hook.finish()
                 results.put(("outcome", Outcome(rank, batch.id, "done", images, hook.step_seconds)))
             except Cancelled:
+                # Still inside the handler, the stopped run's frames (and the last stage's
+                # pending sends) are alive: stage 0 takes what is in flight, then all meet.
                 hook = _keep.last
                 _drain_pipefusion(model, batch, mesh, config, hook.stopped_at)
+                mesh.comm.barrier()
                 results.put(("outcome", Outcome(rank, batch.id, "cancelled", None, hook.step_seconds,
                                                 hook.stopped_at)))  # fmt: skip
     except BaseException as exc:  # noqa: BLE001 - the server must learn every failure
