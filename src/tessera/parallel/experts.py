@@ -23,11 +23,25 @@ installed as transformers' ``ep_dispatch_experts`` style installs its own (the e
 module's ``forward`` replaced, its DTensor weights used as local tensors meanwhile), but with
 this implementation instance, which holds the Mesh's counted ``Comm``.
 
+Composition. With ``tp`` the attention, the embedding and the head keep the model's own tensor
+parallel plan (``attention_plan`` drops the entries inside MoE blocks) and every MoE block
+runs whole on each tp rank: the ep groups are the ranks of one tp coordinate, each dispatches
+the whole batch its tp group shares (transformers' ``AllToAllEP`` slices the batch over tp
+instead; here that would make every expert's gradient a sum over tp as well). The expert work
+and bytes are therefore not divided by tp. With ``pp`` each stage's MoE layers are split over
+the ep ranks of that stage (the expert mesh is pp x edp x ep x tp); micro-batches are
+exchanged one by one as the schedule runs them, every dp replica of a stage in the same
+order. Under activation checkpointing a block's recomputation exchanges its tokens again
+(counted in bytes, not in ``tokens_per_expert``; ``recomputation``). bf16 autocast leaves the
+exchanged tensors fp32 on CPU (the residual stream is fp32 and the experts' ``grouped_mm``
+output was measured fp32).
+
 Bytes per MoE layer per training step on one rank (``Comm``'s convention: an all-to-all
 counts this rank's input): ``8 E`` for the counts, then ``(S + R) H b`` forward (dispatch,
 combine) and the same backward, where ``S`` is the pairs this rank sends (its tokens x top-k,
 less the dropped), ``R`` the pairs its experts receive, ``H`` the hidden width and ``b`` the
-bytes of an element: ``8 E + 2 (S + R) H b`` (``a2a_bytes``).
+bytes of an element: ``8 E + 2 (S + R) H b`` (``a2a_bytes``); with activation checkpointing
+``16 E + 3 (S + R) H b``.
 
 Capacity (GShard's per-group capacity, the group being this rank's tokens of the layer):
 each expert takes at most ``ceil(capacity_factor x pairs / experts)`` of this rank's pairs,
@@ -37,6 +51,7 @@ token keeps its residual and whatever its other experts give) and counted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -156,15 +171,31 @@ def dispatches(model: nn.Module) -> list[ExpertDispatch]:
     return [m._tessera_dispatch for m in model.modules() if hasattr(m, "_tessera_dispatch")]
 
 
+@contextlib.contextmanager
+def recomputation(model: nn.Module):
+    """Activation checkpointing's recomputation of a block: its dispatches exchange the tokens
+    again (the ledger counts those bytes) but do not count the tokens and drops twice."""
+    found = dispatches(model)
+    for d in found:
+        d.counting = False
+    try:
+        yield
+    finally:
+        for d in found:
+            d.counting = True
+
+
 class ExpertDispatch(AllToAllEP):
     """``AllToAllEP`` through Tessera's counted ``Comm`` (axis ``ep``), with an optional
     capacity factor. ``tokens_per_expert`` (global expert ids) counts the pairs this rank
     sent each expert and ``dropped`` the pairs over capacity, since the last ``reset_counts``."""
 
     def __init__(self, experts: nn.Module, ep_mesh, tp_mesh, *, comm, capacity_factor: float | None):
+        # tp_mesh is kept for the base class only: every tp rank's ep group dispatches the whole
+        # batch its tp group shares (``AllToAllEP``'s slicing over tp is not used; module doc)
         super().__init__(experts, ep_mesh, tp_mesh)
-        assert tp_mesh.size() == 1, "tp with ep is refused by Plan"
         self.comm, self.capacity_factor = comm, capacity_factor
+        self.counting = True  # off while activation checkpointing recomputes a block
         self.ep = ep_mesh.size()
         self.num_experts = self.num_local_experts * self.ep
         self.reset_counts()
@@ -189,9 +220,10 @@ class ExpertDispatch(AllToAllEP):
         recv_ids = local_ids.repeat_interleave(recv_counts.reshape(-1)).unsqueeze(-1)
         # the experts run top-1 with unit weights; the router's are applied on the sender
         recv_weights = torch.ones_like(recv_ids, dtype=recv_tokens.dtype)
-        self.tokens_per_expert += counts.cpu()
-        self.pairs_sent += sum(send_sizes)
-        self.pairs_received += sum(recv_sizes)
+        if self.counting:
+            self.tokens_per_expert += counts.cpu()
+            self.pairs_sent += sum(send_sizes)
+            self.pairs_received += sum(recv_sizes)
         return (
             recv_tokens,
             recv_ids,
@@ -205,7 +237,8 @@ class ExpertDispatch(AllToAllEP):
         starts = torch.cumsum(counts, 0) - counts
         position = torch.arange(sorted_ids.numel(), device=sorted_ids.device) - starts[sorted_ids]
         keep = position < capacity
-        self.dropped += int((~keep).sum())
+        if self.counting:
+            self.dropped += int((~keep).sum())
         return order[keep], counts.clamp(max=capacity)
 
     def _combine_tokens(self, expert_output, state):
@@ -217,16 +250,56 @@ class ExpertDispatch(AllToAllEP):
         return (pairs * state.top_k_weights.unsqueeze(-1)).sum(dim=1)
 
 
-def a2a_bytes(num_experts: int, sent: int, received: int, hidden: int, element_bytes: int = 4) -> int:
-    """All-to-all bytes one rank counts for one MoE layer in one training step (module doc)."""
-    return 8 * num_experts + 2 * (sent + received) * hidden * element_bytes
+def a2a_bytes(
+    num_experts: int,
+    sent: int,
+    received: int,
+    hidden: int,
+    element_bytes: int = 4,
+    *,
+    combine_bytes: int | None = None,
+    recomputed: bool = False,
+) -> int:
+    """All-to-all bytes one rank counts for one MoE layer in one training step (module doc).
+    ``element_bytes``: of the tokens dispatched (the block's input); ``combine_bytes``: of the
+    expert outputs sent back (None: the same; under bf16 autocast the experts' matmuls give
+    bf16, 2, while the residual stream stays fp32, 4); each exchange's gradient goes back in its
+    tensor's dtype. ``recomputed``: activation checkpointing runs the block's forward again in
+    backward, counts and both forward exchanges included."""
+    combine = element_bytes if combine_bytes is None else combine_bytes
+    forward = 8 * num_experts + (sent * element_bytes + received * combine) * hidden
+    backward = (received * element_bytes + sent * combine) * hidden
+    return forward * (2 if recomputed else 1) + backward
+
+
+def attention_plan(tp_plan, model: nn.Module, ep_plan: dict[str, str]):
+    """``tp_plan`` (a ``tessera.parallel.tp_plans.TPPlan``) less every entry inside a MoE block
+    (the module holding a dispatched experts module: its experts, router and shared expert):
+    under ``Plan(ep, tp)`` those blocks belong to ep and run whole on every tp rank; the
+    attention, embedding and head keep the model's own tensor parallel styles."""
+    from dataclasses import replace
+
+    blocks = {name.rpartition(".")[0] for name, style in ep_plan.items() if style == MODULE_STYLE}
+    modules = dict(model.named_modules())
+
+    def inside(pattern: str) -> bool:
+        hits = [n for n in modules if _matches(pattern, n)] or [
+            n for n, _ in model.named_parameters() if _matches(pattern, n)
+        ]
+        if not hits:  # e.g. a dense-MLP entry of a family whose layers here are all MoE
+            parent = pattern.rpartition(".")[0]
+            return any(_matches(parent, b) for b in blocks)
+        return all(any(n == b or n.startswith(b + ".") for b in blocks) for n in hits)
+
+    return replace(tp_plan, layers={k: v for k, v in tp_plan.layers.items() if not inside(k)})
 
 
 def expert_mesh_for(mesh: Mesh, ep: int) -> Mesh:
-    """The expert mesh over the ranks of ``mesh`` (axes dp, tp): each dp row of ``ep``
-    consecutive ranks an ``ep`` group, the ranks holding the same experts along ``edp``. Its
-    collectives are counted in ``mesh``'s ledger."""
+    """The expert mesh over the ranks of ``mesh`` (axes [pp,] dp, tp): each dp row of ``ep``
+    consecutive ranks an ``ep`` group, the ranks holding the same experts along ``edp`` (one
+    pipeline stage's). Its collectives are counted in ``mesh``'s ledger."""
     dp, tp = mesh.size("dp"), mesh.size("tp") if "tp" in mesh.axes else 1
-    experts = Mesh(edp=dp // ep, ep=ep, tp=tp)
+    pp = {"pp": mesh.size("pp")} if "pp" in mesh.axes else {}
+    experts = Mesh(**pp, edp=dp // ep, ep=ep, tp=tp)
     experts.comm.ledger = mesh.comm.ledger
     return experts

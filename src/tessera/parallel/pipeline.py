@@ -342,6 +342,7 @@ class PipelineTrainer:
         dp_axis: str | None = "dp",
         autocast: torch.dtype | None = None,
         sequence: tuple | None = None,
+        experts: tuple | None = None,
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -367,6 +368,8 @@ class PipelineTrainer:
             stages if schedule == "interleaved" else stages[0], microbatches, loss_fn=loss_fn
         )
         self.tied = self._tied(model)
+        # (comm of the expert mesh, ids of expert parameters): those are summed over "edp"
+        self.experts = experts
 
     def _tied(self, model) -> bool:
         if not hasattr(model, "get_output_embeddings"):  # the DiT ties nothing
@@ -400,12 +403,21 @@ class PipelineTrainer:
 
     def _average_over_dp(self) -> None:
         """Each dp replica ran its share of the batch: average the stage's gradients over
-        ``dp`` in one flat all-reduce."""
-        grads = [_local(p.grad) for p in self.parameters() if p.grad is not None]  # tp: this rank's shard
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.mesh.comm.all_reduce(flat, self.dp_axis, op="avg")
-        for g, avg in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            g.copy_(avg.view_as(g))
+        ``dp`` in one flat all-reduce. Expert parameters (``experts``) are summed over the
+        ``edp`` ranks holding the same experts and divided by dp: their local gradient already
+        sums the tokens of the whole ep group (``tessera.parallel.zero`` says why)."""
+        expert_ids = self.experts[1] if self.experts else set()
+        with_grad = [p for p in self.parameters() if p.grad is not None]
+        dense = [_local(p.grad) for p in with_grad if id(p) not in expert_ids]  # tp: this rank's shard
+        _reduce_flat(dense, lambda flat: self.mesh.comm.all_reduce(flat, self.dp_axis, op="avg"))
+        if self.experts:
+            comm, dp = self.experts[0], self.mesh.size(self.dp_axis)
+
+            def expert_sum(flat):
+                comm.all_reduce(flat, "edp")  # size 1 when dp == ep: no message
+                flat.div_(dp)
+
+            _reduce_flat([_local(p.grad) for p in with_grad if id(p) in expert_ids], expert_sum)
 
     def _sum_tied_grads(self, first: bool, last: bool) -> None:
         """The embedding's gradient on the first stage and the head's on the last are two
@@ -428,3 +440,13 @@ class PipelineTrainer:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _reduce_flat(grads: list[torch.Tensor], reduce) -> None:
+    """``reduce`` (in place) the gradients as one flat tensor, written back."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    reduce(flat)
+    for g, new in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        g.copy_(new.view_as(g))

@@ -37,7 +37,9 @@ the global gradient norm counts each replicated element once.
 
 Expert parameters of an expert parallel plan (``tessera.parallel.experts``, DTensors sharded
 over ``ep``) live in chunks of their own, averaged and sharded over the ``edp`` axis of the
-expert mesh: the dp / ep ranks that hold the same experts. Every chunk's summed gradient is
+expert mesh: the dp / ep ranks that hold the same experts (of one tp coordinate: with tp, the
+MoE blocks run whole on every tp rank, so each tp rank's copy of an expert gets the same
+gradient and the reduction stays within its tp coordinate). Every chunk's summed gradient is
 divided by dp: with the loss a mean over the global batch, a dense parameter's gradient is
 the average of dp local ones, and an expert's local gradient already sums the
 contributions of the tokens of all ep ranks of its group (the all-to-all brought them), so
@@ -285,8 +287,10 @@ class ZeroEngine:
                 )
             else:
                 part = self.grad_shard[cg].double().pow(2).sum()
-            if self.tp_axis is not None and not cg.tp_sharded:
-                part = part / self.mesh.size(self.tp_axis)  # every tp rank holds the same copy
+            if self.tp_axis is not None and not cg.tp_sharded and not cg.expert:
+                # every tp rank holds the same copy (experts: summed over edp and ep only, which
+                # span one tp coordinate; see grad_norm)
+                part = part / self.mesh.size(self.tp_axis)
             total += part
         return total
 

@@ -58,7 +58,10 @@ class Plan:
     dp / ep ranks that hold the same experts, the rest over all dp ranks. ``capacity_factor``
     (None: dropless) caps the (token, expert) pairs each rank sends one expert per layer at
     ceil(capacity_factor x its pairs / experts); the rest are dropped (their expert output is
-    zero) and counted."""
+    zero) and counted. With ``tp`` the attention (and the embedding and head) run tensor-parallel
+    by the model's own plan while every MoE block is left to ``ep`` (each tp rank's ep group
+    dispatches the whole batch its tp group shares); with ``pp`` each stage's MoE layers are
+    split over the ep ranks of that stage's dp row."""
 
     dp: int = 1
     tp: int = 1
@@ -133,10 +136,9 @@ class Plan:
                 f"dp={self.dp}; use an ep that divides {self.dp}"
             )
         for name, value, wanted in (
-            ("tp", self.tp, 1),
-            ("pp", self.pp, 1),
             ("sp", self.sp, 1),
             ("offload", self.offload, None),
+            ("sequence_parallel_norms", self.sequence_parallel_norms, False),
         ):
             if value != wanted:
                 raise ValueError(
@@ -219,7 +221,10 @@ class Plan:
     @property
     def num_microbatches(self) -> int:
         """The old name of ``microbatches`` (which now holds the resolved count): kept for one
-        release, then removed."""
+        release, with a FutureWarning, then removed."""
+        import warnings
+
+        warnings.warn("Plan.num_microbatches is renamed Plan.microbatches", FutureWarning, stacklevel=2)
         return self.microbatches
 
     def _check_offload(self) -> None:

@@ -145,8 +145,17 @@ def _validate(model, optimizer, plan: Plan, mesh: Mesh, tp_plan: TPPlan | None) 
     else:
         wanted = [n for n in ("block_chunks", "activation_checkpointing") if getattr(plan, n)]
     blocks = blocks_or_error(model, wanted[0]) if wanted else []
+    ep_plan = None
+    if plan.ep > 1:
+        from tessera.parallel.experts import ep_plan_of
+
+        ep_plan = ep_plan_of(model, plan.ep)
     tp_names: set[str] = set()
     if plan.tp > 1:
+        if tp_plan is None and ep_plan is not None:  # the MoE blocks belong to ep
+            from tessera.parallel.experts import attention_plan
+
+            tp_plan = attention_plan(plan_for(model), model, ep_plan)
         tp_plan = tp_plan or plan_for(model)
         tp_names = _check_tp(model, tp_plan, mesh, plan)
     else:
@@ -166,11 +175,6 @@ def _validate(model, optimizer, plan: Plan, mesh: Mesh, tp_plan: TPPlan | None) 
         check_sequence_parallel(model)
     if plan.offload is not None:
         _check_offload(model, optimizer, plan, mesh, blocks)
-    ep_plan = None
-    if plan.ep > 1:
-        from tessera.parallel.experts import ep_plan_of
-
-        ep_plan = ep_plan_of(model, plan.ep)
     return _Setup(group_names, tp_plan, blocks, loaded, ep_plan)
 
 
@@ -319,7 +323,7 @@ def _boost(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
     )
     if plan.activation_checkpointing:
         checkpoint_blocks(
-            model, setup.blocks, context_fn=lambda: (contextlib.nullcontext(), engine.recomputation())
+            model, setup.blocks, context_fn=lambda: (contextlib.nullcontext(), _recomputation(model, engine))
         )
     args = (model, engine, plan, mesh, setup.tp_plan, setup.group_names)
     if sp_mesh is None:
@@ -331,6 +335,16 @@ def _boost(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
     if setup.loaded is not None:
         boosted.load_state_dict(setup.loaded)
     return model, boosted
+
+
+@contextlib.contextmanager
+def _recomputation(model: nn.Module, engine: ZeroEngine | None):
+    """Activation checkpointing recomputes a block: ZeRO-3 keeps its chunks, and expert
+    dispatches count their tokens once (``tessera.parallel.experts.recomputation``)."""
+    from tessera.parallel.experts import recomputation
+
+    with engine.recomputation() if engine is not None else contextlib.nullcontext(), recomputation(model):
+        yield
 
 
 def _apply_experts(model, plan: Plan, mesh: Mesh, setup: _Setup):
@@ -368,9 +382,15 @@ def _boost_pipelined(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
         apply_tp(model, setup.tp_plan, mesh.device_mesh["tp"], plan.tp)
         _regroup(model, optimizer, setup.group_names)
     _same_start(model, mesh)
+    expert_mesh, expert_params = _apply_experts(model, plan, mesh, setup)
+    if expert_mesh is not None:
+        _regroup(model, optimizer, setup.group_names)  # the expert weights are DTensors now
     if plan.activation_checkpointing:
-        checkpoint_blocks(model, setup.blocks)
-    return model, PipelinedOptimizer(model, optimizer, plan, mesh)
+        checkpoint_blocks(
+            model, setup.blocks, context_fn=lambda: (contextlib.nullcontext(), _recomputation(model, None))
+        )
+    experts = None if expert_mesh is None else (expert_mesh, expert_params)
+    return model, PipelinedOptimizer(model, optimizer, plan, mesh, experts=experts)
 
 
 def _regroup(model: nn.Module, optimizer: torch.optim.Optimizer, group_names: list[list[str]]) -> None:

@@ -8,6 +8,11 @@ the schedule, the tied embedding / head gradient summed over the first and last 
 and the global gradient norm (for ``max_grad_norm``) summed over the stages with a tied
 weight counted once. Parameters of other ranks' stages are released: a rank holds only
 its stages, which is what pipeline parallelism is for.
+
+With ``Plan(ep)`` each stage's experts are split over the ep ranks of its dp row: their
+gradients are summed over the ranks holding the same experts (edp) and divided by dp, each
+rank steps its own experts (at ZeRO-1 only the dense parameters are shared out over dp), and
+the global norm counts each expert once (summed over ep).
 """
 
 from __future__ import annotations
@@ -28,26 +33,33 @@ AUTOCAST = {"bf16": torch.bfloat16}
 class PipelinedOptimizer:
     """What ``boost`` returns as the optimizer under ``Plan(pp > 1)``."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan, mesh: Mesh):
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan, mesh: Mesh, *, experts=None):
         self.model, self.plan, self.mesh, self.inner = model, plan, mesh, optimizer
+        # Plan(ep): (expert mesh, expert parameters): each stage's experts split over its ep ranks
+        self.expert_mesh = experts[0] if experts else None
+        self.expert_ids = {id(p) for p in experts[1]} if experts else set()
         self._loss = None  # the loss of the train_step running now (the schedule calls it)
         self.trainer = PipelineTrainer(
             model,
             mesh,
             self._stage_loss,
-            microbatches=plan.num_microbatches,
+            microbatches=plan.microbatches,
             schedule=plan.schedule,
             virtual_stages=plan.virtual_stages,
             counts=plan.stage_layers,
             dp_axis="dp",
             autocast=AUTOCAST.get(plan.precision),
             sequence=self._sequence(model, plan, mesh),
+            experts=None if experts is None else (self.expert_mesh.comm, self.expert_ids),
         )
         kept = {id(p) for p in self.trainer.parameters()}
         # ZeRO-1: each dp rank steps (and keeps optimizer states for) its share of the stage's
         # parameters, then sends the updated values to the other replicas.
-        self.owner_rank = _partition(self.trainer.parameters(), mesh.size("dp") if plan.zero else 1)
+        # Expert parameters differ between the ep ranks of a dp row: each rank steps its own.
+        dense = [p for p in self.trainer.parameters() if id(p) not in self.expert_ids]
+        self.owner_rank = _partition(dense, mesh.size("dp") if plan.zero else 1)
         mine = {i for i, r in self.owner_rank.items() if r == (mesh.rank("dp") if plan.zero else 0)}
+        mine |= self.expert_ids
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in kept and id(p) in mine]
         # a checkpoint records the model's own shapes, whichever stages a rank holds
@@ -102,7 +114,7 @@ class PipelinedOptimizer:
             return None
         if count == 0:
             raise ValueError("the batch has no labelled token (every position is padding or a row's last)")
-        return count / (self.plan.num_microbatches * self.mesh.size("dp"))
+        return count / (self.plan.microbatches * self.mesh.size("dp"))
 
     @property
     def param_groups(self):
@@ -134,7 +146,7 @@ class PipelinedOptimizer:
 
     def local_batch(self, batch):
         """This dp replica's contiguous share of the global batch (dim 0 of every tensor)."""
-        dp, rank, m = self.mesh.size("dp"), self.mesh.rank("dp"), self.plan.num_microbatches
+        dp, rank, m = self.mesh.size("dp"), self.mesh.rank("dp"), self.plan.microbatches
 
         def take(t):
             if not isinstance(t, torch.Tensor):
@@ -216,7 +228,9 @@ class PipelinedOptimizer:
         owner rank (not one per parameter)."""
         with torch.no_grad():
             for rank in range(self.mesh.size("dp")):
-                mine = [_local(p.data) for p in self.trainer.parameters() if self.owner_rank[id(p)] == rank]
+                mine = [
+                    _local(p.data) for p in self.trainer.parameters() if self.owner_rank.get(id(p)) == rank
+                ]
                 if not mine:
                     continue
                 flat = torch.cat([t.reshape(-1) for t in mine])
@@ -233,7 +247,14 @@ class PipelinedOptimizer:
         """The global gradient norm over every stage (a tied weight once), and the clip."""
         if self.plan.max_grad_norm is None:
             return None
-        squares = self._squares(self._counted_grads())
+        grads = self._counted_grads()
+        squares = self._squares([g for i, g in grads.items() if i not in self.expert_ids])
+        if self.expert_mesh is not None:  # each expert once: the ep ranks hold different ones
+            experts = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
+            for i in self.expert_ids & grads.keys():
+                experts += _local(grads[i]).double().pow(2).sum()
+            self.expert_mesh.comm.all_reduce(experts, "ep")
+            squares += experts
         self.mesh.comm.all_reduce(squares, "pp")
         norm = float(squares.sqrt())
         coef = self.plan.max_grad_norm / (norm + 1e-6)
@@ -262,7 +283,7 @@ class PipelinedOptimizer:
             self.mesh.comm.all_reduce(sharded, "tp")
         return sharded + whole
 
-    def _counted_grads(self) -> list[torch.Tensor]:
+    def _counted_grads(self) -> dict[int, torch.Tensor]:
         """Each parameter's gradient once over the pipeline: the tied head on the last stage
         is the embedding the first stage counts."""
         tied_head = None
@@ -274,7 +295,7 @@ class PipelinedOptimizer:
         for p in self.trainer.parameters():
             if p.grad is not None and id(p) != tied_head:
                 seen[id(p)] = p.grad
-        return list(seen.values())
+        return seen
 
 
 def _release(model: nn.Module, kept: set[int]) -> None:
