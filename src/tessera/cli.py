@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -95,6 +96,7 @@ def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     if launch.script_is_file and not Path(launch.script).is_file():
         raise UserError(f"script {launch.script} does not exist (give the path of a Python file)")
     cmd = torchrun_command(launch.nproc, launch.script, list(launch.script_args), list(launch.torchrun_flags))
+    os.environ.update(launch.worker_env())  # --checkpoint-dir/--checkpoint-every, for the workers
     return _run_torchrun(cmd[1:])
 
 

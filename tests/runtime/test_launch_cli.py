@@ -42,10 +42,27 @@ def test_torchrun_flags_split_in_both_forms(form):
 
 @pytest.mark.parametrize("nproc", [["-n", "2"], ["-n2"], ["-n=2"], ["--nproc", "2"], ["--nproc=2"]])
 def test_tesseras_own_nproc_becomes_nproc_per_node(nproc):
-    launch = split_launch_args([*nproc, "--max-restarts", "1", "train.py"])
+    launch = split_launch_args([*nproc, "--max-restarts", "1", "--checkpoint-dir=ck", "train.py"])
     assert launch.nproc == 2 and launch.torchrun_flags == ("--max-restarts", "1")
     cmd = torchrun_command(launch.nproc, launch.script, [], list(launch.torchrun_flags))
     assert cmd == ["torchrun", "--nproc-per-node=2", "--standalone", "--max-restarts", "1", "train.py"]
+
+
+def test_checkpoint_flags_reach_the_workers_and_restarts_need_them():
+    flags = ["--nnodes", "1:2", "--max-restarts", "3", "--checkpoint-dir", "ck", "--checkpoint-every", "5"]
+    launch = split_launch_args([*flags, "train.py", "--checkpoint-dir", "mine"])
+    assert launch.torchrun_flags == ("--nnodes", "1:2", "--max-restarts", "3")  # --nnodes MIN:MAX passes
+    assert launch.script_args == ("--checkpoint-dir", "mine")  # after the script: the script's own
+    assert launch.worker_env() == {
+        "TESSERA_CHECKPOINT_DIR": "ck",
+        "TESSERA_CHECKPOINT_EVERY": "5",
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"),
+    }
+    with pytest.raises(ValueError, match="--max-restarts 2 needs --checkpoint-dir: a restarted job resumes"):
+        split_launch_args(["--max-restarts", "2", "train.py"])
+    with pytest.raises(ValueError, match="--checkpoint-every needs --checkpoint-dir"):
+        split_launch_args(["--checkpoint-every", "2", "train.py"])
+    assert split_launch_args(["--max-restarts", "0", "train.py"]).worker_env() == {}
 
 
 def test_boolean_flags_take_no_value_and_script_flags_stay_with_the_script():

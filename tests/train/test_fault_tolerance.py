@@ -3,8 +3,13 @@ marker and pruning; a kill during a checkpoint write; elastic restarts under tor
 that end bit-exactly where an uninterrupted run ends; collectives that hang or lose a peer
 turned into errors naming the rank, the operation and the mesh axis; bad input refused."""
 
+import json
 import os
+import random
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +22,9 @@ from tessera.train import sharded_checkpoint as sc
 from tessera.train.checkpoint import CheckpointError
 from tessera.train.export import full_state_dict
 from tessera.train.losses import causal_lm_loss
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TIMEOUT_S = 300  # only against a hang: four processes start torch on 2 shared cores
 
 
 def _batch(step):
@@ -111,10 +119,40 @@ def test_bad_checkpoint_directories_and_foreign_checkpoints_are_refused(tmp_path
     ckpt.save(1)
     wider = tiny_gpt2(width=64)
     wider, wider_opt = tessera.boost(wider, torch.optim.AdamW(wider.parameters()), tessera.Plan())
-    with pytest.raises(CheckpointError, match=r"is from a different model: parameters differ at \['transformer"):
+    with pytest.raises(
+        CheckpointError, match=r"is from a different model: parameters differ at \['transformer"
+    ):
         tessera.train.resume_or_start(wider, wider_opt, tmp_path / "ckpt")
     sgd, sgd_opt = _boosted(tessera.Plan(), optimizer=torch.optim.SGD)
     with pytest.raises(CheckpointError, match="holds AdamW state, but the optimizer is SGD"):
         tessera.train.resume_or_start(sgd, sgd_opt, tmp_path / "ckpt")
     with pytest.raises(ValueError, match="keep must be at least 1"):
         tessera.train.resume_or_start(model, opt, tmp_path / "ckpt", keep=0)
+
+
+def test_a_rank_killed_at_a_random_step_restarts_and_ends_bit_exactly(tmp_path):
+    """(a) 2-rank ZeRO-3 under `tessera launch --max-restarts 1`: rank 1 is SIGKILLed after a
+    random step; torchrun's agent restarts both ranks, which resume from the newest committed
+    checkpoint by themselves; the final parameters equal an uninterrupted run's to the bit."""
+    steps, kill_at = 12, random.randint(2, 11)
+    folder = tmp_path / "ckpt"
+    command = [sys.executable, "-m", "tessera.cli", "launch", "-n", "2", "--max-restarts", "1"]
+    command += ["--checkpoint-dir", str(folder), "--checkpoint-every", "2"]
+    command += [str(SCRIPTS / "elastic_train.py"), str(steps), str(kill_at)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    assert done.returncode == 0, f"kill after step {kill_at}: {done.stderr[-3000:]}"
+    assert json.loads((folder / "kill.json").read_text())["after_step"] == kill_at
+    resumed = json.loads((folder / "restart.json").read_text())["from"]
+    newest = (kill_at - 1) // 2 * 2  # the newest save before the kill; the one before if it was in flight
+    assert resumed in (newest, max(0, newest - 2)), (kill_at, resumed)
+    from safetensors.torch import load_file
+
+    sys.path.insert(0, str(SCRIPTS))
+    import elastic_train
+
+    want = spawn(elastic_train.uninterrupted, 2, steps)[0]
+    got = load_file(folder / "final.safetensors")
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=f"kill after {kill_at}: {name}")

@@ -412,7 +412,11 @@ def init_from_env(backend: str | None = None, timeout_s: float = 600.0) -> None:
 
 # ---- `tessera launch`: torchrun's own flags, in every form torchrun accepts ----------------
 
-LAUNCH_USAGE = "tessera launch [-n N] [torchrun flags] script.py [script args]"
+LAUNCH_USAGE = "tessera launch [-n N] [--checkpoint-dir DIR [--checkpoint-every STEPS]] [torchrun flags] script.py [script args]"
+
+# `tessera launch --checkpoint-dir/--checkpoint-every` reach the workers as these variables;
+# ``tessera.train.resume_or_start`` reads them when its caller names no directory.
+CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV = "TESSERA_CHECKPOINT_DIR", "TESSERA_CHECKPOINT_EVERY"
 
 # Flags that describe where the rendezvous is. With none of them (on the command line or as
 # torchrun's PET_* variables) `tessera launch` adds --standalone: a local rendezvous on a free
@@ -435,10 +439,30 @@ class LaunchArgs:
     """A `tessera launch` command line split where the script starts."""
 
     nproc: int | None  # tessera's -n/--nproc (None: torchrun's --nproc-per-node or its default)
-    torchrun_flags: tuple[str, ...]  # the flags before the script as given, less -n/--nproc
+    torchrun_flags: tuple[str, ...]  # the flags before the script as given, less Tessera's own
     script: str
     script_args: tuple[str, ...]
     script_is_file: bool  # False under torchrun's -m/--module or --no-python
+    checkpoint_dir: str | None = None  # where the workers resume from (TESSERA_CHECKPOINT_DIR)
+    checkpoint_every: int | None = None  # TESSERA_CHECKPOINT_EVERY
+    max_restarts: int = 0  # torchrun's, as given
+
+    def worker_env(self) -> dict[str, str]:
+        """The variables torchrun and its workers get: the checkpoint settings and, with
+        restarts, a rendezvous store apart from the one training's groups use. torchrun's agent
+        shares its store with the workers by default, and a restarted group then reads the
+        addresses its dead predecessors published (any group beyond the default one, e.g. the
+        checkpoint writer's) and fails to connect (pytorch/pytorch#135712)."""
+        env = {}
+        if self.max_restarts:
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = os.environ.get(
+                "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1"
+            )
+        if self.checkpoint_dir is not None:
+            env[CHECKPOINT_DIR_ENV] = str(self.checkpoint_dir)
+        if self.checkpoint_every is not None:
+            env[CHECKPOINT_EVERY_ENV] = str(self.checkpoint_every)
+        return env
 
 
 class _LaunchParser(argparse.ArgumentParser):
@@ -473,6 +497,14 @@ def launch_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "-n", "--nproc", type=positive_int, help="processes per node (the same as --nproc-per-node)"
     )
+    parser.add_argument(
+        "--checkpoint-dir",
+        help="checkpoints of the run (required with --max-restarts: a restart resumes from the newest); "
+        "the script reads it through tessera.train.resume_or_start",
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=positive_int, help="steps between checkpoints (resume_or_start's every)"
+    )
     return parser
 
 
@@ -496,18 +528,23 @@ def _parse(parser: argparse.ArgumentParser, tokens: list[str]) -> tuple[argparse
     return ns, index
 
 
+_OWN_FLAGS = ("-n", "--nproc", "--checkpoint-dir", "--checkpoint-every")
+
+
 def _without_nproc(flags: list[str]) -> list[str]:
-    """``flags`` less tessera's -n/--nproc and its value. Exact, since argparse never takes a
-    token that starts with "-" as an option's value: a "-n..." token is always the option."""
+    """``flags`` less tessera's own (-n/--nproc, --checkpoint-dir, --checkpoint-every) and
+    their values. Exact, since argparse never takes a token that starts with "-" as an
+    option's value: a "-n..." token is always the option."""
     kept: list[str] = []
     i = 0
     while i < len(flags):
         token = flags[i]
-        if token in ("-n", "--nproc"):
+        if token in _OWN_FLAGS:
             i += 2
             continue
-        if not (token.startswith("--nproc=") or (token.startswith("-n") and not token.startswith("--"))):
-            kept.append(token)  # "-n4", "-n=4", "--nproc=4" are dropped whole
+        joined = token.startswith(tuple(f"{f}=" for f in _OWN_FLAGS[1:]))
+        if not (joined or (token.startswith("-n") and not token.startswith("--"))):
+            kept.append(token)  # "-n4", "-n=4", "--nproc=4", "--checkpoint-dir=d" are dropped whole
         i += 1
     return kept
 
@@ -518,13 +555,28 @@ def split_launch_args(argv: list[str]) -> LaunchArgs:
     tokens = list(argv)
     ns, index = _parse(launch_parser(), tokens)
     _check_one_nproc(ns.nproc, ns.nproc_per_node)
+    check_restarts(ns.max_restarts, ns.checkpoint_dir, "--checkpoint-dir")
+    if ns.checkpoint_every is not None and ns.checkpoint_dir is None:
+        raise ValueError("launch: --checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
     return LaunchArgs(
         nproc=ns.nproc,
         torchrun_flags=tuple(_without_nproc(tokens[:index])),
         script=ns.training_script,
         script_args=tuple(ns.training_script_args),
         script_is_file=not (ns.module or ns.no_python),
+        checkpoint_dir=ns.checkpoint_dir,
+        checkpoint_every=ns.checkpoint_every,
+        max_restarts=ns.max_restarts or 0,
     )
+
+
+def check_restarts(max_restarts: int | None, checkpoint_dir, flag: str) -> None:
+    """Restarts without checkpoints would start the job over: refused in one line."""
+    if max_restarts and checkpoint_dir is None:
+        raise ValueError(
+            f"--max-restarts {max_restarts} needs {flag}: a restarted job resumes from its newest "
+            "checkpoint, and without one it would start over"
+        )
 
 
 def _check_one_nproc(nproc: int | None, nproc_per_node: str | None) -> None:

@@ -186,7 +186,7 @@ class Checkpointer:
 def resume_or_start(
     model,
     optimizer,
-    directory: str | Path,
+    directory: str | Path | None = None,
     *,
     scheduler=None,
     every: int | None = None,
@@ -204,7 +204,11 @@ def resume_or_start(
             opt.train_step(batch(step), loss_fn)
             ckpt.maybe_save(step + 1)
         ckpt.save(total, wait=True)
+
+    ``directory`` None and ``every`` None: those ``tessera launch --checkpoint-dir DIR
+    --checkpoint-every STEPS`` gave (a ValueError where there are none).
     """
+    directory, every = _from_launch(directory, every)
     # every rank looks for itself (the directory is shared, as DCP needs): no save is in
     # flight when a run starts, so they all see the same folders
     directory = check_directory(directory, checkpoint_bytes(model, optimizer))
@@ -220,6 +224,21 @@ def resume_or_start(
         checkpointer.step, checkpointer.data_state = int(record["step"]), record.get("data")
         checkpointer.resumed_from = found
     return checkpointer
+
+
+def _from_launch(directory, every):
+    from tessera.runtime.launch import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV
+
+    if directory is None:
+        directory = os.environ.get(CHECKPOINT_DIR_ENV)
+        if directory is None:
+            raise ValueError(
+                "resume_or_start needs a checkpoint directory: pass one, or launch with "
+                "`tessera launch --checkpoint-dir DIR`"
+            )
+    if every is None and os.environ.get(CHECKPOINT_EVERY_ENV):
+        every = int(os.environ[CHECKPOINT_EVERY_ENV])
+    return Path(directory), every
 
 
 def describe(checkpointer: Checkpointer) -> str:
