@@ -96,3 +96,11 @@ def test_an_lr_scheduler_drives_the_inner_optimizer():
     opt.train_step(tokens, causal_lm_loss)
     assert opt.param_groups[0]["lr"] == 0.0
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_num_microbatches_is_the_old_name_with_a_warning():
+    from tessera import Plan
+
+    plan = Plan(pp=2, microbatches=4)
+    with pytest.warns(FutureWarning, match="Plan.num_microbatches is renamed Plan.microbatches"):
+        assert plan.num_microbatches == 4
