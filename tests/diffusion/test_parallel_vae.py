@@ -67,6 +67,13 @@ def _ranks(pipeline_dir):
         with TensorMemory() as mem:
             decode_rows(wide, latent(WIDE[1]), VaeSplit(mesh=mesh, chunk_rows=chunk_rows))
         out[f"peak_{chunk_rows}"] = mem.peak
+    wan, z_wan = wan_vae(), latent(WAN_LATENT)
+    mesh.comm.ledger.reset()
+    out["wan"] = decode_rows(wan, z_wan, VaeSplit(mesh=mesh))
+    out["wan_gathers"] = mesh.comm.ledger.count(op="all_gather")
+    with TensorMemory() as mem:
+        decode_rows(wan, latent(WAN_WIDE), VaeSplit(mesh=mesh))
+    out["wan_peak"] = mem.peak
     # through generate: the saved PixArt pipeline, Ulysses over 2 ranks, the VAE split too
     pipe = load_pipeline(pipeline_dir, with_text_encoder=mesh.global_rank == 0)
     run = dict(prompt="a red cat", height=32, width=24, num_steps=2, guidance_scale=4.5, seed=3)
@@ -118,6 +125,18 @@ def test_parallel_decode_equals_serial(pixart):
     assert max(ratios[None]) <= 1.2 / 2, ratios  # the aim: at most 1.2 / N of serial
     assert max(ratios[8]) < max(ratios[None]), ratios  # chunks compose with the split
     assert chunked_peak < 0.8 * serial_peak, chunked_peak / serial_peak
+
+    # Wan's causal 3-D VAE, rows split (its own frame-by-frame decode and caches per band)
+    wan, z_wan = wan_vae(), latent(WAN_LATENT)
+    with torch.no_grad(), TensorMemory() as mem:
+        serial_wan = wan.decode(z_wan).sample
+        wan.decode(latent(WAN_WIDE))
+    assert ranks[1]["wan"] is None
+    assert relative_error(ranks[0]["wan"], serial_wan) < TOLERANCE
+    assert ranks[0]["wan_gathers"] == 2 * WAN_LATENT[2]  # the mid-block's K and V, each latent frame
+    wan_ratios = [round(r["wan_peak"] / mem.peak, 3) for r in ranks]
+    print(f"Wan VAE peak / serial, 2 ranks: {wan_ratios}")
+    assert max(wan_ratios) <= 1.2 / 2, wan_ratios
 
     # The pipeline's image with a split VAE equals the serial VAE's.
     pipe = load_pipeline(pixart)
@@ -174,3 +193,18 @@ def test_cli_parallel_vae(pixart, tmp_path, capsys):
 
     with pytest.raises(ValueError, match="a latent of 2 rows cannot be split over 3 ranks; use at most 2"):
         check_vae_split(meta_pipeline(pixart), torch.zeros(1, 4, 2, 8), 3)
+
+
+def wan_vae():
+    from tiny_wan import tiny_wan_vae
+
+    torch.manual_seed(0)
+    vae = tiny_wan_vae()
+    with torch.no_grad():  # attention in the mid-block too, and weights off their init
+        for p in vae.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return vae
+
+
+WAN_LATENT = (1, 4, 3, 7, 5)  # 3 latent frames (5 video frames) of 7 rows: bands of 4 and 3
+WAN_WIDE = (1, 4, 3, 24, 24)  # the memory case: 5 frames of 96 x 96

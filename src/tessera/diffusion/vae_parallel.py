@@ -35,7 +35,7 @@ from torch import nn
 from tessera.diffusion.layout import split_rows
 from tessera.runtime.mesh import Mesh
 
-KNOWN_VAES = ("AutoencoderKL",)
+KNOWN_VAES = ("AutoencoderKL", "AutoencoderKLWan")  # the Wan VAE: vae_parallel_wan.py
 
 
 def _refuse(what: str) -> None:
@@ -49,6 +49,10 @@ def check_vae(vae: nn.Module) -> None:
         _refuse(f"VAE class {name} is not supported; supported: {', '.join(KNOWN_VAES)} (or decode serially)")
     if getattr(vae, "use_tiling", False):
         _refuse("the VAE has tiling enabled (vae.enable_tiling()); disable it, the row split replaces it")
+    if name == "AutoencoderKLWan":
+        from tessera.diffusion.vae_parallel_wan import check_wan_vae
+
+        return check_wan_vae(vae)
     from diffusers.models.attention_processor import Attention
     from diffusers.models.resnet import ResnetBlock2D
     from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D, UpDecoderBlock2D
@@ -122,6 +126,60 @@ class VaeSplit:
         return 0 if self.mesh is None else self.mesh.rank(self.axis)
 
 
+def exchange_halo(split: VaeSplit, x: torch.Tensor, rows: int, *, dim: int):
+    """(the ``rows`` rows above this band, the ``rows`` rows below it) along ``dim``, sent by
+    the neighbouring ranks (counted point-to-point); None past the image's top or bottom."""
+    if rows == 0 or split.size == 1:
+        return None, None
+    if x.shape[dim] < rows:
+        _refuse(f"a band of {x.shape[dim]} rows cannot give a halo of {rows}; use fewer ranks")
+    comm, axis, rank = split.mesh.comm, split.axis, split.rank
+    shape = list(x.shape)
+    shape[dim] = rows
+    works, keep, top, bottom = [], [], None, None
+    if rank > 0:
+        top = x.new_empty(shape)
+        send = x.narrow(dim, 0, rows).contiguous()
+        keep.append(send)
+        works += [comm.isend(send, axis, dst=rank - 1), comm.irecv(top, axis, src=rank - 1)]
+    if rank < split.size - 1:
+        bottom = x.new_empty(shape)
+        send = x.narrow(dim, x.shape[dim] - rows, rows).contiguous()
+        keep.append(send)
+        works += [comm.isend(send, axis, dst=rank + 1), comm.irecv(bottom, axis, src=rank + 1)]
+    for work in works:
+        work.wait()
+    return top, bottom
+
+
+def gather_bands(split: VaeSplit, t: torch.Tensor, dim: int, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """Every rank's band of ``t`` along ``dim``, concatenated (all-gathered; bands padded to
+    the widest for the collective, then trimmed). ``bounds``: the bands' [start, stop)."""
+    widest = max(e - s for s, e in bounds)
+    pad = [0, 0] * (t.dim() - 1 - dim) + [0, widest - t.shape[dim]]
+    every = split.mesh.comm.all_gather(F.pad(t, pad).contiguous(), split.axis, dim=dim)
+    return torch.cat([every.narrow(dim, i * widest, e - s) for i, (s, e) in enumerate(bounds)], dim=dim)
+
+
+def send_bands_to_first(split: VaeSplit, t: torch.Tensor, dim: int, bounds) -> torch.Tensor | None:
+    """The whole of ``t`` along ``dim`` on the axis's rank 0 (bands sent point to point,
+    counted), None elsewhere. ``bounds``: the bands' [start, stop) at ``t``'s resolution."""
+    if split.size == 1:
+        return t
+    comm, axis = split.mesh.comm, split.axis
+    if split.rank != 0:
+        comm.isend(t.contiguous(), axis, dst=0).wait()
+        return None
+    parts = [t]
+    for r, (s, e) in enumerate(bounds[1:], start=1):
+        shape = list(t.shape)
+        shape[dim] = e - s
+        part = t.new_empty(shape)
+        comm.irecv(part, axis, src=r).wait()
+        parts.append(part)
+    return torch.cat(parts, dim=dim)
+
+
 class _Band:
     """This rank's band of a row-split map: the rows it holds and the halos it was sent."""
 
@@ -139,26 +197,7 @@ class _Band:
 
     def exchange(self, rows: int) -> None:
         """Receive ``rows`` rows from each neighbour (none past the image's edges)."""
-        self.top = self.bottom = None
-        if rows == 0 or self.split.size == 1:
-            return
-        if self.x.shape[2] < rows:
-            _refuse(f"a band of {self.x.shape[2]} rows cannot give a halo of {rows}; use fewer ranks")
-        comm, axis, rank = self.split.mesh.comm, self.split.axis, self.split.rank
-        shape = (*self.x.shape[:2], rows, self.x.shape[3])
-        works, keep = [], []
-        if not self.first:
-            self.top = torch.empty(shape, dtype=self.x.dtype, device=self.x.device)
-            send = self.x[:, :, :rows].contiguous()
-            keep.append(send)
-            works += [comm.isend(send, axis, dst=rank - 1), comm.irecv(self.top, axis, src=rank - 1)]
-        if not self.last:
-            self.bottom = torch.empty(shape, dtype=self.x.dtype, device=self.x.device)
-            send = self.x[:, :, -rows:].contiguous()
-            keep.append(send)
-            works += [comm.isend(send, axis, dst=rank + 1), comm.irecv(self.bottom, axis, src=rank + 1)]
-        for work in works:
-            work.wait()
+        self.top, self.bottom = exchange_halo(self.split, self.x, rows, dim=2)
 
     def rows(self, lo: int, hi: int) -> tuple[torch.Tensor, int, int]:
         """Rows [lo, hi) in band coordinates (negative: the halo above), clipped to what
@@ -298,13 +337,7 @@ class _Walk:
         return out / attn.rescale_output_factor
 
     def _gather_tokens(self, t: torch.Tensor, width: int) -> torch.Tensor:
-        widest = max(e - s for s, e in self.bounds) * width
-        padded = F.pad(t, (0, 0, 0, widest - t.shape[1])).contiguous()
-        every = self.split.mesh.comm.all_gather(padded, self.split.axis, dim=1)
-        return torch.cat(
-            [every[:, i * widest : i * widest + (e - s) * width] for i, (s, e) in enumerate(self.bounds)],
-            dim=1,
-        )
+        return gather_bands(self.split, t, 1, [(s * width, e * width) for s, e in self.bounds])
 
     # -- the decoder --------------------------------------------------------------------
     def decoder(self, z: torch.Tensor, dec) -> torch.Tensor:
@@ -330,6 +363,10 @@ def decode_rows(vae: nn.Module, z: torch.Tensor, split: VaeSplit) -> torch.Tenso
     image on the axis's rank 0, None on its other ranks. Every rank passes the whole ``z``
     (after denoising every rank holds it) and decodes its own band."""
     check_vae(vae)
+    if type(vae).__name__ == "AutoencoderKLWan":
+        from tessera.diffusion.vae_parallel_wan import decode_rows_wan
+
+        return decode_rows_wan(vae, z, split)
     n = split.size
     rows = z.shape[2]
     if rows < n:
@@ -342,26 +379,8 @@ def decode_rows(vae: nn.Module, z: torch.Tensor, split: VaeSplit) -> torch.Tenso
     if vae.post_quant_conv is not None:
         band = vae.post_quant_conv(band)  # 1 x 1: row-local
     image = _Walk(split, bounds).decoder(band, vae.decoder)
-    return _gather_rows(image, split, bounds)
-
-
-def _gather_rows(image: torch.Tensor, split: VaeSplit, bounds) -> torch.Tensor | None:
-    """Every band to the axis's rank 0 by point-to-point sends (counted)."""
-    if split.size == 1:
-        return image
-    comm, axis = split.mesh.comm, split.axis
-    factor = image.shape[2] // (bounds[split.rank][1] - bounds[split.rank][0])
-    if split.rank != 0:
-        comm.isend(image.contiguous(), axis, dst=0).wait()
-        return None
-    b, c, _, w = image.shape
-    full = image.new_empty((b, c, bounds[-1][1] * factor, w))
-    full[:, :, : bounds[0][1] * factor] = image
-    for r, (s, e) in enumerate(bounds[1:], start=1):
-        part = image.new_empty((b, c, (e - s) * factor, w))
-        comm.irecv(part, axis, src=r).wait()
-        full[:, :, s * factor : e * factor] = part
-    return full
+    factor = image.shape[2] // (stop - start)
+    return send_bands_to_first(split, image, 2, [(s * factor, e * factor) for s, e in bounds])
 
 
 def halo_bytes(
