@@ -57,7 +57,9 @@ def test_generate_simulation_small_cases():
     """Serial time is FLOPs / rate; a Ulysses pair halves compute and adds exactly its
     all-to-alls (link: 1 B/s, no latency); PipeFusion's bytes are the ledger formula's."""
     spec = PRESETS["bench-dit"].with_tokens(64)
-    hw = Hardware(device=UNIT, link=Link(name="l", bandwidth=1e12, latency=0.0), precision="fp32", efficiency=1.0)
+    hw = Hardware(
+        device=UNIT, link=Link(name="l", bandwidth=1e12, latency=0.0), precision="fp32", efficiency=1.0
+    )
     serial = predict_generate(spec, ParallelConfig(), hw, steps=3, guidance=False)
     # rel=1e-9: the simulator sums the same float64 terms in its own order (measured equal)
     assert serial.seconds == pytest.approx(3 * spec.layers * spec.layer_flops(), rel=1e-9)
@@ -74,6 +76,55 @@ def test_generate_simulation_small_cases():
     assert pred.seconds == pytest.approx((3 * 4 + 1) * per_patch_stage, rel=1e-3)
     # approx's default 1e-6 relative: a byte count halved, exact in float64 (measured equal)
     assert pred.params_bytes_per_rank == pytest.approx(serial.params_bytes_per_rank / 2)
+
+
+# A tiny Mixtral (as tests/train/tiny_moe.py): 2 layers, 32 wide, 8 experts of which each token
+# takes 2; every expert's width even, so no ZeRO shard padding.
+TINY_MOE = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=12,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+)
+MOE_BATCH = (4, 12)  # global batch x tokens: 2 x 12 tokens per rank
+
+
+def _tiny_moe(family: str = "mixtral", **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **(TINY_MOE | overrides))
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _moe_rank(zero: int, ckpt: bool) -> dict:
+    """One rank of a tiny Mixtral under Plan(dp=2, ep=2): its state and a steady-state step's bytes."""
+    import tessera
+    from tessera.bench.train import _local, _optimizer_tensors, state_bytes
+    from tessera.runtime import Mesh
+    from tessera.train.losses import causal_lm_loss
+
+    mesh = Mesh(dp=2)
+    model = _tiny_moe()
+    plan = tessera.Plan(dp=2, ep=2, zero=zero, block_chunks=True, activation_checkpointing=ckpt)
+    model, opt = tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan, mesh)
+    g = torch.Generator().manual_seed(1)
+    opt.train_step(torch.randint(0, 128, MOE_BATCH, generator=g), causal_lm_loss)
+    mesh.comm.ledger.reset()
+    opt.train_step(torch.randint(0, 128, MOE_BATCH, generator=g), causal_lm_loss)
+    params = list(model.parameters())
+    roots = {
+        "params": [_local(p) for p in params] + opt.engine.shards,
+        "grads": [p.grad for p in params] + [s.grad for s in opt.engine.shards],
+        "optimizer": _optimizer_tensors(opt.inner),
+    }
+    ledger = {k: v["bytes"] for k, v in mesh.comm.ledger.snapshot().items() if v["bytes"]}
+    return {"state": state_bytes(roots), "ledger": ledger, "stepped": len(opt.inner.state)}
 
 
 def _boost_rank() -> list[dict]:
@@ -107,7 +158,7 @@ def _boost_rank() -> list[dict]:
             k: v["bytes"] for k, v in mesh.comm.ledger.snapshot().items() if v["bytes"] and k.endswith("@dp")
         }
         out.append({"state": state_bytes(roots), "ledger": ledger, "stepped": len(opt.inner.state)})
-    return out
+    return out + [_moe_rank(0, False), _moe_rank(3, True)]
 
 
 def test_training_formulas_equal_a_boost_runs_counted_state_and_bytes():
@@ -117,7 +168,9 @@ def test_training_formulas_equal_a_boost_runs_counted_state_and_bytes():
     Beside the gradients, boost all-reduces bookkeeping on dp: the loss average and which
     parameters got a gradient (a flag per parameter tensor): at most 4 bytes per tensor + 8."""
     spec = gpt2_spec("tiny", 2, 32, 4, tokens=16, positions=16, vocab=128)
-    for zero, got in enumerate(spawn(_boost_rank, 2)[0]):
+    runs = spawn(_boost_rank, 2)
+    _check_moe_formulas([rank[4:] for rank in runs])
+    for zero, got in enumerate(runs[0][:4]):
         c = Plan(dp=2, zero=zero)
         state = {k: int(v) for k, v in model_state_bytes(spec, c).items()}
         state["optimizer"] += 4 * got["stepped"]
@@ -129,6 +182,97 @@ def test_training_formulas_equal_a_boost_runs_counted_state_and_bytes():
         assert {k: v for k, v in got["ledger"].items() if k != "all_reduce@dp"} == {
             k: v for k, v in expected.items() if k != "all_reduce@dp"
         }, zero
+
+
+def _check_moe_formulas(runs: list[list[dict]]) -> None:
+    """Plan(dp=2, ep=2) on a tiny Mixtral, ZeRO-0 and ZeRO-3 with checkpointing: each rank's
+    model state = model_state_bytes exactly (Adam's step counters aside, as above); the
+    gradient bytes over dp = the formula's (the experts' edp group is one rank: no bytes); the
+    all-to-all bytes averaged over the two ranks = the formula's exactly (each rank sends top-k
+    pairs per token; what one receives the other sent), while each rank's own differs with the
+    routing."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from tessera.plan.model_spec import spec_from_config
+
+    with tempfile.TemporaryDirectory() as folder:
+        _tiny_moe().config.save_pretrained(folder)
+        spec = spec_from_config(Path(folder) / "config.json", tokens=MOE_BATCH[1])
+        assert json.loads((Path(folder) / "config.json").read_text())["num_local_experts"] == 8
+    micro = MOE_BATCH[0] // 2
+    for (zero, ckpt), ranks in zip(((0, False), (3, True)), zip(*runs, strict=True), strict=True):
+        plan = Plan(dp=2, ep=2, zero=zero, block_chunks=True, activation_checkpointing=ckpt)
+        state = {k: int(v) for k, v in model_state_bytes(spec, plan).items()}
+        expected = comm_bytes_per_rank(spec, plan, micro, MOE_BATCH[1], 4)
+        for got in ranks:
+            assert got["state"] == state | {"optimizer": state["optimizer"] + 4 * got["stepped"]}, zero
+            dense = {k: v for k, v in got["ledger"].items() if k.endswith("@dp") and k != "all_reduce@dp"}
+            assert dense == {k: v for k, v in expected.items() if k.endswith("@dp") and k != "all_reduce@dp"}
+            assert not any(k.endswith("@edp") for k in got["ledger"])  # edp = 1
+        moved = [got["ledger"]["all_to_all@ep"] for got in ranks]
+        assert sum(moved) / 2 == expected["all_to_all@ep"] and moved[0] != moved[1], (moved, expected)
+
+
+def test_moe_specs_count_the_models_parameters(tmp_path):
+    """spec_from_config of tiny Mixtral, Qwen2-MoE (shared expert, q/k/v biases) and Qwen3-MoE
+    (q/k norms, head_dim) configs: the spec's total and expert parameters are the model's."""
+    from tessera.plan.model_spec import spec_from_config
+
+    families = {
+        "mixtral": {},
+        "qwen2_moe": dict(num_experts=8, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        "qwen3_moe": dict(num_experts=8, moe_intermediate_size=32, head_dim=8),
+    }
+    for family, overrides in families.items():
+        model = _tiny_moe(family, **overrides)
+        model.config.save_pretrained(tmp_path / family)
+        spec = spec_from_config(tmp_path / family)
+        experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+        assert spec.total_params == sum(p.numel() for p in model.parameters()), family
+        assert spec.layers * spec.expert_layer_params == experts, family
+        assert (spec.experts, spec.top_k) == (8, 2), family
+    # the presets' totals are the published ones (46.7B, 30.5B), to their stated digits
+    assert round(PRESETS["mixtral-8x7b"].total_params / 1e8) == 467
+    assert round(PRESETS["qwen3-30b-a3b"].total_params / 1e8) == 305
+
+
+def test_the_planner_learns_ep_for_moe_models(capsys):
+    """A MoE spec gets ep plans (ep dividing dp and the experts; tp only with ep), a dense one
+    none; ep holds the experts' state 1/ep per rank at ZeRO-0 and adds its all-to-all; the
+    command prints the choice as a Plan for the user's loop (no recipe trains a MoE)."""
+    from tessera.plan.search import train_plans
+    from tessera.plan.training import predict_train
+
+    moe, dense = PRESETS["qwen3-30b-a3b"], PRESETS["gpt2"]
+    plans = train_plans(moe, 8, 16)
+    assert {p.ep for p in plans if p.pp == 1} == {1, 2, 4, 8}
+    assert all(p.ep > 1 for p in plans if p.tp > 1) and all(p.dp % p.ep == 0 for p in plans)
+    assert {p.ep for p in train_plans(dense, 8, 16)} == {1}
+    hw = Hardware(device=device_named("h100"), link=link_named("nvlink4"), efficiency=0.4)
+    one, four = (predict_train(moe, Plan(dp=8, ep=ep), hw, global_batch=16, seq=1024) for ep in (1, 4))
+    experts = moe.layers * moe.expert_layer_params * 4  # fp32 bytes
+    # float64 sums of the same terms: 1e-9 relative is rounding, a missing 1/ep is 75%
+    assert one.state["params"] - four.state["params"] == pytest.approx(experts * 3 / 4, rel=1e-9)
+    assert "all_to_all@ep" in four.comm_bytes_per_rank and "all_to_all@ep" not in one.comm_bytes_per_rank
+    args = [
+        "plan",
+        "train",
+        "--model",
+        "qwen3-30b-a3b",
+        "--devices",
+        "8",
+        "--seq",
+        "4096",
+        "--batch-size",
+        "16",
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert " ep=" in out.split("choice:")[0]  # the table has ep plans
+    choice = next(line for line in out.splitlines() if line.startswith("in Python: "))
+    assert "ep=" in choice, out  # on this model the fastest plan that fits is expert parallel
 
 
 def test_search_and_calibration():
@@ -286,7 +430,9 @@ def test_diffusers_pipeline_folders_are_read(tmp_path, capsys):
     assert seen["flux"].layers == 2 * flux["num_layers"] + flux["num_single_layers"]
     assert main(["plan", "generate", "--model", str(tmp_path / "sd3"), "--devices", "2", "--steps", "2"]) == 0
     choice = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("choice: "))
-    assert choice.startswith(f"choice: tessera generate --model {tmp_path / 'sd3'} ") and "--nproc 2" in choice
+    assert (
+        choice.startswith(f"choice: tessera generate --model {tmp_path / 'sd3'} ") and "--nproc 2" in choice
+    )
 
 
 def test_offload_moves_equal_an_offloaded_boost_runs_counted_moves(tmp_path):

@@ -63,6 +63,7 @@ from transformers.distributed.expert_parallel import (
 )
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
+from tessera.parallel.expert_costs import a2a_bytes  # noqa: F401  (the formula, torch-free)
 from tessera.parallel.tp_plans import _matches
 from tessera.runtime import Mesh
 
@@ -248,28 +249,6 @@ class ExpertDispatch(AllToAllEP):
         pairs = back.new_zeros(state.top_k_weights.numel(), hidden_dim).index_copy(0, state.order, back)
         pairs = pairs.view(*state.top_k_weights.shape, hidden_dim)
         return (pairs * state.top_k_weights.unsqueeze(-1)).sum(dim=1)
-
-
-def a2a_bytes(
-    num_experts: int,
-    sent: int,
-    received: int,
-    hidden: int,
-    element_bytes: int = 4,
-    *,
-    combine_bytes: int | None = None,
-    recomputed: bool = False,
-) -> int:
-    """All-to-all bytes one rank counts for one MoE layer in one training step (module doc).
-    ``element_bytes``: of the tokens dispatched (the block's input); ``combine_bytes``: of the
-    expert outputs sent back (None: the same; under bf16 autocast the experts' matmuls give
-    bf16, 2, while the residual stream stays fp32, 4); each exchange's gradient goes back in its
-    tensor's dtype. ``recomputed``: activation checkpointing runs the block's forward again in
-    backward, counts and both forward exchanges included."""
-    combine = element_bytes if combine_bytes is None else combine_bytes
-    forward = 8 * num_experts + (sent * element_bytes + received * combine) * hidden
-    backward = (received * element_bytes + sent * combine) * hidden
-    return forward * (2 if recomputed else 1) + backward
 
 
 def attention_plan(tp_plan, model: nn.Module, ep_plan: dict[str, str]):

@@ -197,7 +197,14 @@ def cmd_plan_train(args) -> None:
     best = ranked.fits[0].plan
     # gpt2-text is the recipe that takes every Plan setting; it trains its own small GPT-2, so
     # the plan for the model asked about is also given as the Plan a user's loop passes to boost
-    print(f"choice: tessera train --recipe gpt2-text --nproc {best.world_size} {as_flags(best, PLAN)}".rstrip())
+    if best.ep == 1:
+        print(
+            f"choice: tessera train --recipe gpt2-text --nproc {best.world_size} {as_flags(best, PLAN)}".rstrip()
+        )
+    else:  # no recipe trains a mixture of experts: the plan is for the user's own loop
+        print(
+            f"choice: {describe(best)} (expert parallel: no recipe trains a mixture of experts; boost your model)"
+        )
     print(f"in Python: boost(model, optimizer, {plan_expression(best)})  (docs/training.md)")
 
 
@@ -211,7 +218,9 @@ def plan_expression(plan) -> str:
         except ValueError:
             return True
 
-    changed = [f"{f.name}={getattr(plan, f.name)!r}" for f in dataclasses.fields(plan) if f.init and needed(f)]
+    changed = [
+        f"{f.name}={getattr(plan, f.name)!r}" for f in dataclasses.fields(plan) if f.init and needed(f)
+    ]
     return f"Plan({', '.join(changed)})"
 
 

@@ -10,6 +10,13 @@ Per layer of hidden size h, MLP width f and t tokens attending over a sequence o
     training     3 x forward (backward is twice the forward), 4 x with activation
                  checkpointing (one forward again)
 
+A mixture-of-experts spec (``experts`` > 0) has ``experts`` MLPs of width ``ffn`` per layer,
+of which each token takes ``top_k``, and a router (h x experts):
+
+    parameters   4h^2 + experts 2hf + h experts + extra_layer_params
+                 (of which ``expert_layer_params`` = experts 2hf are the experts')
+    forward      2 t (4h^2 + top_k 2hf + h experts + extra_token_params) + 4 t s h
+
 The presets carry their source; ``params`` is the published total where one is stated (the
 layer formula then only splits the time, it does not decide the memory).
 """
@@ -39,6 +46,8 @@ class TransformerSpec:
     # per layer of the diffusers model); a layer cannot run faster than the host issues it.
     host_ops_per_layer: float = 0.0
     decode_flops: float = 0.0  # the VAE decoder's FLOPs for one sample (run once, unparallelised)
+    experts: int = 0  # mixture of experts: MLPs per layer (0: a dense model)
+    top_k: int = 0  # of those, the ones each token takes
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -50,10 +59,26 @@ class TransformerSpec:
             raise ValueError(
                 f"model {self.name!r}: hidden {self.hidden} is not divisible by heads {self.heads}"
             )
+        if self.experts and not 1 <= self.top_k <= self.experts:
+            raise ValueError(
+                f"model {self.name!r}: top_k must be between 1 and experts={self.experts}, got {self.top_k!r}"
+            )
+        if not self.experts and self.top_k:
+            raise ValueError(f"model {self.name!r}: top_k={self.top_k} needs experts > 0")
+
+    @property
+    def expert_layer_params(self) -> int:
+        """Parameters of one layer's experts (0 for a dense model)."""
+        return self.experts * 2 * self.hidden * self.ffn
 
     @property
     def layer_params(self) -> int:
-        return 4 * self.hidden**2 + 2 * self.hidden * self.ffn + self.extra_layer_params
+        mlp = (
+            self.expert_layer_params + self.hidden * self.experts
+            if self.experts
+            else 2 * self.hidden * self.ffn
+        )
+        return 4 * self.hidden**2 + mlp + self.extra_layer_params
 
     @property
     def total_params(self) -> int:
@@ -62,8 +87,10 @@ class TransformerSpec:
         return self.layers * self.layer_params + self.vocab * self.hidden
 
     def linear_flops(self, tokens: int) -> float:
-        """Forward FLOPs of one layer's matmuls for ``tokens`` tokens."""
-        return 2.0 * tokens * (4 * self.hidden**2 + 2 * self.hidden * self.ffn + self.extra_token_params)
+        """Forward FLOPs of one layer's matmuls for ``tokens`` tokens (MoE: the router and the
+        ``top_k`` experts each token takes)."""
+        mlp = 2 * self.hidden * self.ffn * (self.top_k if self.experts else 1) + self.hidden * self.experts
+        return 2.0 * tokens * (4 * self.hidden**2 + mlp + self.extra_token_params)
 
     def attention_flops(self, queries: int, keys: int) -> float:
         """Forward FLOPs of one layer's attention: ``queries`` tokens over ``keys``."""
@@ -154,6 +181,97 @@ HUNYUAN_OPS = (20 * 162 + 40 * 98) / 80
 # (tessera.plan.host_ops.decode_flops): Flux's AutoencoderKL at 1024px 10.47 TFLOP, SANA's
 # DC-AE f32c32 at 4096px 133.9 TFLOP, HunyuanVideo's 3D VAE at 129 x 720 x 1280 2473.5 TFLOP.
 
+
+def _moe_spec_from_config(cfg: dict, file: Path, hidden, layers, heads, experts, tokens) -> TransformerSpec:
+    """A Mixtral / Qwen2-MoE / Qwen3-MoE style config (every layer sparse, gated experts of
+    ``moe_intermediate_size`` or ``intermediate_size``), its parameters counted exactly:
+    grouped-query attention (``num_key_value_heads``, ``head_dim``), q/k/v biases (Qwen2),
+    Qwen3's q/k norms, two norms per layer, the router, a shared expert and its gate (Qwen2-MoE),
+    the embedding, an untied head and the final norm. ``extra_layer_params`` holds what is
+    not 4h^2 + experts + router (it is negative where grouped-query attention is smaller)."""
+    kv = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    attention = hidden * head_dim * (heads + 2 * kv) + heads * head_dim * hidden
+    model_type = cfg.get("model_type", "")
+    if model_type == "qwen2_moe" or cfg.get("qkv_bias") or cfg.get("attention_bias"):
+        attention += head_dim * (heads + 2 * kv)
+    if model_type == "qwen3_moe":
+        attention += 2 * head_dim  # q_norm, k_norm
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    shared_params = 3 * hidden * shared + hidden if shared else 0  # gated MLP + its sigmoid gate
+    extra = attention - 4 * hidden**2 + 2 * hidden + shared_params
+    width = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    vocab = cfg.get("vocab_size", 0)
+    spec = TransformerSpec(
+        name=model_type or file.parent.name,
+        layers=layers,
+        hidden=hidden,
+        heads=heads,
+        ffn=width * 3 // 2,  # gated: three h x f matrices, as 2h x 1.5f
+        tokens=tokens or cfg.get("max_position_embeddings", 1024),
+        vocab=vocab,
+        extra_layer_params=extra,
+        extra_token_params=extra - 2 * hidden,  # the norms are not matmuls
+        experts=experts,
+        top_k=cfg.get("num_experts_per_tok", 2),
+        source=str(file),
+    )
+    head = 0 if cfg.get("tie_word_embeddings") else vocab * hidden
+    return dataclasses.replace(spec, params=layers * spec.layer_params + vocab * hidden + head + hidden)
+
+
+# Mixture-of-experts language models, counted from their transformers configs' numbers by the
+# same formula as a config.json (_moe_spec_from_config); the totals agree with the published
+# ones (Mixtral 8x7B 46.7B, Qwen3-30B-A3B 30.5B).
+MOE_CONFIGS = {
+    "mixtral-8x7b": (
+        dict(
+            model_type="mixtral",
+            num_hidden_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            intermediate_size=14336,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+        ),
+        "mistralai/Mixtral-8x7B-v0.1 config (46.7B, 8 experts, top-2)",
+    ),
+    "qwen3-30b-a3b": (
+        dict(
+            model_type="qwen3_moe",
+            num_hidden_layers=48,
+            hidden_size=2048,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            moe_intermediate_size=768,
+            num_experts=128,
+            num_experts_per_tok=8,
+            vocab_size=151936,
+            max_position_embeddings=4096,
+        ),
+        "Qwen/Qwen3-30B-A3B config (30.5B, 128 experts, top-8)",
+    ),
+}
+
+
+def _moe_preset(name: str) -> TransformerSpec:
+    cfg, source = MOE_CONFIGS[name]
+    spec = _moe_spec_from_config(
+        cfg,
+        Path(name),
+        cfg["hidden_size"],
+        cfg["num_hidden_layers"],
+        cfg["num_attention_heads"],
+        cfg.get("num_local_experts") or cfg["num_experts"],
+        None,
+    )
+    return dataclasses.replace(spec, name=name, source=source)
+
+
 PRESETS: dict[str, TransformerSpec] = {
     s.name: s
     for s in (
@@ -223,6 +341,7 @@ PRESETS: dict[str, TransformerSpec] = {
             decode_flops=2473.5e12,
             source="HunyuanVideo paper (13B), 720p x 129 frames (960x960 has the same 118,800 tokens)",
         ),
+        *(_moe_preset(name) for name in MOE_CONFIGS),
     )
 }
 
@@ -247,6 +366,9 @@ def spec_from_config(path: str | Path, tokens: int | None = None) -> Transformer
         "swiglu",
         "gelu_pytorch_tanh",
     )
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+    if experts:
+        return _moe_spec_from_config(cfg, file, hidden, layers, heads, experts, tokens)
     return TransformerSpec(
         name=cfg.get("model_type", file.parent.name),
         layers=layers,

@@ -43,14 +43,26 @@ def generate_configs(spec: TransformerSpec, world: int, guidance: bool) -> list[
     return out
 
 
+def expert_degrees(spec: TransformerSpec, dp: int, tp: int) -> list[int]:
+    """The ep degrees a plan of ``dp`` x ``tp`` can take: 1 for a dense model; for a mixture of
+    experts every divisor of dp that divides the experts (tp only with ep > 1: Tessera's tensor
+    parallel plans leave the experts to ep)."""
+    if not spec.experts:
+        return [1]
+    return [ep for ep in divisors(dp) if spec.experts % ep == 0 and (ep > 1 or tp == 1)]
+
+
 def train_plans(spec: TransformerSpec, world: int, global_batch: int) -> list[Plan]:
     """dp x tp with ZeRO 0-3, block chunks (the per-block gradient reduce the model times) and
-    checkpointing on or off, and dp x pp (ZeRO 0) with as many micro-batches as the batch
-    allows, up to 4 per stage: 1F1B, or GPipe where there are fewer micro-batches than stages."""
+    checkpointing on or off, and for a mixture of experts every ep degree (``expert_degrees``);
+    dp x pp (ZeRO 0) with as many micro-batches as the batch allows, up to 4 per stage: 1F1B,
+    or GPipe where there are fewer micro-batches than stages (pipelines are simulated without
+    ep)."""
     flat = [
-        Plan(dp=world // tp, tp=tp, zero=zero, block_chunks=True, activation_checkpointing=ckpt)
+        Plan(dp=world // tp, tp=tp, ep=ep, zero=zero, block_chunks=True, activation_checkpointing=ckpt)
         for tp in divisors(world)
         if spec.heads % tp == 0
+        for ep in expert_degrees(spec, world // tp, tp)
         for zero in (0, 1, 2, 3)
         if world // tp > 1 or zero == 0
         for ckpt in (False, True)
@@ -111,7 +123,7 @@ def search_train(
         for c in plans
     ]
     for c in plans:
-        if c.zero != 3 or c.pp > 1 or c.tp > 1:  # offload moves ZeRO-3 chunks, without tp
+        if c.zero != 3 or c.pp > 1 or c.tp > 1 or c.ep > 1:  # offload moves ZeRO-3 chunks, without tp or ep
             continue
         for kind in offload:
             pred, _ = offload_prediction(
