@@ -166,7 +166,7 @@ def test_unknown_vae_class_is_refused_by_name():
         latent_channels=4,
     )
     with pytest.raises(
-        ValueError, match="VAE class AutoencoderTiny is not supported; supported: AutoencoderKL"
+        ValueError, match="VAE class AutoencoderTiny is not supported; supported: AutoencoderKL, AutoencoderKLWan"
     ):
         decode_rows(vae, latent((1, 4, 4, 4)), VaeSplit())
     tiled = tiny_vae()
