@@ -43,6 +43,7 @@ BENCHES = {
         "robust",
         "machine",
         "stencil",
+        "moe",
     )
 } | {"dit": ("dit", "run_dit_bench", "plot_dit"), "kernels": ("kernels", "run_kernels_bench", "plot_kernels")}
 
