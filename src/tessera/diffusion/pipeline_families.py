@@ -34,8 +34,9 @@ class PixArtFamily:
         """Pixels per latent pixel (height and width)."""
         return pipe.vae_scale_factor
 
-    def postprocess(self, pipe, decoded: torch.Tensor, output_type: str):
-        return pipe.image_processor.postprocess(decoded, output_type=output_type)[0]
+    def postprocess(self, pipe, decoded: torch.Tensor, output_type: str) -> list:
+        """Every image of the batch."""
+        return list(pipe.image_processor.postprocess(decoded, output_type=output_type))
 
     def keys(self, cfg: bool) -> tuple[str, ...]:
         keys = ("prompt_embeds", "prompt_attention_mask")
@@ -236,9 +237,10 @@ class WanFamily(PixArtFamily):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(video)
         return video / inv_std + mean
 
-    def postprocess(self, pipe, decoded: torch.Tensor, output_type: str):
-        """The video's frames: a list of PIL images ("pil") or a (F, 3, H, W) tensor ("pt")."""
-        return pipe.video_processor.postprocess_video(decoded, output_type=output_type)[0]
+    def postprocess(self, pipe, decoded: torch.Tensor, output_type: str) -> list:
+        """Every video of the batch: its frames as a list of PIL images ("pil") or a
+        (F, 3, H, W) tensor ("pt")."""
+        return list(pipe.video_processor.postprocess_video(decoded, output_type=output_type))
 
 
 FAMILIES = [PixArtFamily(), SD3Family(), FluxFamily(), WanFamily()]

@@ -85,7 +85,7 @@ def prepare_run(
     height: int,
     width: int,
     num_steps: int,
-    seed: int,
+    seed: int | list[int],
     config: ParallelConfig,
     num_frames: int | None = None,
 ):
@@ -113,7 +113,8 @@ def prepare_run(
             f"image size {height}x{width} is not divisible by the VAE's downscale factor {vae_factor}"
         )
     video = {"num_frames": num_frames} if family.video else {}
-    noise = family.noise(pipe, height, width, seed, **video)
+    seeds = [seed] if isinstance(seed, int) else seed  # a batch: one seed per image
+    noise = torch.cat([family.noise(pipe, height, width, s, **video) for s in seeds])
     device = pipe.transformer.device
     stepper = DiffusersStepper(
         pipe.scheduler,
@@ -150,13 +151,13 @@ def _broadcast_tensors(mesh: Mesh, tensors: dict[str, torch.Tensor] | None, keys
 def generate(
     pipe,
     *,
-    prompt: str,
-    negative_prompt: str = "",
+    prompt: str | list[str],
+    negative_prompt: str | list[str] = "",
     height: int,
     width: int,
     num_steps: int,
     guidance_scale: float,
-    seed: int,
+    seed: int | list[int],
     config: ParallelConfig,
     mesh: Mesh | None = None,
     output_type: str = "pil",
@@ -165,8 +166,15 @@ def generate(
     parallel_vae: bool = False,
     vae_chunk_rows: int | None = None,
     num_frames: int | None = None,
+    num_images_per_prompt: int = 1,
 ) -> Any:
     """The image for ``prompt`` on rank 0 (None on the other ranks).
+
+    Batches: ``prompt`` a list (``negative_prompt`` one for all or one per prompt) and/or
+    ``num_images_per_prompt`` > 1 make a batch of ``len(prompts) * num_images_per_prompt``
+    images, prompt-major, returned as a list; image k has its own seed, ``seed + k`` (or
+    ``seed[k]`` when ``seed`` is a list), so each equals the image generated alone with that
+    seed — one batch through the model instead of one run per image.
 
     ``parallel_vae``: every rank decodes a band of the latent's rows (tessera.diffusion.
     vae_parallel) instead of rank 0 decoding it all; ``vae_chunk_rows``: the VAE's
@@ -178,9 +186,16 @@ def generate(
     (``release_unused``; the memory saving PipeFusion exists for): the pipeline's
     transformer is then fit for this layout only."""
     mesh = mesh or config.build_mesh()
+    prompts, negatives, seeds = batch_of(prompt, negative_prompt, seed, num_images_per_prompt)
     # every refusal before any weight is freed: a refused call leaves the pipeline whole
     noise, stepper = prepare_run(
-        pipe, height=height, width=width, num_steps=num_steps, seed=seed, config=config, num_frames=num_frames
+        pipe,
+        height=height,
+        width=width,
+        num_steps=num_steps,
+        seed=seeds,
+        config=config,
+        num_frames=num_frames,
     )
     if parallel_vae or vae_chunk_rows:
         check_vae_split(pipe, noise, mesh.size() if parallel_vae else 1)
@@ -188,10 +203,15 @@ def generate(
     if release_unused and config.method == "pipefusion" and mesh.size("pipefusion") > 1:
         release_other_stages(pipe.transformer, config, mesh)
     cfg = guidance_scale > 1.0 and family.classifier_free
-    encoded = family.encode(pipe, prompt, negative_prompt, cfg) if mesh.global_rank == 0 else None
+    encoded = (
+        _encode(family, pipe, prompts, negatives, cfg, num_images_per_prompt)
+        if mesh.global_rank == 0
+        else None
+    )
     text = {k: v.to(device) for k, v in _broadcast_tensors(mesh, encoded, family.keys(cfg)).items()}
     video = {"num_frames": num_frames or family.default_frames} if family.video else {}
     cond, uncond, scale = family.conditions(pipe, text, cfg, height, width, guidance_scale, **video)
+    cond, uncond = _batched(cond, len(seeds)), (None if uncond is None else _batched(uncond, len(seeds)))
     latents = parallel_denoise(
         pipe.transformer,
         cond=cond,
@@ -209,7 +229,44 @@ def generate(
         decoded = family.decode(pipe, latents, **video) if mesh.global_rank == 0 else None
     if mesh.global_rank != 0:
         return None
-    return family.postprocess(pipe, decoded, output_type)
+    images = family.postprocess(pipe, decoded, output_type)
+    single = isinstance(prompt, str) and num_images_per_prompt == 1 and isinstance(seed, int)
+    return images[0] if single else images
+
+
+def batch_of(prompt, negative_prompt, seed, num_images_per_prompt: int):
+    """(prompts, negative prompts, one seed per image), checked."""
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}")
+    if isinstance(negative_prompt, str):
+        negatives = [negative_prompt] * len(prompts)
+    else:
+        negatives = list(negative_prompt)
+        if len(negatives) != len(prompts):
+            raise ValueError(
+                f"{len(negatives)} negative prompts for {len(prompts)} prompts; give one per prompt or one string"
+            )
+    if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+        raise ValueError(f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}")
+    batch = len(prompts) * num_images_per_prompt
+    seeds = [seed + k for k in range(batch)] if isinstance(seed, int) else list(seed)
+    if len(seeds) != batch:
+        raise ValueError(f"{len(seeds)} seeds for a batch of {batch} images; give one per image or one int")
+    return prompts, negatives, seeds
+
+
+def _encode(family, pipe, prompts, negatives, cfg: bool, per_prompt: int) -> dict[str, torch.Tensor]:
+    """Each prompt encoded alone (as when it is generated alone), stacked, each repeated
+    ``per_prompt`` times."""
+    parts = [family.encode(pipe, p, n, cfg) for p, n in zip(prompts, negatives, strict=True)]
+    return {k: torch.cat([part[k] for part in parts]).repeat_interleave(per_prompt, dim=0) for k in parts[0]}
+
+
+def _batched(cond: dict[str, torch.Tensor], batch: int) -> dict[str, torch.Tensor]:
+    """The families make per-call conditioning (image size, Flux guidance, frame count)
+    for one image: widened to the batch; per-prompt tensors already have it."""
+    return {k: v.expand(batch, *v.shape[1:]) if v.shape[0] == 1 and batch > 1 else v for k, v in cond.items()}
 
 
 def check_vae_split(pipe, noise: torch.Tensor, ranks: int) -> None:
