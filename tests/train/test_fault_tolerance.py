@@ -6,6 +6,7 @@ turned into errors naming the rank, the operation and the mesh axis; bad input r
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -156,3 +157,50 @@ def test_a_rank_killed_at_a_random_step_restarts_and_ends_bit_exactly(tmp_path):
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=f"kill after {kill_at}: {name}")
+
+
+HANG_TIMEOUT_S = 2  # the collective timeout under test; a hung peer sleeps past it
+
+
+def _stop_calling_collectives(plan_kwargs, model_name, hung_rank):
+    """Train with a short collective timeout; ``hung_rank`` stops calling collectives at the
+    second step (it sleeps past the timeout, then leaves): the others must fail by name."""
+    os.environ["TESSERA_COLLECTIVE_TIMEOUT_S"] = str(HANG_TIMEOUT_S)
+    if model_name == "mlp":
+        sys.path.insert(0, str(SCRIPTS))
+        import elastic_train
+
+        model, opt = elastic_train.build()
+        loss_fn, batch = elastic_train.loss_fn, elastic_train.batch
+    else:
+        model, opt = _boosted(tessera.Plan(**plan_kwargs))
+        loss_fn, batch = causal_lm_loss, _batch
+    opt.train_step(batch(0), loss_fn)
+    if torch.distributed.get_rank() == hung_rank:
+        import time
+
+        time.sleep(HANG_TIMEOUT_S + 4)
+        return "hung"
+    opt.train_step(batch(1), loss_fn)
+    return "finished"
+
+
+def test_a_rank_that_stops_calling_collectives_fails_its_peers_by_name():
+    """(c) 2-rank ZeRO-3 (the MLP of scripts/elastic_train.py): rank 1 stops; rank 0 fails
+    within the timeout with an error naming itself, the operation and the axis. (d) the same
+    for pp2 x dp2 (GPT-2, 4 ranks): rank 3 stops; its dp peer, which finishes its own pipeline,
+    fails in the gradient all-reduce over 'dp' (or a stage peer in the loss's over 'pp'). Fresh
+    ranks: a hung group is never reused."""
+    within = rf"did not complete within {HANG_TIMEOUT_S}s: a peer stopped calling collectives or died"
+    with pytest.raises(RankError) as info:
+        spawn(_stop_calling_collectives, 2, ZERO3, "mlp", 1, fresh=True, timeout_s=TIMEOUT_S)
+    assert info.value.rank == 0
+    assert "\n" not in info.value.message
+    assert info.value.message.startswith("CollectiveError: rank 0: ")
+    assert f"over mesh axis 'dp' (2 ranks) {within}" in info.value.message
+    plan = dict(pp=2, dp=2, microbatches=2)
+    with pytest.raises(RankError) as info:
+        spawn(_stop_calling_collectives, 4, plan, "gpt2", 3, fresh=True, timeout_s=TIMEOUT_S)
+    message = info.value.message
+    assert info.value.rank != 3 and message.startswith(f"CollectiveError: rank {info.value.rank}: ")
+    assert re.search(rf"all_reduce over mesh axis '(dp|pp)' \(2 ranks\) {within}", message), message

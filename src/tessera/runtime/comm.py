@@ -26,10 +26,17 @@ the real link. A send carries its emulated end to the receiver in an 8-byte head
 counted); an asynchronous collective learns the last rank's post time from a small MAX
 all-reduce beside it (not counted). Clocks are CLOCK_MONOTONIC, shared by the processes
 of one machine: emulation is for single-machine runs.
+
+A call that fails or does not complete within ``Comm.timeout_s`` (default: the variable
+TESSERA_COLLECTIVE_TIMEOUT_S, else the process group's own timeout) raises a
+``CollectiveError`` naming this rank, the operation and the mesh axis: a peer that stopped
+calling collectives or died ends the job with an error, never a silent wait.
 """
 
 from __future__ import annotations
 
+import datetime
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -50,6 +57,24 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 WORLD = "world"
+TIMEOUT_ENV = "TESSERA_COLLECTIVE_TIMEOUT_S"
+
+
+class CollectiveError(RuntimeError):
+    """A collective or point-to-point call that failed or did not complete in time."""
+
+
+def _timeout_from_env() -> float | None:
+    value = os.environ.get(TIMEOUT_ENV)
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = 0.0
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {value!r}")
+    return seconds
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -135,6 +160,34 @@ class Comm:
         self.mesh = mesh
         self.ledger = Ledger()
         self.clock: LinkClock | None = None
+        self.timeout_s: float | None = _timeout_from_env()  # None: the process group's timeout
+
+    # ---- completion within the timeout, or an error that names the call ----------------------
+
+    def _finish(self, work, op: str, axis: str) -> None:
+        """Wait for ``work``; a failure or timeout becomes a CollectiveError naming the call."""
+        try:
+            if self.timeout_s is None:
+                work.wait()
+            else:
+                work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except RuntimeError as exc:
+            raise self._error(op, axis, exc) from exc
+
+    def _error(self, op: str, axis: str, exc: BaseException) -> CollectiveError:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = f"rank {rank}: {op} over mesh axis {axis!r} ({self._size(axis)} ranks)"
+        if "timed out" in text.lower() or "timeout" in text.lower():
+            limit = f"{self.timeout_s:g}s" if self.timeout_s is not None else "the process group's timeout"
+            return CollectiveError(
+                f"{where} did not complete within {limit}: a peer stopped calling collectives or died ({text})"
+            )
+        return CollectiveError(f"{where} failed: a peer died or left ({text})")
+
+    def _named(self, work, op: str, axis: str):
+        """An asynchronous call's work, whose wait names the call when it fails."""
+        return _NamedWork(work, lambda w: self._finish(w, op, axis))
 
     def emulate(self, link: Link | None) -> None:
         """Make every later transfer take at least the time it would on ``link`` (None: off)."""
@@ -198,10 +251,13 @@ class Comm:
             return None
         self.ledger.record("all_reduce", axis, nbytes(t))
         reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-        work = dist.all_reduce(t, reduce_op, group=self._group(axis), async_op=async_op)
+        work = self._named(
+            dist.all_reduce(t, reduce_op, group=self._group(axis), async_op=True), "all_reduce", axis
+        )
         if async_op:
             assert op != "avg", "avg is only offered synchronously"
             return self._emulate_async(work, "all_reduce", axis, nbytes(t), t.device)
+        work.wait()
         self._emulate_sync("all_reduce", axis, nbytes(t))
         if op == "avg":
             t.div_(self._size(axis))
@@ -224,7 +280,9 @@ class Comm:
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((n * src.shape[0], *src.shape[1:]), dtype=t.dtype, device=t.device)
         work = _all_gather_flat(out.view(-1), src.view(-1), group=self.mesh.group(axis), async_op=True)
-        work = self._emulate_async(work, "all_gather", axis, nbytes(t), t.device)
+        work = self._emulate_async(
+            self._named(work, "all_gather", axis), "all_gather", axis, nbytes(t), t.device
+        )
 
         def finish() -> torch.Tensor:
             work.wait()
@@ -245,7 +303,8 @@ class Comm:
         self.ledger.record("reduce_scatter", axis, nbytes(t))
         src = t.movedim(dim, 0).contiguous()
         out = torch.empty((src.shape[0] // n, *src.shape[1:]), dtype=t.dtype, device=t.device)
-        _reduce_scatter_flat(out.view(-1), src.view(-1), group=self.mesh.group(axis))
+        work = _reduce_scatter_flat(out.view(-1), src.view(-1), group=self.mesh.group(axis), async_op=True)
+        self._finish(work, "reduce_scatter", axis)
         self._emulate_sync("reduce_scatter", axis, nbytes(t))
         return out.movedim(0, dim)
 
@@ -256,9 +315,10 @@ class Comm:
             out.view(-1).copy_(shard.view(-1))
             return
         self.ledger.record("all_gather", axis, nbytes(shard))
-        _all_gather_flat(
-            out.view(-1), shard.contiguous().view(-1), group=self.mesh.group(axis), async_op=False
+        work = _all_gather_flat(
+            out.view(-1), shard.contiguous().view(-1), group=self.mesh.group(axis), async_op=True
         )
+        self._finish(work, "all_gather", axis)
         self._emulate_sync("all_gather", axis, nbytes(shard))
 
     def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, axis: str) -> None:
@@ -268,7 +328,10 @@ class Comm:
             out.view(-1).copy_(full.view(-1))
             return
         self.ledger.record("reduce_scatter", axis, nbytes(full))
-        _reduce_scatter_flat(out.view(-1), full.contiguous().view(-1), group=self.mesh.group(axis))
+        work = _reduce_scatter_flat(
+            out.view(-1), full.contiguous().view(-1), group=self.mesh.group(axis), async_op=True
+        )
+        self._finish(work, "reduce_scatter", axis)
         self._emulate_sync("reduce_scatter", axis, nbytes(full))
 
     def all_to_all(self, t: torch.Tensor, axis: str, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -291,7 +354,9 @@ class Comm:
         self.ledger.record("all_to_all", axis, nbytes(t))
         src = t.movedim(scatter_dim, 0).contiguous()
         out = torch.empty_like(src)
-        dist.all_to_all_single(out, src, group=self.mesh.group(axis))
+        self._finish(
+            dist.all_to_all_single(out, src, group=self.mesh.group(axis), async_op=True), "all_to_all", axis
+        )
         self._emulate_sync("all_to_all", axis, nbytes(t))
         # out[i] holds rank i's chunk; put rank order along gather_dim.
         chunks = out.chunk(n, dim=0)
@@ -317,7 +382,10 @@ class Comm:
         self.ledger.record("all_to_all", axis, nbytes(t))
         src = t.contiguous()
         out = src.new_empty((sum(recv_sizes), *src.shape[1:]))
-        dist.all_to_all_single(out, src, list(recv_sizes), list(send_sizes), group=self._group(axis))
+        work = dist.all_to_all_single(
+            out, src, list(recv_sizes), list(send_sizes), group=self._group(axis), async_op=True
+        )
+        self._finish(work, "all_to_all", axis)
         self._emulate_sync("all_to_all", axis, nbytes(t))
         return out
 
@@ -328,7 +396,7 @@ class Comm:
             return t
         self.ledger.record("broadcast", axis, nbytes(t))
         root = src if axis == WORLD else self.mesh.global_rank_of(axis, src)
-        dist.broadcast(t, root, group=self._group(axis))
+        self._finish(dist.broadcast(t, root, group=self._group(axis), async_op=True), "broadcast", axis)
         self._emulate_sync("broadcast", axis, nbytes(t))
         return t
 
@@ -339,12 +407,12 @@ class Comm:
         self.ledger.record("send", axis, nbytes(t))
         peer, group = self.mesh.global_rank_of(axis, dst), self.mesh.group(axis)
         if self.clock is None:
-            return dist.isend(t, peer, group=group)
+            return self._named(dist.isend(t, peer, group=group), "send", axis)
         end = self.clock.end(now(), "send", nbytes(t), 2)
         packed = torch.empty(8 + nbytes(t), dtype=torch.uint8, device=t.device)
         packed[:8].copy_(torch.tensor([end], dtype=torch.float64).view(torch.uint8))  # header: the end
         packed[8:].copy_(t.view(-1).view(torch.uint8))
-        work = dist.isend(packed, peer, group=group)
+        work = self._named(dist.isend(packed, peer, group=group), "send", axis)
         return EmulatedWork(work, lambda: self._wait_until(end, "send", axis), keep=packed)
 
     def irecv(self, t: torch.Tensor, axis: str, *, src: int):
@@ -354,9 +422,9 @@ class Comm:
         self.ledger.record("recv", axis, nbytes(t))
         peer, group = self.mesh.global_rank_of(axis, src), self.mesh.group(axis)
         if self.clock is None:
-            return dist.irecv(t, peer, group=group)
+            return self._named(dist.irecv(t, peer, group=group), "recv", axis)
         packed = torch.empty(8 + nbytes(t), dtype=torch.uint8, device=t.device)
-        work = dist.irecv(packed, peer, group=group)
+        work = self._named(dist.irecv(packed, peer, group=group), "recv", axis)
 
         def finish() -> None:
             t.view(-1).view(torch.uint8).copy_(packed[8:])
@@ -367,9 +435,23 @@ class Comm:
     def barrier(self, axis: str | None = None) -> None:
         if axis is None:
             if dist.is_initialized():
-                dist.barrier()
+                self._finish(dist.barrier(async_op=True), "barrier", WORLD)
         elif self._moves(axis):
-            dist.barrier(group=self.mesh.group(axis))
+            self._finish(dist.barrier(group=self.mesh.group(axis), async_op=True), "barrier", axis)
+
+
+class _NamedWork:
+    """A torch work object whose ``wait`` names the call when it fails or times out."""
+
+    def __init__(self, work, finish: Callable):
+        self.work, self._finish = work, finish
+
+    def wait(self, *args, **kwargs) -> bool:
+        self._finish(self.work)
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
 
 
 class _AllGather(torch.autograd.Function):
