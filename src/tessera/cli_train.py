@@ -28,6 +28,7 @@ class Recipe:
     plan_fields: tuple[str, ...]  # the Plan settings it takes; the others are refused by name
     plan_defaults: Mapping[str, object] = field(default_factory=dict)  # its own, under the flags
     resumable: bool = True
+    elastic: bool = False  # takes --checkpoint-dir/--checkpoint-every/--max-restarts
 
     @property
     def default_out(self) -> str:
@@ -52,6 +53,7 @@ RECIPES: dict[str, Recipe] = {
             summary="a small GPT-2 on bytes of text, under any Plan (dp, tp, pp, sp, ZeRO, offload, ...)",
             run="tessera.cli_train:train_gpt2_text",
             plan_fields=ALL_PLAN_FIELDS,
+            elastic=True,
         ),
         Recipe(
             name="rocbert-sentiment",
@@ -85,6 +87,20 @@ def add_train_parser(sub, positive_int) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--resume", action="store_true", help="continue the checkpoint in --out")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before the run is ended")
+    p.add_argument(
+        "--checkpoint-dir",
+        help="save checkpoints here while training and resume from the newest one there by itself",
+    )
+    p.add_argument(
+        "--checkpoint-every", type=positive_int, help="steps between checkpoints (with --checkpoint-dir)"
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="run under torchrun's elastic agent, which restarts every rank after a failure up to "
+        "this many times (needs --checkpoint-dir: a restart resumes from its newest checkpoint)",
+    )
     add_fields(p, PLAN, default_text={"dp": "--nproc / (tp x pp x sp)"})
     p.set_defaults(handler=cmd_train)
 
@@ -95,6 +111,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise UserError(f"unknown recipe {args.recipe!r}; available: {', '.join(RECIPES)}")
     settings = given(args, PLAN)
     _refuse_unused(recipe, settings, args.resume)
+    _check_elastic(recipe, args)
     plan = _plan(recipe, settings, args.nproc)
     out = Path(args.out or recipe.default_out)
     printed = recipe.handler()(args, plan, out)
@@ -117,6 +134,34 @@ def _refuse_unused(recipe: Recipe, settings: dict, resume: bool) -> None:
     raise UserError(
         f"recipe {recipe.name} takes {takes}; it does not take {', '.join(flags)} (they apply to {', '.join(takers)})"
     )
+
+
+def _check_elastic(recipe: Recipe, args: argparse.Namespace) -> None:
+    """The checkpoint and restart flags: taken by the elastic recipes, and consistent."""
+    from tessera.runtime.launch import check_restarts
+
+    flags = [
+        name
+        for name, value in (
+            ("--checkpoint-dir", args.checkpoint_dir),
+            ("--checkpoint-every", args.checkpoint_every),
+            ("--max-restarts", args.max_restarts or None),
+        )
+        if value is not None
+    ]
+    if flags and not recipe.elastic:
+        takers = ", ".join(r.name for r in RECIPES.values() if r.elastic)
+        raise UserError(f"recipe {recipe.name} does not take {', '.join(flags)} (they apply to {takers})")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    check_restarts(args.max_restarts, args.checkpoint_dir, "--checkpoint-dir")
+    if args.checkpoint_every is not None and args.checkpoint_dir is None:
+        raise UserError("--checkpoint-every needs --checkpoint-dir (where the checkpoints go)")
+    if args.checkpoint_dir is not None and args.resume:
+        raise UserError(
+            "--checkpoint-dir resumes by itself from its newest checkpoint; drop --resume "
+            "(which continues the final checkpoint in --out)"
+        )
 
 
 def _plan(recipe: Recipe, settings: dict, nproc: int):
@@ -228,10 +273,15 @@ def train_gpt2_text(args: argparse.Namespace, plan, out: Path) -> str:
     split, name = (plan.microbatches, "microbatches") if plan.pp > 1 else (plan.grad_accum, "grad_accum")
     if recipe.batch_size % (plan.dp * split):
         raise UserError(f"batch size {recipe.batch_size} does not split into dp={plan.dp} x {name}={split}")
-    if not args.resume and (out / "checkpoint").exists():
+    if not args.resume and (out / "checkpoint").exists() and args.checkpoint_dir is None:
         raise UserError(
             f"{out} already holds a checkpoint; pass --resume to continue it or choose another --out"
         )
+    if args.checkpoint_dir is not None:  # refused before any rank starts, with the numbers
+        from tessera.train.resume import check_directory
+
+        params = sum(p.numel() for p in gpt2_text.build_model(recipe).parameters())
+        check_directory(args.checkpoint_dir, params * 4 * 3)  # fp32 weights and AdamW's two states
     if args.resume:
         from tessera.train.checkpoint import read_config
         from tessera.train.sharded_checkpoint import FORMAT
@@ -245,8 +295,12 @@ def train_gpt2_text(args: argparse.Namespace, plan, out: Path) -> str:
         print(resumed_line(step, saved_plan(meta.get("plan")), plan, out / "checkpoint"), flush=True)
     peak = matmul_peak_flops()
     began = time.perf_counter()
-    call = (recipe, plan, str(out), args.resume, peak)
-    if args.nproc == 1:
+    call = (recipe, plan, str(out), args.resume, peak, args.checkpoint_dir, args.checkpoint_every)
+    if args.max_restarts:
+        from tessera.runtime.launch import elastic_run
+
+        summary = elastic_run(gpt2_text.train_rank, args.nproc, *call, max_restarts=args.max_restarts)
+    elif args.nproc == 1:
         summary = gpt2_text.train_rank(*call)
     else:
         summary = spawn(gpt2_text.train_rank, args.nproc, *call, timeout_s=args.timeout)[0]

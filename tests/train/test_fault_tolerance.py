@@ -204,3 +204,27 @@ def test_a_rank_that_stops_calling_collectives_fails_its_peers_by_name():
     message = info.value.message
     assert info.value.rank != 3 and message.startswith(f"CollectiveError: rank {info.value.rank}: ")
     assert re.search(rf"all_reduce over mesh axis '(dp|pp)' \(2 ranks\) {within}", message), message
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--max-restarts", "2"], "--max-restarts 2 needs --checkpoint-dir: a restarted job resumes"),
+        (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+        (["--checkpoint-dir", "{tmp}/ck", "--resume"], "--checkpoint-dir resumes by itself"),
+        (["--checkpoint-dir", "{tmp}/a-file/ck"], r"checkpoint directory .*a-file/ck is not writable"),
+    ],
+)
+def test_tessera_train_refuses_bad_checkpoint_flags_in_one_line(argv, message, tmp_path, capsys):
+    from tessera.cli import main
+
+    (tmp_path / "a-file").write_text("")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert main(["train", "--recipe", "gpt2-text", "--out", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and re.search(message, err), err
+    assert main(["train", "--recipe", "digits-dit", "--checkpoint-dir", str(tmp_path)]) == 2
+    assert (
+        "recipe digits-dit does not take --checkpoint-dir (they apply to gpt2-text)"
+        in capsys.readouterr().err
+    )

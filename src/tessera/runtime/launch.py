@@ -608,3 +608,57 @@ def torchrun_command(nproc: int | None, script: str, script_args: list[str], ext
     if not _rendezvous_given(ns):
         cmd.append("--standalone")  # before the user's flags: a "--" among them ends the options
     return [*cmd, *extra, script, *script_args]
+
+
+# ---- torchrun's elastic agent for a Python function (`tessera train --max-restarts`) -------
+
+
+def elastic_run(fn: Callable[..., Any], nproc: int, *args: Any, max_restarts: int) -> Any:
+    """Run ``fn(*args)`` in ``nproc`` local ranks under torchrun's elastic agent (its Python
+    entry, ``torch.distributed.launcher.api.elastic_launch``, as ``torchrun --standalone``
+    sets it up): a rank that dies or raises ends its peers, and the agent starts them all
+    again, up to ``max_restarts`` times; ``fn`` resumes by itself (from its checkpoints).
+    Returns rank 0's value; a failure after the last restart is a RankError."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.update(
+        LaunchArgs(
+            nproc=nproc,
+            torchrun_flags=(),
+            script="",
+            script_args=(),
+            script_is_file=False,
+            max_restarts=max_restarts,
+        ).worker_env()
+    )
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone
+        max_restarts=max_restarts,
+        start_method="spawn",
+    )
+    try:
+        values = elastic_launch(config, _elastic_rank)(fn, args)
+    except ChildFailedError as exc:
+        rank, failure = exc.get_first_failure()
+        raise RankError(
+            rank, f"exited with code {failure.exitcode} after {max_restarts} restart(s)"
+        ) from None
+    return values[0]
+
+
+def _elastic_rank(fn: Callable[..., Any], args: tuple) -> Any:
+    init_from_env()
+    try:
+        value = fn(*args)
+        dist.barrier()  # leave together: a peer torn down mid-collective can abort the process
+        return value
+    finally:
+        dist.destroy_process_group()

@@ -144,8 +144,19 @@ def write_log(path: Path, plan, log: list[dict], *, resumed_from: int | None) ->
     path.write_text(json.dumps(record, indent=2))
 
 
-def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matmul_peak: float) -> dict:
-    """One rank of a run (called under spawn or torchrun)."""
+def train_rank(
+    recipe: GPT2TextRecipe,
+    plan,
+    out: str | None,
+    resume: bool,
+    matmul_peak: float,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+) -> dict:
+    """One rank of a run (called under spawn or torchrun's agent). With ``checkpoint_dir`` it
+    resumes from the newest checkpoint there by itself (``tessera.train.resume_or_start``: a
+    restarted rank goes on from there; batch i is a function of i, so no sample is seen twice)
+    and saves every ``checkpoint_every`` steps in the background."""
     from tqdm.auto import tqdm
 
     from tessera.train.boost import boost, plan_mesh
@@ -159,10 +170,17 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
     inner = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(inner, warmup(recipe.warmup_steps))
     model, opt = boost(model, inner, plan, mesh)
-    first = 0
+    first, ckpt = 0, None
+    rank0 = torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
     if resume:
         first = load_sharded(model, opt, Path(out) / "checkpoint", scheduler=scheduler)["extra"]["step"]
-    rank0 = torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
+    elif checkpoint_dir is not None:
+        from tessera.train.resume import describe, resume_or_start
+
+        ckpt = resume_or_start(model, opt, checkpoint_dir, scheduler=scheduler, every=checkpoint_every)
+        first = ckpt.step
+        if rank0 and ckpt.resumed_from is not None:
+            print(describe(ckpt), flush=True)
     per_token = flops_per_token(params, recipe.n_layer, recipe.n_embd, recipe.seq)
     log = []
     began = time.perf_counter()
@@ -171,6 +189,8 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
     for step in bar:
         stats = opt.train_step(global_batch(recipe, step, text), causal_lm_loss)
         scheduler.step()
+        if ckpt is not None:
+            ckpt.maybe_save(step + 1)
         window_tokens += recipe.batch_size * recipe.seq
         if (step + 1) % recipe.log_every == 0 or step + 1 == recipe.steps:
             now = time.perf_counter()
@@ -192,6 +212,8 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
                 loss=f"{entry['loss']:.3f}", tok_s=f"{tokens_per_s:.0f}", mfu=f"{entry['mfu']:.1%}"
             )
             window_start, window_tokens = now, 0
+    if ckpt is not None:
+        ckpt.wait()
     seconds = time.perf_counter() - began
     if out is not None:
         save_sharded(
@@ -203,7 +225,8 @@ def train_rank(recipe: GPT2TextRecipe, plan, out: str | None, resume: bool, matm
         )
         save_hf(model, opt, Path(out) / "hf", is_writer=rank0, tokenizer=byte_tokenizer(recipe.seq))
         if rank0:
-            write_log(Path(out) / "train_log.json", plan, log, resumed_from=first if resume else None)
+            resumed = resume or (ckpt is not None and ckpt.resumed_from is not None)
+            write_log(Path(out) / "train_log.json", plan, log, resumed_from=first if resumed else None)
     return {
         "seconds": seconds,
         "steps_run": recipe.steps - first,

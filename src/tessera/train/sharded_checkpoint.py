@@ -429,7 +429,13 @@ def save_sharded(
             commit()
         _barrier()
         return path
-    future = dcp.async_save(entries, storage_writer=writer, planner=planner, process_group=process_group)
+    future = dcp.async_save(
+        entries,
+        storage_writer=writer,
+        planner=planner,
+        process_group=process_group,
+        no_dist=not dist.is_initialized(),
+    )
     future = getattr(future, "upload_completion", future)
     pending = PendingSave(path, commit if rank == 0 else None)
     future.add_done_callback(pending._finish)
