@@ -79,6 +79,10 @@ def _pipeline_rank(model_dir: str, args: dict, config):
 
     pipe = load_pipeline(model_dir, with_text_encoder=global_rank() == 0)
     pipe.set_progress_bar_config(disable=True)
+    if args.get("lora"):
+        from tessera.diffusion.lora import load_lora
+
+        load_lora(pipe, args["lora"], fuse=args.get("fuse_lora", False))
     height, width = _size(pipe, args)
     image = generate(
         pipe,
@@ -165,6 +169,8 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
             "parallel_vae",
             "vae_chunk_rows",
             "frames",
+            "lora",
+            "fuse_lora",
         )
     }
     # what the ranks would refuse, refused here on the weightless pipeline before any starts
@@ -182,6 +188,12 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
         from tessera.diffusion.pipelines import check_vae_split
 
         check_vae_split(meta, noise, args.nproc if args.parallel_vae else 1)
+    if args.fuse_lora and not args.lora:
+        raise ValueError("--fuse-lora merges a LoRA into the weights: give the LoRA with --lora DIR")
+    if args.lora:
+        from tessera.diffusion.lora import check_lora
+
+        check_lora(meta, args.lora)
     if args.nproc == 1:
         image = _pipeline_rank(str(args.model), job, config)
     else:
@@ -266,6 +278,10 @@ def add_generate_parser(sub, positive_int) -> None:
         type=positive_int,
         help="video frames (video pipelines: Wan takes 4k+1 with its VAE's 4x time compression)",
     )
+    p.add_argument(
+        "--lora", help="a LoRA saved by diffusers/peft (folder or .safetensors) for the transformer"
+    )
+    p.add_argument("--fuse-lora", action="store_true", help="merge the --lora update into the weights")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="grid.png", help="output PNG (a video: an animated .gif)")
     p.add_argument(
