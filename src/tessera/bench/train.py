@@ -321,9 +321,15 @@ def _headline(by: dict[str, dict]) -> dict:
                 continue
             for metric, key in (("tokens_per_s", "speeds"), ("peak_mem", "mems")):
                 column = "tokens_per_s" if metric == "tokens_per_s" else "peak_mib_per_rank"
+                name = f"zero{stage}_{metric}_vs_{base}"
+                if by[base][column] <= 0 or min(by[base][key]) <= 0:
+                    # a tiny (--quick) model's peak can stay within the baseline's resident set:
+                    # no ratio to give
+                    out[name] = out[name + "_range"] = None
+                    continue
                 ratios = [a / b for a, b in zip(by[variant][key], by[base][key], strict=True)]
-                out[f"zero{stage}_{metric}_vs_{base}"] = round(by[variant][column] / by[base][column], 3)
-                out[f"zero{stage}_{metric}_vs_{base}_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+                out[name] = round(by[variant][column] / by[base][column], 3)
+                out[name + "_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
     return out
 
 
