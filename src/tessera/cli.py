@@ -45,7 +45,11 @@ BENCHES = {
         "stencil",
         "moe",
     )
-} | {"dit": ("dit", "run_dit_bench", "plot_dit"), "kernels": ("kernels", "run_kernels_bench", "plot_kernels")}
+} | {
+    "dit": ("dit", "run_dit_bench", "plot_dit"),
+    "kernels": ("kernels", "run_kernels_bench", "plot_kernels"),
+    "dit-video": ("dit_video", "run_dit_video_bench", "plot_dit_video"),
+}
 
 
 def _dit_bench(args: argparse.Namespace):
