@@ -43,7 +43,7 @@ def latent(shape, seed=1):
 
 
 SMALL = (2, 4, 7, 6)  # 7 latent rows over 2 ranks: bands of 4 and 3; a batch of 2
-WIDE = ((32, 32, 32), (1, 4, 24, 24))  # the memory case: three levels, a 96 x 96 image
+WIDE = ((32, 32, 32), (1, 4, 16, 16))  # the memory case: three levels, a 64 x 64 image
 
 
 def _ranks(pipeline_dir):
@@ -207,4 +207,4 @@ def wan_vae():
 
 
 WAN_LATENT = (1, 4, 3, 7, 5)  # 3 latent frames (5 video frames) of 7 rows: bands of 4 and 3
-WAN_WIDE = (1, 4, 3, 24, 24)  # the memory case: 5 frames of 96 x 96
+WAN_WIDE = (1, 4, 3, 16, 16)  # the memory case: 5 frames of 64 x 64
