@@ -44,10 +44,12 @@ BENCHES = {
         "machine",
         "stencil",
         "moe",
+        "checkpoint",
     )
 } | {
     "dit": ("dit", "run_dit_bench", "plot_dit"),
     "kernels": ("kernels", "run_kernels_bench", "plot_kernels"),
+    "serve-generate": ("serve_generate", "run_serve_generate_bench", "plot_serve_generate"),
     "dit-video": ("dit_video", "run_dit_video_bench", "plot_dit_video"),
 }
 

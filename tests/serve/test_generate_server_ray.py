@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import io
-import socket
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -51,27 +47,6 @@ def reference(directory, prompt: str, seed: int):
                     seed=seed, config=ParallelConfig())  # fmt: skip
 
 
-@contextlib.contextmanager
-def serve_app(app):
-    """uvicorn with ``app`` on a free loopback port, in a thread; yields the base url."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
     async with httpx.AsyncClient(base_url=url, timeout=120) as client:
         return await asyncio.gather(*(client.post("/generate", json=b) for b in bodies))
@@ -79,7 +54,7 @@ async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
 
 def test_two_ray_replicas_serve_a_pipeline_as_tessera_generate_does(tmp_path):
     from tessera.serve.generate_ray import start_generate_ray
-    from tessera.serve.generate_server import GenerateServeConfig, generate_app
+    from tessera.serve.generate_server import GenerateServeConfig, generate_app, serve_in_thread
 
     torch.manual_seed(0)
     directory = build_pixart_pipeline(tmp_path / "pixart")
@@ -90,7 +65,7 @@ def test_two_ray_replicas_serve_a_pipeline_as_tessera_generate_does(tmp_path):
         status = serve.status().applications["tessera-generate"].deployments
         assert [d.replica_states.get("RUNNING") for d in status.values()] == [2]
         app = generate_app(config, service, metrics, replicas=2)
-        with serve_app(app) as url:
+        with serve_in_thread(app) as url:
             # two shapes (step counts): two batches, one per replica when both are free
             bodies = [{"prompt": "a red cat", "seed": 4, "steps": STEPS, "n": 2},
                       {"prompt": "a blue house", "seed": 9, "steps": STEPS + 1}]  # fmt: skip

@@ -19,6 +19,7 @@ def add_generate_flags(p: argparse.ArgumentParser, positive_int) -> None:
     g.add_argument("--max-images", type=positive_int, default=4, help="most images per request (OpenAI's n)")
     g.add_argument("--max-batch-images", type=positive_int, default=8,
                    help="most images batched together (requests of one size, step count and guidance)")  # fmt: skip
+    g.add_argument("--no-batching", action="store_true", help="one request per batch (the baseline)")
     g.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds before a request is given up (and its batch stopped); a request may ask less")  # fmt: skip
     g.add_argument("--max-restarts", type=positive_int, default=3,
@@ -32,7 +33,10 @@ def cmd_serve_generate(args: argparse.Namespace) -> None:
     from tessera.serve.generate_spec import Limits, parse_sizes
 
     limits = Limits(
-        max_steps=args.max_steps, max_images=args.max_images, max_batch_images=args.max_batch_images
+        max_steps=args.max_steps,
+        max_images=args.max_images,
+        max_batch_images=args.max_batch_images,
+        batching=not args.no_batching,
     )
     config = GenerateServeConfig(
         model=args.model, layout=build_layout(args), nproc=args.nproc, host=args.host, port=args.port,

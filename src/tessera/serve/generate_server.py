@@ -10,6 +10,7 @@ finish; a second signal stops at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -128,3 +129,30 @@ def run_generate_server(config: GenerateServeConfig, service=None, metrics=None,
         service.wait_idle(1.0)
         service.stop()
         sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def serve_in_thread(app, host: str = "127.0.0.1"):
+    """uvicorn serving ``app`` on a free port of ``host``, in a thread of this process (tests,
+    benchmarks); yields the base url."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind((host, 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the HTTP server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

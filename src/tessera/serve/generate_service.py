@@ -215,7 +215,7 @@ class GenerateService:
         """The oldest request and the later ones it can share a batch with (first-come)."""
         head = self.queue.popleft()
         chosen, images = [head], head.settings.images
-        for r in list(self.queue):
+        for r in list(self.queue) if self.limits.batching else []:
             if r.settings.shape_key == head.settings.shape_key:
                 if images + r.settings.images > self.limits.max_batch_images:
                     break

@@ -26,6 +26,7 @@ class Limits:
     max_images: int = 4  # images per request (OpenAI's n)
     max_batch_images: int = 8  # images the scheduler puts in one batch
     max_prompt_chars: int = 2000
+    batching: bool = True  # False: one request per batch (the baseline)
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "max_images", "max_batch_images", "max_prompt_chars"):
