@@ -62,13 +62,13 @@ def _generate_rank(model_dir: str, labels, config, steps: int, guidance: float, 
     return images if global_rank() == 0 else None
 
 
-WAN_DEFAULT_SIZE = (480, 832)  # WanPipeline.__call__'s defaults
-
-
 def _size(pipe, args: dict) -> tuple[int, int]:
     """(height, width) in pixels: as asked, else the pipeline's own default size."""
-    if type(pipe).__name__ == "WanPipeline":
-        return args["height"] or WAN_DEFAULT_SIZE[0], args["width"] or WAN_DEFAULT_SIZE[1]
+    from tessera.diffusion.pipeline_families import family_of
+
+    family = family_of(type(pipe).__name__)
+    if family.video:  # the video pipelines' __call__ defaults
+        return args["height"] or family.default_size[0], args["width"] or family.default_size[1]
     latent = getattr(pipe, "default_sample_size", None) or pipe.transformer.config.sample_size
     return args["height"] or latent * pipe.vae_scale_factor, args["width"] or latent * pipe.vae_scale_factor
 

@@ -173,6 +173,7 @@ class WanFamily(PixArtFamily):
     video = True
     max_sequence_length = 512  # WanPipeline.__call__'s defaults
     default_frames = 81
+    default_size = (480, 832)
 
     def vae_factor(self, pipe) -> int:
         return pipe.vae_scale_factor_spatial
@@ -243,7 +244,109 @@ class WanFamily(PixArtFamily):
         return list(pipe.video_processor.postprocess_video(decoded, output_type=output_type))
 
 
-FAMILIES = [PixArtFamily(), SD3Family(), FluxFamily(), WanFamily()]
+class LTXFamily(WanFamily):
+    """LTX-Video (LTXPipeline): like Wan, the latent is (1, C, F*H, W) to the samplers; the
+    pipeline's own latents are packed tokens, unpacked here."""
+
+    names = ("LTXPipeline",)
+    max_sequence_length = 128  # LTXPipeline.__call__'s defaults
+    default_frames = 161
+    default_size = (512, 704)
+    frame_rate = 25
+
+    def vae_factor(self, pipe) -> int:
+        return pipe.vae_spatial_compression_ratio
+
+    def size_multiple(self, pipe) -> int:
+        return 32  # LTXPipeline.check_inputs
+
+    def check(self, pipe, num_frames: int) -> None:
+        if pipe.vae.config.timestep_conditioning:
+            raise ValueError(
+                "LTXPipeline with a timestep-conditioned VAE (LTX-Video 0.9.1+, noise added before decoding) is "
+                "not supported; LTX-Video 0.9's is"
+            )
+        k = pipe.vae_temporal_compression_ratio
+        if num_frames < 1 or (num_frames - 1) % k:
+            below = max(1, (num_frames - 1) // k * k + 1)
+            raise ValueError(
+                f"--frames {num_frames}: this LTX VAE compresses time {k}x, so it takes {k}k+1 frames "
+                f"(e.g. {below} or {below + k})"
+            )
+
+    def latent_frames(self, pipe, num_frames: int) -> int:
+        return (num_frames - 1) // pipe.vae_temporal_compression_ratio + 1
+
+    def keys(self, cfg: bool) -> tuple[str, ...]:
+        keys = ("prompt_embeds", "prompt_attention_mask")
+        return keys + tuple(f"negative_{k}" for k in keys) if cfg else keys
+
+    def encode(self, pipe, prompt: str, negative_prompt: str, cfg: bool) -> dict[str, torch.Tensor]:
+        embeds, mask, neg, neg_mask = pipe.encode_prompt(
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            do_classifier_free_guidance=cfg,
+            max_sequence_length=self.max_sequence_length,
+            device=CPU,
+        )
+        out = {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+        return (
+            out | {"negative_prompt_embeds": neg, "negative_prompt_attention_mask": neg_mask} if cfg else out
+        )
+
+    def conditions(
+        self, pipe, text: dict, cfg: bool, height: int, width: int, guidance_scale: float, num_frames: int = 1
+    ):
+        t = pipe.transformer
+        s = pipe.vae_spatial_compression_ratio
+        shared = {
+            "latent_frames": torch.full(
+                [1], self.latent_frames(pipe, num_frames), dtype=torch.int64, device=t.device
+            ),
+            "rope_interpolation_scale": torch.tensor(
+                [[pipe.vae_temporal_compression_ratio / self.frame_rate, s, s]], device=t.device
+            ),
+        }
+
+        def branch(prefix: str) -> dict:
+            return {
+                "prompt_embeds": text[f"{prefix}prompt_embeds"].to(t.dtype),
+                "prompt_attention_mask": text[f"{prefix}prompt_attention_mask"],
+            } | shared
+
+        return branch(""), (branch("negative_") if cfg else None), guidance_scale if cfg else 1.0
+
+    def noise(self, pipe, height: int, width: int, seed: int, num_frames: int = 1) -> torch.Tensor:
+        t = pipe.transformer
+        packed = pipe.prepare_latents(
+            1, t.config.in_channels, height, width, num_frames, torch.float32, t.device, _generator(seed)
+        )
+        s = pipe.vae_spatial_compression_ratio
+        frames, h, w = self.latent_frames(pipe, num_frames), height // s, width // s
+        video = pipe._unpack_latents(packed, frames, h, w, 1, 1)
+        return video.reshape(1, video.shape[1], frames * h, w)
+
+    def scheduler_kwargs(self, pipe, noise: torch.Tensor, num_steps: int) -> dict[str, Any]:
+        tokens = noise.shape[2] * noise.shape[3]  # one token per latent pixel
+        return {
+            "sigmas": np.linspace(1.0, 1 / num_steps, num_steps),
+            "mu": _calculate_shift(pipe.scheduler, tokens, 1.15),
+        }
+
+    def vae_input(self, pipe, latents: torch.Tensor, num_frames: int = 1) -> torch.Tensor:
+        vae = pipe.vae
+        b, c, rows, w = latents.shape
+        frames = self.latent_frames(pipe, num_frames)
+        video = latents.reshape(b, c, frames, rows // frames, w)
+        return pipe._denormalize_latents(
+            video, vae.latents_mean, vae.latents_std, vae.config.scaling_factor
+        ).to(vae.dtype)
+
+    def decode(self, pipe, latents: torch.Tensor, **video) -> torch.Tensor:
+        return pipe.vae.decode(self.vae_input(pipe, latents, **video), None, return_dict=False)[0]
+
+
+FAMILIES = [PixArtFamily(), SD3Family(), FluxFamily(), WanFamily(), LTXFamily()]
 
 
 def family_of(class_name: str):

@@ -22,6 +22,6 @@ def adapter_for(model: nn.Module) -> Adapter:
         raise ValueError(
             f"no parallel method supports {type(model).__name__}; supported: tessera DiT, "
             "diffusers PixArtTransformer2DModel, SD3Transformer2DModel, FluxTransformer2DModel, "
-            "WanTransformer3DModel"
+            "WanTransformer3DModel, LTXVideoTransformer3DModel"
         )
     return adapter

@@ -13,6 +13,7 @@ def diffusers_adapter_for(model: nn.Module):
         return None
     from tessera.compat import check_versions
     from tessera.diffusion.adapters.flux import FluxAdapter
+    from tessera.diffusion.adapters.ltx import LTXAdapter
     from tessera.diffusion.adapters.pixart import PixArtAdapter
     from tessera.diffusion.adapters.sd3 import SD3Adapter
     from tessera.diffusion.adapters.wan import WanAdapter
@@ -22,6 +23,7 @@ def diffusers_adapter_for(model: nn.Module):
         (diffusers.SD3Transformer2DModel, SD3Adapter),
         (diffusers.FluxTransformer2DModel, FluxAdapter),
         (diffusers.WanTransformer3DModel, WanAdapter),
+        (diffusers.LTXVideoTransformer3DModel, LTXAdapter),
     ):
         if isinstance(model, cls):
             # the adapters follow the class's internals: a release they were not written for is refused
