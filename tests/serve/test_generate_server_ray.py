@@ -1,8 +1,9 @@
 """`tessera serve --task generate --ray --replicas 2`: two Ray Serve replicas of one rank each
 (a local Ray instance), each holding its own group with a tiny PixArt pipeline loaded once,
 behind the same HTTP app; the images equal the pipeline's own `tessera generate` run (one
-process) for the same prompt and seed. Also the pipeline-only refusals (a prompt too long
-for the text encoder, labels). Skipped, saying why, when Ray Serve cannot be imported."""
+process) for the same prompt and seed; a rank that raises in a replica is a 500 naming it,
+and the replica restarts its group. Also the pipeline-only refusals (a prompt too long for
+the text encoder, labels). Skipped, saying why, when Ray Serve cannot be imported."""
 
 from __future__ import annotations
 
@@ -35,16 +36,16 @@ def pixels(data) -> np.ndarray:
     return np.asarray(image, dtype=np.int16)
 
 
-def reference(directory, prompt: str, seed: int):
-    """The image `tessera generate --model DIR --prompt ... --seed S` makes (one process)."""
+def references(directory, prompt: str, seeds: list[int]) -> list:
+    """The images `tessera generate --model DIR --prompt ... --seed S` makes (one process)."""
     from tessera.diffusion.layout import ParallelConfig
     from tessera.diffusion.pipelines import generate, load_pipeline
 
     pipe = load_pipeline(directory)
     pipe.set_progress_bar_config(disable=True)
     size = pipe.transformer.config.sample_size * pipe.vae_scale_factor
-    return generate(pipe, prompt=prompt, height=size, width=size, num_steps=STEPS, guidance_scale=2.0,
-                    seed=seed, config=ParallelConfig())  # fmt: skip
+    return [generate(pipe, prompt=prompt, height=size, width=size, num_steps=STEPS, guidance_scale=2.0,
+                     seed=seed, config=ParallelConfig()) for seed in seeds]  # fmt: skip
 
 
 async def post_all(url: str, bodies: list[dict]) -> list[httpx.Response]:
@@ -75,13 +76,20 @@ def test_two_ray_replicas_serve_a_pipeline_as_tessera_generate_does(tmp_path):
             long = client.post("/generate", json={"prompt": " ".join(WORDS * 8)})
             labels = client.post("/generate", json={"prompt": "a cat", "labels": [1]})
             info = client.get("/info").json()
+            service.fault_drill = 0  # the next batch's rank 0 raises in its replica
+            raised = client.post("/generate", json={"prompt": "a red cat", "steps": STEPS})
+            after = client.post("/generate", json={"prompt": "a red cat", "steps": STEPS})
         assert info["replicas"] == 2 and info["kind"] == "text"
         assert long.status_code == 422 and "prompt: " in long.json()["error"]["message"]
         assert "tokens is more than the 120" in long.json()["error"]["message"]
         assert labels.status_code == 422 and labels.json()["error"]["param"] == "labels"
+        message = raised.json()["error"]["message"]
+        assert raised.status_code == 500 and "rank 0 failed: RuntimeError: fault drill" in message, message
+        assert after.status_code == 200, after.text
     finally:
         serve.shutdown()
         ray.shutdown()
     # image k of a request is `tessera generate --seed seed+k`; exact up to uint8 rounding
-    for k, image in enumerate(answers[0].json()["images"]):
-        assert abs(pixels(image) - pixels(reference(directory, "a red cat", 4 + k))).max() <= 1
+    served = answers[0].json()["images"]
+    for image, want in zip(served, references(directory, "a red cat", [4, 5]), strict=True):
+        assert abs(pixels(image) - pixels(want)).max() <= 1
