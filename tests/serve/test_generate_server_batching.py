@@ -1,0 +1,52 @@
+"""A batch of requests runs each request's images as that request alone would, for every
+pipeline family the server takes (PixArt, SD3, Flux): the rank's own batch runner
+(``generate_rank.PipelineModel.run``, what every rank of a server runs), in this process on
+one rank, parts with different prompts, negative prompts, image counts and seeds. The
+served path itself (over HTTP, several ranks) is tested in test_generate_server*.py.
+
+Tolerance: one uint8 level. The same computation at another batch size can round float32
+differently, which can move a pixel across a uint8 boundary, no more."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "diffusion"))  # the tiny pipelines' builders
+import tiny_pipelines  # noqa: E402
+
+from tessera.diffusion.layout import ParallelConfig  # noqa: E402
+from tessera.serve.generate_rank import Batch, Part, PipelineModel, Shared, StepHook  # noqa: E402
+
+
+def run(
+    model: PipelineModel, shared: Shared, parts: list[Part], batch_id: int, steps: int
+) -> list[np.ndarray]:
+    batch = Batch(id=batch_id, height=16, width=16, steps=steps, guidance=2.0, parts=tuple(parts))
+    images, hook = model.run(batch, lambda stepper: StepHook(stepper, shared, 0, batch_id))
+    assert (
+        len(hook.step_seconds) == steps - 1
+    )  # a step begun is recorded (the last is finished by the caller)
+    return [np.asarray(Image.open(io.BytesIO(png)), dtype=np.int16) for png in images]
+
+
+@pytest.mark.parametrize("family", ["pixart", "sd3", "flux"])
+def test_a_batch_equals_each_request_alone(family, tmp_path):
+    directory = getattr(tiny_pipelines, f"build_{family}_pipeline")(tmp_path / family)
+    config = ParallelConfig()
+    model = PipelineModel(str(directory), config, config.build_mesh())
+    shared = Shared.create(mp.get_context("spawn"), 1)
+    parts = [Part(request_id=1, seed=3, prompt="a red cat", count=2),
+             Part(request_id=2, seed=8, prompt="a blue house by the sea", negative_prompt="dog", count=1)]  # fmt: skip
+    together = run(model, shared, parts, 1, steps=3)
+    alone = [img for i, part in enumerate(parts) for img in run(model, shared, [part], 2 + i, steps=3)]
+    assert len(together) == len(alone) == 3
+    for got, want in zip(together, alone, strict=True):
+        assert abs(got - want).max() <= 1
+    assert abs(together[0] - together[1]).max() > 0  # image k of a part has its own seed (seed + k)
