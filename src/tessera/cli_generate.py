@@ -98,6 +98,7 @@ def _pipeline_rank(model_dir: str, args: dict, config):
         parallel_vae=args.get("parallel_vae", False),
         vae_chunk_rows=args.get("vae_chunk_rows"),
         num_frames=args.get("frames"),
+        num_images_per_prompt=args.get("images_per_prompt") or 1,
     )
     return image
 
@@ -171,6 +172,7 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
             "frames",
             "lora",
             "fuse_lora",
+            "images_per_prompt",
         )
     }
     # what the ranks would refuse, refused here on the weightless pipeline before any starts
@@ -188,6 +190,10 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
         from tessera.diffusion.pipelines import check_vae_split
 
         check_vae_split(meta, noise, args.nproc if args.parallel_vae else 1)
+    if video and (args.images_per_prompt or 1) > 1:
+        raise ValueError(
+            f"--images-per-prompt {args.images_per_prompt}: {type(meta).__name__} writes one video per run; drop it"
+        )
     if args.fuse_lora and not args.lora:
         raise ValueError("--fuse-lora merges a LoRA into the weights: give the LoRA with --lora DIR")
     if args.lora:
@@ -202,11 +208,27 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
     if video:
         save_gif(image, partial)
         what = f"a {len(image)}-frame {image[0].width}x{image[0].height} video"
+    elif isinstance(image, list):  # --images-per-prompt: the images side by side, one PNG
+        row = side_by_side(image)
+        row.save(partial, format="PNG")
+        what = f"{len(image)} {image[0].width}x{image[0].height} images side by side"
     else:
         image.save(partial, format="PNG")
         what = f"a {image.width}x{image.height} image"
     partial.replace(out)
     print(f"wrote {what} ({config.describe()}, {args.nproc} process(es)) to {out}")
+
+
+def side_by_side(images):
+    """One PIL image holding ``images`` left to right (seeds seed, seed+1, ...)."""
+    from PIL import Image
+
+    row = Image.new("RGB", (sum(i.width for i in images), max(i.height for i in images)))
+    x = 0
+    for image in images:
+        row.paste(image, (x, 0))
+        x += image.width
+    return row
 
 
 def save_gif(frames, path, fps: int = 16) -> None:
@@ -282,6 +304,11 @@ def add_generate_parser(sub, positive_int) -> None:
         "--lora", help="a LoRA saved by diffusers/peft (folder or .safetensors) for the transformer"
     )
     p.add_argument("--fuse-lora", action="store_true", help="merge the --lora update into the weights")
+    p.add_argument(
+        "--images-per-prompt",
+        type=positive_int,
+        help="images of the prompt in one batch, seeds --seed, --seed+1, ... (written side by side)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="grid.png", help="output PNG (a video: an animated .gif)")
     p.add_argument(

@@ -103,3 +103,17 @@ def test_batch_mistakes_are_named(pixart):
         generate(pipe, prompt=PROMPTS, num_images_per_prompt=2, seed=[1, 2, 3], **run)
     with pytest.raises(ValueError, match="num_images_per_prompt must be an integer >= 1, got 0"):
         generate(pipe, prompt="a cat", num_images_per_prompt=0, seed=0, **run)
+
+
+def test_cli_images_per_prompt(pixart, tmp_path, capsys):
+    from PIL import Image
+
+    from tessera import cli
+
+    out = tmp_path / "row.png"
+    args = ["generate", "--model", str(pixart), "--prompt", "a red cat", "--steps", "1", "--out", str(out)]
+    args += ["--height", "32", "--width", "24", "--images-per-prompt", "3", "--nproc", "2", "--ulysses", "2"]
+    assert cli.main(args) == 0
+    assert "wrote 3 24x32 images side by side (ulysses=2, 2 process(es))" in capsys.readouterr().out
+    with Image.open(out) as row:
+        assert row.size == (72, 32)
