@@ -89,6 +89,9 @@ def running_job(client, **body) -> int:
 def test_openai_client_gets_tessera_generates_images(server, dit_dir, tmp_path):
     import openai
 
+    from tessera.serve.commands import _is_generation_model
+
+    assert _is_generation_model(str(dit_dir))  # --task auto would serve it with generate too
     url, client, _ = server
     info = client.get("/info").json()
     assert (info["layout"], info["ranks"], info["sizes"], info["kind"]) == (

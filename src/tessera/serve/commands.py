@@ -110,7 +110,11 @@ def add_serve_parser(sub, positive_int) -> None:
     p.add_argument("--max-client-batch", type=positive_int, default=32, help="inputs per request")
     p.add_argument("--payload-limit", type=positive_int, default=2_000_000, help="request body bytes")
     p.add_argument("--overload-status", type=int, default=429, choices=[429, 503], help="full-queue status")
-    p.add_argument("--threads", type=positive_int, help="torch intra-op threads (default: torch's)")
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        help="torch intra-op threads (default: torch's; --task generate: 1 per rank)",
+    )
     p.add_argument(
         "--drain-timeout",
         dest="drain_timeout_s",

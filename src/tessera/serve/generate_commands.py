@@ -50,4 +50,10 @@ def cmd_serve_generate(args: argparse.Namespace) -> None:
         return run_generate_ray(config, replicas=args.replicas)
     if args.replicas != 1:
         raise ValueError(f"--replicas {args.replicas} needs --ray (one local server is one group of ranks)")
-    run_generate_server(config)
+    from tessera.cli_flags import UserError
+    from tessera.serve.generate_group import GroupError
+
+    try:
+        run_generate_server(config)
+    except GroupError as exc:  # a rank could not load the model: say which and why, in one line
+        raise UserError(f"the ranks could not start: {exc}") from None
