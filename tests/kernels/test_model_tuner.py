@@ -24,9 +24,10 @@ def test_machine_parameters(machine):
         tiles = machine.ukernel_flops[isa]
         assert len(tiles) == 2 * len(REGISTER_TILES[isa])
         # 50 ms measurements of the micro-kernels and of the peak, each of which a loaded machine
-        # can slow alone (one ran past 1.3 x the peak under 15 processes per core): the bounds
-        # only catch a unit or bookkeeping error (x1000, a zero), not performance
-        assert all(0 < r < 10 * machine.peak(1, isa) for t in tiles.values() for r in t.values())
+        # can slow alone (one ran past 1.3 x the peak, and past 10 x, under 15-40 processes on
+        # 2 cores): the bounds only catch a unit or bookkeeping error (a zero, x1000: 1e13 is
+        # 10 TFLOP/s, beyond any CPU core), not performance
+        assert all(0 < r < 1e13 for t in tiles.values() for r in t.values())
 
 
 def test_model_prefers_blocked_packed_schedules(machine):
