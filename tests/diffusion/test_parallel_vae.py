@@ -74,6 +74,7 @@ def _ranks(pipeline_dir):
     with TensorMemory() as mem:
         decode_rows(wan, latent(WAN_WIDE), VaeSplit(mesh=mesh))
     out["wan_peak"] = mem.peak
+    out["ltx"] = decode_rows(ltx_vae(), latent(LTX_LATENT), VaeSplit(mesh=mesh))
     # through generate: the saved PixArt pipeline, Ulysses over 2 ranks, the VAE split too
     pipe = load_pipeline(pipeline_dir, with_text_encoder=mesh.global_rank == 0)
     run = dict(prompt="a red cat", height=32, width=24, num_steps=2, guidance_scale=4.5, seed=3)
@@ -138,6 +139,11 @@ def test_parallel_decode_equals_serial(pixart):
     print(f"Wan VAE peak / serial, 2 ranks: {wan_ratios}")
     assert max(wan_ratios) <= 1.2 / 2, wan_ratios
 
+    # LTX-Video's 3-D VAE, rows split (no attention; depth-to-space upsampling is row-local)
+    with torch.no_grad():
+        serial_ltx = ltx_vae().decode(latent(LTX_LATENT), None).sample
+    assert relative_error(ranks[0]["ltx"], serial_ltx) < TOLERANCE
+
     # The pipeline's image with a split VAE equals the serial VAE's.
     pipe = load_pipeline(pixart)
     reference = generate(
@@ -166,7 +172,8 @@ def test_unknown_vae_class_is_refused_by_name():
         latent_channels=4,
     )
     with pytest.raises(
-        ValueError, match="VAE class AutoencoderTiny is not supported; supported: AutoencoderKL, AutoencoderKLWan"
+        ValueError,
+        match="VAE class AutoencoderTiny is not supported; supported: AutoencoderKL, AutoencoderKLWan, AutoencoderKLLTXVideo",
     ):
         decode_rows(vae, latent((1, 4, 4, 4)), VaeSplit())
     tiled = tiny_vae()
@@ -208,3 +215,17 @@ def wan_vae():
 
 WAN_LATENT = (1, 4, 3, 7, 5)  # 3 latent frames (5 video frames) of 7 rows: bands of 4 and 3
 WAN_WIDE = (1, 4, 3, 16, 16)  # the memory case: 5 frames of 64 x 64
+
+
+def ltx_vae():
+    from tiny_ltx import tiny_ltx_vae
+
+    torch.manual_seed(0)
+    vae = tiny_ltx_vae()
+    with torch.no_grad():
+        for p in vae.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return vae
+
+
+LTX_LATENT = (1, 8, 3, 7, 5)  # 3 latent frames of 7 rows: bands of 4 and 3

@@ -35,7 +35,7 @@ from torch import nn
 from tessera.diffusion.layout import split_rows
 from tessera.runtime.mesh import Mesh
 
-KNOWN_VAES = ("AutoencoderKL", "AutoencoderKLWan")  # the Wan VAE: vae_parallel_wan.py
+KNOWN_VAES = ("AutoencoderKL", "AutoencoderKLWan", "AutoencoderKLLTXVideo")  # video: vae_parallel_wan/_ltx.py
 
 
 def _refuse(what: str) -> None:
@@ -53,6 +53,10 @@ def check_vae(vae: nn.Module) -> None:
         from tessera.diffusion.vae_parallel_wan import check_wan_vae
 
         return check_wan_vae(vae)
+    if name == "AutoencoderKLLTXVideo":
+        from tessera.diffusion.vae_parallel_ltx import check_ltx_vae
+
+        return check_ltx_vae(vae)
     from diffusers.models.attention_processor import Attention
     from diffusers.models.resnet import ResnetBlock2D
     from diffusers.models.unets.unet_2d_blocks import UNetMidBlock2D, UpDecoderBlock2D
@@ -367,6 +371,10 @@ def decode_rows(vae: nn.Module, z: torch.Tensor, split: VaeSplit) -> torch.Tenso
         from tessera.diffusion.vae_parallel_wan import decode_rows_wan
 
         return decode_rows_wan(vae, z, split)
+    if type(vae).__name__ == "AutoencoderKLLTXVideo":
+        from tessera.diffusion.vae_parallel_ltx import decode_rows_ltx
+
+        return decode_rows_ltx(vae, z, split)
     n = split.size
     rows = z.shape[2]
     if rows < n:
