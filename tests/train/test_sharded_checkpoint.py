@@ -155,7 +155,7 @@ def test_load_into_other_plans_continues_the_same_training(tmp_path):
     """Saved at dp2 x tp2 (ZeRO-2), resumed at dp2 ZeRO-3, tp2 ZeRO-1 and dp2 x tp2 ZeRO-3: the
     next step gives the loss and parameters the original run got (fp32 rounding only)."""
     folder = tmp_path / "ckpt"
-    _, _, next_loss, full_after = spawn(_save_worker, 4, str(folder))[0]
+    _, _, next_loss, full_after, _ = spawn(_save_worker, 4, str(folder))[0]
     for plan_kwargs in (dict(dp=2, zero=3, chunk_mib=0.01), dict(tp=2, zero=1), dict(dp=2, tp=2, zero=3)):
         ranks = plan_kwargs.get("dp", 1) * plan_kwargs.get("tp", 1)
         loss, params = spawn(_continue_worker, ranks, str(folder), plan_kwargs)[0]
@@ -287,3 +287,49 @@ def test_a_checkpoint_plain_torch_wrote_loads_under_a_plan(tmp_path):
             for key, value in entry.items():
                 torch.testing.assert_close(optim["state"][i][key], value, rtol=0, atol=0, msg=f"{i} {key}")
         assert loss == pytest.approx(next_loss, rel=1e-5)  # tp sums in another order: fp32 rounding
+
+
+def _expert_worker(folder):
+    """Saved at dp2 x ep2 ZeRO-1 (each ep rank writes its own experts: dp rank 1 too), loaded
+    back at dp2 x ep2 ZeRO-3 and at dp2 ZeRO-2 without expert parallelism (ep 2 -> 1)."""
+    from tiny_moe import SEQ as MOE_SEQ
+    from tiny_moe import VOCAB as MOE_VOCAB
+    from tiny_moe import tiny_moe
+
+    def boosted(**plan):
+        model = tiny_moe("mixtral")
+        return tessera.boost(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4), tessera.Plan(**plan)
+        )
+
+    batch = torch.randint(0, MOE_VOCAB, (8, MOE_SEQ), generator=torch.Generator().manual_seed(4))
+    model, opt = boosted(dp=2, ep=2, zero=1)
+    opt.train_step(batch, causal_lm_loss)
+    sc.save_sharded(model, opt, folder)
+    saved = full_state_dict(model, opt), opt.state_dict()
+    loaded = []
+    for plan in (dict(dp=2, ep=2, zero=3, chunk_mib=0.01), dict(dp=2, zero=2)):
+        model, opt = boosted(**plan)
+        sc.load_sharded(model, opt, folder)
+        loaded.append((full_state_dict(model, opt), opt.state_dict()))
+    return saved, loaded
+
+
+def test_expert_parallel_checkpoints_reshard_across_ep_degrees(tmp_path):
+    from tiny_moe import tiny_moe
+
+    (want, want_optim), loaded = spawn(_expert_worker, 2, str(tmp_path / "ep"))[0]
+    model = tiny_moe("mixtral")
+    model, opt = tessera.boost(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4), tessera.Plan()
+    )
+    sc.load_sharded(model, opt, tmp_path / "ep")  # and in one process
+    loaded.append((full_state_dict(model, opt), opt.state_dict()))
+    for got, got_optim in loaded:
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=name)  # bit-exact
+        for i, entry in want_optim["state"].items():
+            for key, value in entry.items():
+                torch.testing.assert_close(
+                    got_optim["state"][i][key], value, rtol=0, atol=0, msg=f"{i} {key}"
+                )

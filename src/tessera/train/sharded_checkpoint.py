@@ -111,9 +111,12 @@ def _pieces(optimizer):
     names = {p: n for n, p in optimizer.model.named_parameters()}
     if hasattr(engine, "pieces"):  # a pipelined rank's stages (tessera.train.pipelined)
         return engine.pieces(names, mesh)
-    dp_rank = mesh.rank("dp")
     out = []
     for i, cg in enumerate(engine.groups):
+        # the chunk's replicas: dp ranks for dense chunks, edp ranks for expert chunks (their
+        # experts differ along ep: each ep rank writes its own, placed by its DTensor offset)
+        span = getattr(engine, "span", {}).get(cg)
+        dp_rank = span.rank if span is not None else mesh.rank("dp")
         for slot, p in zip(cg.chunk.slots, cg.params, strict=True):
             dim, tp_rank, _ = tp_layout(p, mesh)
             if dim is None and tp_rank != 0:
@@ -144,6 +147,17 @@ def _pieces(optimizer):
                         local = v.to_local() if hasattr(v, "to_local") else v
                         out.append((names[p], kind, local.detach().reshape(-1), 0, numel, local_shape))
     return out
+
+
+def _local_box(p: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(shape, offset) of this rank's local tensor of ``p`` within the whole parameter: a
+    DTensor's (tensor or expert parallel) as DTensor places it, the whole of a plain one."""
+    if not hasattr(p, "placements"):
+        return list(p.shape), [0] * p.dim()
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return list(shape), list(offset)
 
 
 def _per_element(value, like: torch.Tensor) -> bool:
@@ -223,13 +237,11 @@ def _boxes(model: nn.Module, optimizer) -> dict:
     with optimizer.engine.resident():  # offloaded chunks are in fast memory while copied
         for name, kind, flat, start, stop, local_shape in _pieces(optimizer):
             p = params[name]
-            dim, tp_rank, tp_size = tp_layout(p, optimizer.mesh)
+            _, origin = _local_box(p)
             keys = [MODEL + n for n in aliases[name]] if kind == "param" else [f"{STATE}{name}.{kind}"]
             for offsets, sizes, f in flat_boxes(start, stop, local_shape):
                 data = flat[f - start : f - start + math.prod(sizes)].view(sizes)
-                offsets = list(offsets)
-                if dim is not None:  # torch.chunk's split, as DTensor's Shard places pieces
-                    offsets[dim] += tp_rank * -(-p.shape[dim] // tp_size)
+                offsets = [o + g for o, g in zip(offsets, origin, strict=True)]  # in the whole parameter
                 for class_offsets, box in _class_boxes(name, offsets, data, degree, p.shape):
                     copy = box.detach().to("cpu", copy=True).contiguous()  # the snapshot
                     for key in keys:
@@ -603,8 +615,8 @@ def _place(name: str, p, request: dict, keys: list[str], degree, engine, mesh) -
         kind = "param" if key.startswith(MODEL) else key.rsplit(".", 1)[1]
         if degree is not None:
             full = gpt2_tensor_layout(name, full, degree, to_hf=False)
-        dim, tp_rank, tp_size = tp_layout(p, mesh)
-        local = full if dim is None else full.chunk(tp_size, dim=dim)[tp_rank]
+        shape, offset = _local_box(p)
+        local = full[tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))]
         engine.load_local(p, kind, local.to(_device(p)).contiguous(), scalars)
 
 
