@@ -1,16 +1,22 @@
 """`tessera bench fdia --quick` end to end: every attack and detector has a row, the
 headline figures exist, and the JSON, table and plot are written."""
 
+import dataclasses
 import json
 import math
 
 from tessera.apps.sil_fdia.attacks import KINDS
-from tessera.bench.fdia import plot_fdia, run_fdia_bench
+from tessera.bench.fdia import QUICK, plot_fdia, run_fdia_bench
 from tessera.bench.harness import write_results
+
+# smaller than --quick (every attack still has a scenario, every detector a score, the sweep
+# its three SNRs): the numbers are not the point here, the rows and files are
+TINY = dataclasses.replace(QUICK, num_lamps=2, scenarios_per_kind=1, listen_night_s=15.0, listen_day_s=5.0)
+TINY_SWEEP = {"snrs": (5.0, 10.0, 20.0), "clips": 2, "seconds": 10.0}
 
 
 def test_quick_fdia_bench(tmp_path):
-    result = run_fdia_bench(quick=True, progress=False)
+    result = run_fdia_bench(quick=True, progress=False, plan=TINY, sweep_plan=TINY_SWEEP)
     assert [row["attack"] for row in result.rows] == list(KINDS)
     for row in result.rows:
         for name in ("telemetry", "sound", "fused"):

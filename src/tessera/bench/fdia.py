@@ -66,12 +66,17 @@ def _rain_note(rain, intervals: int) -> str:
     )
 
 
-def run_fdia_bench(*, quick: bool, progress: bool = True) -> BenchResult:
-    plan = QUICK if quick else FULL
+def run_fdia_bench(
+    *, quick: bool, progress: bool = True, plan: ExperimentPlan | None = None, sweep_plan: dict | None = None
+) -> BenchResult:
+    """``plan`` and ``sweep_plan`` (``zap_sweep``'s arguments) replace the quick or full
+    sizes, e.g. a smaller run than ``--quick`` (the test suite's)."""
+    plan = plan or (QUICK if quick else FULL)
+    sweep_plan = sweep_plan or (SWEEP_QUICK if quick else SWEEP_FULL)
     began = time.perf_counter()
     exp = run_experiment(plan, progress=progress)
     detect_s = time.perf_counter() - began
-    sweep = zap_sweep(**(SWEEP_QUICK if quick else SWEEP_FULL))
+    sweep = zap_sweep(**sweep_plan)
     rows = []
     for kind, res in exp["results"].items():
         row = {"attack": kind, "magnitude": DEFAULTS[kind] if DEFAULTS[kind] is not None else "-"}
@@ -126,7 +131,7 @@ def run_fdia_bench(*, quick: bool, progress: bool = True) -> BenchResult:
         "fall when an attacker inflates a neighbour's counts)",
         "delay: minutes from the first changed report to the first alarm on that lamp; detected = share of attacked "
         "lamps alarmed before the attack ends (missed ones are not in the median)",
-        f"zap sweep: {sweep[0]['clips']} clips of {SWEEP_QUICK['seconds'] if quick else SWEEP_FULL['seconds']:g} s per SNR, "
+        f"zap sweep: {sweep[0]['clips']} clips of {sweep_plan['seconds']:g} s per SNR, "
         "a quarter in rain; F1 with a 10 ms tolerance; count error = mean |detected - true| / true per clip",
         f"experiment {detect_s:.0f} s, total {time.perf_counter() - began:.0f} s",
     ]
