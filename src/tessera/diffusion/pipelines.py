@@ -8,6 +8,7 @@ under any ParallelConfig; rank 0 decodes the latent with the VAE and returns the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,7 @@ def generate(
     vae_chunk_rows: int | None = None,
     num_frames: int | None = None,
     num_images_per_prompt: int = 1,
+    step_hook: Callable[[Any], Any] | None = None,
 ) -> Any:
     """The image for ``prompt`` on rank 0 (None on the other ranks).
 
@@ -181,6 +183,9 @@ def generate(
     convolutions run over chunks of that many output rows (a lower activation peak).
     ``num_frames``: a video pipeline's frame count; it returns the video's frames (a list of
     PIL images, or a (F, 3, H, W) tensor for ``output_type="pt"``).
+
+    ``step_hook``: called with the stepper, returns the one to sample with (a wrapper: the
+    generation server's progress and cancellation, tessera.serve.generate_rank.StepHook).
 
     Under PipeFusion each rank first frees the transformer blocks its stage never runs
     (``release_unused``; the memory saving PipeFusion exists for): the pipeline's
@@ -217,7 +222,7 @@ def generate(
         cond=cond,
         uncond=uncond,
         guidance_scale=scale,
-        stepper=stepper,
+        stepper=step_hook(stepper) if step_hook else stepper,
         noise=noise,
         config=config,
         mesh=mesh,
