@@ -1,5 +1,5 @@
 """A batch of requests runs each request's images as that request alone would, for every
-pipeline family the server takes (PixArt, SD3, Flux): the rank's own batch runner
+pipeline family the server takes (PixArt, SD3, Flux; Wan's videos): the rank's own batch runner
 (``generate_rank.PipelineModel.run``, what every rank of a server runs), in this process on
 one rank, parts with different prompts, negative prompts, image counts and seeds. The
 served path itself (over HTTP, several ranks) is tested in test_generate_server*.py.
@@ -20,25 +20,36 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "diffusion"))  # the tiny pipelines' builders
 import tiny_pipelines  # noqa: E402
+import tiny_wan  # noqa: E402
 
 from tessera.diffusion.layout import ParallelConfig  # noqa: E402
 from tessera.serve.generate_rank import Batch, Part, PipelineModel, Shared, StepHook  # noqa: E402
 
 
-def run(
-    model: PipelineModel, shared: Shared, parts: list[Part], batch_id: int, steps: int
-) -> list[np.ndarray]:
-    batch = Batch(id=batch_id, height=16, width=16, steps=steps, guidance=2.0, parts=tuple(parts))
+def decoded(data: bytes) -> np.ndarray:
+    """A PNG's pixels, or an animated GIF's frames stacked."""
+    image = Image.open(io.BytesIO(data))
+    frames = []
+    for k in range(getattr(image, "n_frames", 1)):
+        image.seek(k)
+        frames.append(np.asarray(image.convert("RGB"), dtype=np.int16))
+    return np.stack(frames)
+
+
+def run(model: PipelineModel, shared: Shared, parts: list[Part], batch_id: int, steps: int) -> list:
+    video = model.family.video
+    batch = Batch(id=batch_id, height=32 if video else 16, width=16, steps=steps, guidance=2.0,
+                  parts=tuple(parts), frames=5 if video else 0)  # fmt: skip
     images, hook = model.run(batch, lambda stepper: StepHook(stepper, shared, 0, batch_id))
-    assert (
-        len(hook.step_seconds) == steps - 1
-    )  # a step begun is recorded (the last is finished by the caller)
-    return [np.asarray(Image.open(io.BytesIO(png)), dtype=np.int16) for png in images]
+    # every step begun is recorded (the last one is closed by the caller)
+    assert len(hook.step_seconds) == steps - 1
+    return [decoded(data) for data in images]
 
 
-@pytest.mark.parametrize("family", ["pixart", "sd3", "flux"])
+@pytest.mark.parametrize("family", ["pixart", "sd3", "flux", "wan"])
 def test_a_batch_equals_each_request_alone(family, tmp_path):
-    directory = getattr(tiny_pipelines, f"build_{family}_pipeline")(tmp_path / family)
+    builders = tiny_wan if family == "wan" else tiny_pipelines
+    directory = getattr(builders, f"build_{family}_pipeline")(tmp_path / family)
     config = ParallelConfig()
     model = PipelineModel(str(directory), config, config.build_mesh())
     shared = Shared.create(mp.get_context("spawn"), 1)

@@ -82,6 +82,7 @@ class GenerateBody(_Strict):
     guidance: float = DEFAULT_GUIDANCE
     seed: int | None = Field(None, description="the first image's seed (random if absent); image k uses seed + k"
                                                " for a pipeline, as `tessera generate --seed` draws it")  # fmt: skip
+    frames: int | None = Field(None, description="video pipelines: frames (default: the pipeline's)")
     timeout_s: float | None = Field(
         None, description="seconds before the request is given up (server's limit)"
     )
@@ -103,7 +104,9 @@ def create_generate_app(service: GenerateService, metrics: GenerateMetrics, *, i
         field = next((str(p) for e in exc.errors() for p in e.get("loc", ()) if p != "body"), None)
         return _error(request.url.path, 422, validation_message(exc), field)
 
-    def settings(prompt, negative_prompt, labels, n, height, width, steps, guidance, seed) -> Settings:
+    def settings(
+        prompt, negative_prompt, labels, n, height, width, steps, guidance, seed, frames=None
+    ) -> Settings:
         if not 1 <= n <= limits.max_images:
             raise InputError("n", f"must be 1..{limits.max_images}, got {n}")
         if not 1 <= steps <= limits.max_steps:
@@ -147,12 +150,17 @@ def create_generate_app(service: GenerateService, metrics: GenerateMetrics, *, i
             raise InputError("prompt", "must not be empty")
         spec.check_prompt("prompt", prompt)
         spec.check_prompt("negative_prompt", negative_prompt or "")
-        return Settings(prompt=prompt, negative_prompt=negative_prompt or "", count=n, **common)
+        frames = spec.check_frames(frames, height, width)
+        return Settings(
+            prompt=prompt, negative_prompt=negative_prompt or "", count=n, frames=frames, **common
+        )
 
     def native_settings(body: GenerateBody) -> Settings:
         default_h, default_w = spec.default_size
+        if spec.kind == "class" and body.frames is not None:
+            raise InputError("frames", "this model makes images; frames are for video pipelines")
         return settings(body.prompt, body.negative_prompt, body.labels, body.n, body.height or default_h,
-                        body.width or default_w, body.steps, body.guidance, body.seed)  # fmt: skip
+                        body.width or default_w, body.steps, body.guidance, body.seed, body.frames)  # fmt: skip
 
     def check_timeout(timeout_s: float | None) -> float | None:
         if timeout_s is not None and not 0 < timeout_s <= service.request_timeout_s:
@@ -177,6 +185,10 @@ def create_generate_app(service: GenerateService, metrics: GenerateMetrics, *, i
     @app.post("/v1/images/generations", summary="Generate images (OpenAI Images API)")
     async def openai_images(body: OpenAIImageRequest, request: Request):
         def make():
+            if spec.video:
+                raise InputError(
+                    "model", "this server's model makes videos (animated GIFs): use POST /generate"
+                )
             if body.response_format == "url":
                 raise InputError("response_format", "only b64_json is served (no image store for urls)")
             height, width = spec.parse_size(body.size)
@@ -239,7 +251,8 @@ def create_generate_app(service: GenerateService, metrics: GenerateMetrics, *, i
     async def info_route():
         group = service.group
         return info | {
-            "model": spec.name, "kind": spec.kind, "sizes": spec.size_names(),
+            "model": spec.name, "kind": spec.kind, "sizes": spec.size_names(), "video": spec.video,
+            "default_frames": spec.default_frames or None,
             "num_classes": spec.num_classes or None, "token_limit": spec.token_limit or None,
             "layout": group.config.describe(), "ranks": group.world_size, "pids": group.pids,
             "max_queue": service.max_queue, "max_steps": limits.max_steps, "max_images": limits.max_images,
@@ -336,7 +349,9 @@ def _native(job: GenerationRequest, result: dict) -> dict:
     s = job.settings
     return {
         "id": job.id,
-        "images": [_b64(png) for png in result["images"]],
+        "images": [_b64(data) for data in result["images"]],
+        "format": "gif" if s.frames else "png",
+        "frames": s.frames or None,
         "seed": s.seed,
         "steps": s.steps,
         "height": s.height,

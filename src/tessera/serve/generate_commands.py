@@ -24,6 +24,10 @@ def add_generate_flags(p: argparse.ArgumentParser, positive_int) -> None:
                    help="seconds before a request is given up (and its batch stopped); a request may ask less")  # fmt: skip
     g.add_argument("--max-restarts", type=positive_int, default=3,
                    help="failed restarts of the group in a row before /health says unhealthy")  # fmt: skip
+    g.add_argument("--parallel-vae", action="store_true",
+                   help="pipelines: decode with the latent's rows split over every rank")  # fmt: skip
+    g.add_argument("--vae-chunk-rows", type=positive_int,
+                   help="pipelines: the VAE's convolutions over chunks of this many output rows (a lower peak)")  # fmt: skip
     add_fields(p, LAYOUT)
 
 
@@ -43,6 +47,7 @@ def cmd_serve_generate(args: argparse.Namespace) -> None:
         sizes=tuple(parse_sizes(args.sizes)) if args.sizes else (), limits=limits,
         max_queue=args.max_queue, request_timeout_s=args.request_timeout, payload_limit=args.payload_limit,
         threads=args.threads or 1, drain_timeout_s=args.drain_timeout_s, max_restarts=args.max_restarts,
+        parallel_vae=args.parallel_vae, vae_chunk_rows=args.vae_chunk_rows,
     )  # fmt: skip
     if args.ray:
         from tessera.serve.generate_ray import run_generate_ray

@@ -45,11 +45,13 @@ class RankGroup:
         load_timeout_s: float = 300.0,
         collective_timeout_s: float = 120.0,
         stop_grace_s: float = 30.0,
+        vae: dict | None = None,
     ):
         self.directory, self.config = directory, config
         self.world_size = config.world_size
         self.threads, self.load_timeout_s = threads, load_timeout_s
         self.collective_timeout_s, self.stop_grace_s = collective_timeout_s, stop_grace_s
+        self.vae = vae  # a pipeline's parallel_vae / vae_chunk_rows
         self.ctx = mp.get_context("spawn")
         self.procs: list = []
         self.pids: list[int] = []
@@ -71,7 +73,7 @@ class RankGroup:
             spec = _RankSpec(rank=rank, world_size=self.world_size, port=self.store.port,
                              backend=default_backend(), threads=self.threads,
                              collective_timeout_s=self.collective_timeout_s)  # fmt: skip
-            args = (spec, self.directory, self.config, self.tasks[rank], self.results, self.shared)
+            args = (spec, self.directory, self.config, self.tasks[rank], self.results, self.shared, self.vae)
             p = self.ctx.Process(target=rank_main, args=args, daemon=True, name=f"tessera-rank-{rank}")
             p.start()
             self.procs.append(p)

@@ -59,6 +59,7 @@ class Batch:
     steps: int
     guidance: float
     parts: tuple[Part, ...]
+    frames: int = 0  # a video pipeline's frame count (0: an image model)
     fail_on_rank: int | None = None  # tests: this rank raises instead of running (a fault drill)
 
     @property
@@ -154,6 +155,9 @@ class DiTModel:
         if config.method == "pipefusion" and config.pipefusion > 1:
             release_other_stages(self.model, config, mesh)  # each stage holds only its own blocks
 
+    def noise_shape(self, batch: Batch) -> tuple[int, ...]:
+        return (batch.images, self.model.config.in_channels, batch.height, batch.width)
+
     def run(self, batch: Batch, hook_for) -> tuple[list[bytes] | None, Any]:
         from PIL import Image
 
@@ -189,9 +193,12 @@ class DiTModel:
 
 
 class PipelineModel:
-    """A saved diffusers pipeline (text-conditioned); rank 0 alone holds the text encoder."""
+    """A saved diffusers pipeline (text-conditioned; images or videos), run by
+    ``tessera.diffusion.pipelines.generate`` as `tessera generate` runs it, one image per
+    (prompt, seed) of the batch; rank 0 alone holds the text encoder."""
 
-    def __init__(self, directory: str, config, mesh):
+    def __init__(self, directory: str, config, mesh, *, parallel_vae: bool = False,
+                 vae_chunk_rows: int | None = None):  # fmt: skip
         from tessera.diffusion.pipefusion import release_other_stages
         from tessera.diffusion.pipeline_families import family_of
         from tessera.diffusion.pipelines import load_pipeline
@@ -199,53 +206,57 @@ class PipelineModel:
         self.pipe = load_pipeline(directory, with_text_encoder=mesh.global_rank == 0)
         self.pipe.set_progress_bar_config(disable=True)
         self.family, self.config, self.mesh = family_of(type(self.pipe).__name__), config, mesh
+        self.parallel_vae, self.vae_chunk_rows = parallel_vae, vae_chunk_rows
         if config.method == "pipefusion" and mesh.size("pipefusion") > 1:
-            release_other_stages(self.pipe.transformer, config, mesh)
+            release_other_stages(self.pipe.transformer, config, mesh)  # once, for the server's life
 
-    @torch.no_grad()
+    def images(self, batch: Batch) -> tuple[list[str], list[str], list[int]]:
+        """One prompt, negative prompt and seed per image (image k of a part: seed + k)."""
+        rows = [(p.prompt, p.negative_prompt, p.seed + k) for p in batch.parts for k in range(p.count)]
+        return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+
     def run(self, batch: Batch, hook_for) -> tuple[list[bytes] | None, Any]:
-        from tessera.diffusion.parallel import parallel_denoise
-        from tessera.diffusion.pipelines import _broadcast_tensors, prepare_run
+        from tessera.diffusion.pipelines import generate
 
-        pipe, family, mesh = self.pipe, self.family, self.mesh
-        noises, stepper = [], None
-        for part in batch.parts:  # image k of a part is `tessera generate --seed seed+k`
-            for k in range(part.count):
-                noise, stepper_k = prepare_run(pipe, height=batch.height, width=batch.width,
-                                               num_steps=batch.steps, seed=part.seed + k, config=self.config)  # fmt: skip
-                noises.append(noise)
-                stepper = stepper or stepper_k
-        cfg = batch.guidance > 1.0 and family.classifier_free
-        encoded = None
-        if mesh.global_rank == 0:
-            per_part = [family.encode(pipe, p.prompt, p.negative_prompt, cfg) for p in batch.parts]
-            encoded = {key: torch.cat([e[key].repeat_interleave(p.count, dim=0)
-                                       for e, p in zip(per_part, batch.parts, strict=True)])
-                       for key in family.keys(cfg)}  # fmt: skip
-        device = pipe.transformer.device
-        text = {k: v.to(device) for k, v in _broadcast_tensors(mesh, encoded, family.keys(cfg)).items()}
-        cond, uncond, scale = family.conditions(pipe, text, cfg, batch.height, batch.width, batch.guidance)
-        hook = hook_for(stepper)
-        latents = parallel_denoise(
-            pipe.transformer,
-            cond=cond,
-            uncond=uncond,
-            guidance_scale=scale,
-            stepper=hook,
-            noise=torch.cat(noises),
-            config=self.config,
-            mesh=mesh,
-        )
-        if mesh.global_rank != 0:
-            return None, hook
-        images = pipe.image_processor.postprocess(family.decode(pipe, latents), output_type="pil")
-        return [png_bytes(image) for image in images], hook
+        prompts, negatives, seeds = self.images(batch)
+        hooks = []
+        out = generate(
+            self.pipe, prompt=prompts, negative_prompt=negatives, seed=seeds, height=batch.height,
+            width=batch.width, num_steps=batch.steps, guidance_scale=batch.guidance, config=self.config,
+            mesh=self.mesh, release_unused=False, parallel_vae=self.parallel_vae,
+            vae_chunk_rows=self.vae_chunk_rows, num_frames=batch.frames or None,
+            step_hook=lambda stepper: hooks.append(hook_for(stepper)) or hooks[-1],
+        )  # fmt: skip
+        if self.mesh.global_rank != 0:
+            return None, hooks[-1]
+        if self.family.video:
+            return [gif_bytes(frames) for frames in out], hooks[-1]
+        return [png_bytes(image) for image in out], hooks[-1]
+
+    def noise_shape(self, batch: Batch) -> tuple[int, ...]:
+        from tessera.diffusion.pipelines import prepare_run
+
+        noise, _ = prepare_run(self.pipe, height=batch.height, width=batch.width, num_steps=batch.steps,
+                               seed=self.images(batch)[2], config=self.config, num_frames=batch.frames or None)  # fmt: skip
+        return tuple(noise.shape)
 
 
-def load_model(directory: str, config, mesh):
+def gif_bytes(frames, fps: int = 16) -> bytes:
+    """A video's frames as a looping animated GIF (Wan 2.1 makes 16 frames a second)."""
+    buffer = io.BytesIO()
+    frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:], duration=round(1000 / fps),
+                   loop=0)  # fmt: skip
+    return buffer.getvalue()
+
+
+def load_model(directory: str, config, mesh, vae: dict | None = None):
+    """The model of ``directory`` on this rank; ``vae``: a pipeline's parallel_vae and
+    vae_chunk_rows (a DiT checkpoint has no VAE)."""
     from tessera.diffusion.pipelines import is_pipeline_dir
 
-    return (PipelineModel if is_pipeline_dir(directory) else DiTModel)(directory, config, mesh)
+    if is_pipeline_dir(directory):
+        return PipelineModel(directory, config, mesh, **(vae or {}))
+    return DiTModel(directory, config, mesh)
 
 
 @dataclass
@@ -287,24 +298,16 @@ def _drain_pipefusion(model, batch: Batch, mesh, config, stopped_at: int) -> Non
     if config.method != "pipefusion" or degree == 1 or stopped_at == 0 or mesh.rank(AXIS) != 0:
         return
     net = model.model if isinstance(model, DiTModel) else model.pipe.transformer
-    adapter = adapter_for(net)
-    p = adapter.patch_size
-    height, width = _latent_size(model, batch)
+    p = adapter_for(net).patch_size
+    images, channels, rows, width = model.noise_shape(batch)  # the sampler's latent: (B, C, rows, W)
     index = mesh.rank("ring") * mesh.size("ulysses") + mesh.rank("ulysses")
-    for r0, r1 in sub_bands(height // p, config.patches, config.sp, index):
-        scratch = torch.empty(batch.images, adapter.in_channels, (r1 - r0) * p, width, device=mesh.device,
+    for r0, r1 in sub_bands(rows // p, config.patches, config.sp, index):
+        scratch = torch.empty(images, channels, (r1 - r0) * p, width, device=mesh.device,
                               dtype=next(net.parameters()).dtype)  # fmt: skip
         mesh.comm.irecv(scratch, AXIS, src=degree - 1).wait()
 
 
-def _latent_size(model, batch: Batch) -> tuple[int, int]:
-    if isinstance(model, DiTModel):
-        return batch.height, batch.width
-    factor = model.pipe.vae_scale_factor
-    return batch.height // factor, batch.width // factor
-
-
-def rank_main(spec, directory: str, config, tasks, results, shared: Shared) -> None:
+def rank_main(spec, directory: str, config, tasks, results, shared: Shared, vae: dict | None = None) -> None:
     """A server rank's life: join the group, load, report ready, then serve batches until
     told to stop (None). Any failure is reported with its traceback, then the rank exits:
     its peers' collectives fail instead of waiting, and the server restarts the group."""
@@ -318,7 +321,7 @@ def rank_main(spec, directory: str, config, tasks, results, shared: Shared) -> N
     try:
         _join_group(spec)
         mesh = config.build_mesh()
-        model = load_model(directory, config, mesh)
+        model = load_model(directory, config, mesh, vae)
         results.put(("ready", rank, os.getpid()))
         while (task := tasks.get()) is not None:  # rank 0: the batch; the others: a wake-up
             batch = _receive_batch(mesh, task if rank == 0 else None)

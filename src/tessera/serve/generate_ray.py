@@ -29,7 +29,7 @@ def _replica_class():
     class GenerateReplica:
         def __init__(self, config):
             self.group = RankGroup(config.model, config.layout, threads=config.threads,
-                                   load_timeout_s=config.load_timeout_s).start()  # fmt: skip
+                                   load_timeout_s=config.load_timeout_s, vae=config.vae).start()  # fmt: skip
 
         async def run(self, batch: Batch) -> dict:
             stop = threading.Event()
@@ -108,7 +108,7 @@ def start_generate_ray(config, replicas: int):
     from tessera.serve.generate_service import GenerateService
     from tessera.serve.generate_spec import model_spec
 
-    spec = model_spec(config.model, config.layout, list(config.sizes) or None)  # refusals before Ray starts
+    spec = model_spec(config.model, config.layout, list(config.sizes) or None, config.vae, config.nproc)
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no telemetry
     if not ray.is_initialized():
         ray.init(include_dashboard=False, log_to_driver=False)

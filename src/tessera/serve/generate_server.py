@@ -40,6 +40,12 @@ class GenerateServeConfig:
     drain_timeout_s: float = 30.0
     load_timeout_s: float = 300.0
     max_restarts: int = 3
+    parallel_vae: bool = False  # pipelines: every rank decodes a band of the latent's rows
+    vae_chunk_rows: int | None = None  # pipelines: the VAE's convolutions over chunks of rows
+
+    @property
+    def vae(self) -> dict:
+        return {"parallel_vae": self.parallel_vae, "vae_chunk_rows": self.vae_chunk_rows}
 
     def __post_init__(self) -> None:
         from tessera.diffusion.layout import ParallelConfig
@@ -61,9 +67,13 @@ class GenerateServeConfig:
 
 def build_generate_service(config: GenerateServeConfig, metrics: GenerateMetrics | None = None):
     """(service started, metrics): the spec checked, the group of ranks loaded."""
-    spec = model_spec(config.model, config.layout, list(config.sizes) or None)
+    spec = model_spec(config.model, config.layout, list(config.sizes) or None, config.vae, config.nproc)
     group = RankGroup(
-        config.model, config.layout, threads=config.threads, load_timeout_s=config.load_timeout_s
+        config.model,
+        config.layout,
+        threads=config.threads,
+        load_timeout_s=config.load_timeout_s,
+        vae=config.vae,
     )
     metrics = metrics or GenerateMetrics()
     service = GenerateService(spec, group, limits=config.limits, max_queue=config.max_queue,

@@ -60,6 +60,7 @@ class Settings:
     prompt: str = ""  # text-conditioned pipelines
     negative_prompt: str = ""
     count: int = 1
+    frames: int = 0  # video pipelines: the frame count (0: an image model)
 
     @property
     def images(self) -> int:
@@ -68,7 +69,7 @@ class Settings:
     @property
     def shape_key(self) -> tuple:
         """Requests with the same key can share a batch."""
-        return (self.height, self.width, self.steps, self.guidance)
+        return (self.height, self.width, self.steps, self.guidance, self.frames)
 
 
 @dataclass(eq=False)
@@ -266,7 +267,7 @@ class GenerateService:
                            prompt=r.settings.prompt, negative_prompt=r.settings.negative_prompt,
                            count=r.settings.count) for r in requests)  # fmt: skip
         batch = Batch(id=next(_batch_ids), height=s.height, width=s.width, steps=s.steps,
-                      guidance=s.guidance, parts=parts, fail_on_rank=self.fault_drill)  # fmt: skip
+                      guidance=s.guidance, parts=parts, frames=s.frames, fail_on_rank=self.fault_drill)  # fmt: skip
         self.fault_drill = None
         began = time.monotonic()
         for r in requests:

@@ -52,6 +52,30 @@ class ModelSpec:
     num_classes: int = 0
     token_limit: int = 0
     tokenizer: object | None = None
+    default_frames: int = 0  # a video pipeline's (0: the model makes images)
+    meta: object | None = None  # the pipeline without weights: a video request's frames are checked on it
+    config: object | None = None  # the layout
+
+    @property
+    def video(self) -> bool:
+        return self.default_frames > 0
+
+    def check_frames(self, frames: int | None, height: int, width: int) -> int:
+        """A video request's frame count (default: the pipeline's), checked as the ranks would
+        check it; an image model takes none."""
+        if not self.video:
+            if frames is not None:
+                raise InputError("frames", "this model makes images; frames are for video pipelines")
+            return 0
+        from tessera.diffusion.pipelines import prepare_run
+
+        frames = frames or self.default_frames
+        try:
+            prepare_run(self.meta, height=height, width=width, num_steps=1, seed=0, config=self.config,
+                        num_frames=frames)  # fmt: skip
+        except ValueError as exc:
+            raise InputError("frames", str(exc)) from None
+        return frames
 
     @property
     def default_size(self) -> tuple[int, int]:
@@ -103,14 +127,19 @@ class ModelSpec:
             )
 
 
-def model_spec(directory: str, config, sizes: list[tuple[int, int]] | None = None) -> ModelSpec:
+def model_spec(directory: str, config, sizes: list[tuple[int, int]] | None = None, vae: dict | None = None,
+               ranks: int = 1) -> ModelSpec:  # fmt: skip
     """The spec of the model in ``directory`` under ``config``; every size is checked as the
-    ranks would check it (``check_layout``), so a size the layout cannot split is refused at
-    start-up, not per request."""
+    ranks would check it (``check_layout``; a parallel or chunked VAE decode: ``vae``), so a
+    size the layout cannot split is refused at start-up, not per request."""
     from tessera.diffusion.pipelines import is_pipeline_dir
 
     if is_pipeline_dir(directory):
-        return _pipeline_spec(directory, config, sizes)
+        return _pipeline_spec(directory, config, sizes, vae or {}, ranks)
+    given = [f"--{k.replace('_', '-')}" for k, v in (vae or {}).items() if v]
+    if given:
+        raise ValueError(f"{' and '.join(given)}: {directory} is a Tessera DiT checkpoint, which has no VAE "
+                         "(it samples pixels); drop them")  # fmt: skip
     return _dit_spec(directory, config, sizes)
 
 
@@ -129,25 +158,32 @@ def _dit_spec(directory: str, config, sizes) -> ModelSpec:
                      num_classes=model.config.num_classes)  # fmt: skip
 
 
-def _pipeline_spec(directory: str, config, sizes) -> ModelSpec:
+def _pipeline_spec(directory: str, config, sizes, vae: dict, ranks: int) -> ModelSpec:
     from transformers import AutoTokenizer
 
-    from tessera.diffusion.pipelines import meta_pipeline, prepare_run
+    from tessera.diffusion.pipeline_families import family_of
+    from tessera.diffusion.pipelines import check_vae_split, meta_pipeline, prepare_run
 
     meta = meta_pipeline(directory)
-    latent = getattr(meta, "default_sample_size", None) or meta.transformer.config.sample_size
-    default = (latent * meta.vae_scale_factor,) * 2
+    family = family_of(type(meta).__name__)
+    if family.video:  # the video pipelines' __call__ defaults
+        default = tuple(family.default_size)
+    else:
+        latent = getattr(meta, "default_sample_size", None) or meta.transformer.config.sample_size
+        default = (latent * meta.vae_scale_factor,) * 2
     chosen = tuple(sizes) if sizes else (default,)
     for height, width in chosen:
         try:
-            prepare_run(meta, height=height, width=width, num_steps=1, seed=0, config=config)
+            noise, _ = prepare_run(meta, height=height, width=width, num_steps=1, seed=0, config=config)
+            if vae.get("parallel_vae") or vae.get("vae_chunk_rows"):
+                check_vae_split(meta, noise, ranks if vae.get("parallel_vae") else 1)
         except ValueError as exc:
             raise ValueError(f"size {width}x{height}: {exc}") from None
     name = type(meta).__name__
     tokenizer = AutoTokenizer.from_pretrained(Path(directory) / "tokenizer")
     limit = min(_TOKEN_LIMITS.get(name, 77), tokenizer.model_max_length)
-    return ModelSpec(name=Path(directory).name, kind="text", sizes=chosen, token_limit=limit,
-                     tokenizer=tokenizer)  # fmt: skip
+    return ModelSpec(name=Path(directory).name, kind="text", sizes=chosen, token_limit=limit, tokenizer=tokenizer,
+                     default_frames=family.default_frames if family.video else 0, meta=meta, config=config)  # fmt: skip
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
