@@ -30,7 +30,9 @@ of one machine: emulation is for single-machine runs.
 A call that fails or does not complete within ``Comm.timeout_s`` (default: the variable
 TESSERA_COLLECTIVE_TIMEOUT_S, else the process group's own timeout) raises a
 ``CollectiveError`` naming this rank, the operation and the mesh axis: a peer that stopped
-calling collectives or died ends the job with an error, never a silent wait.
+calling collectives or died ends the job with an error, never a silent wait. (With NCCL a
+timeout makes each wait hold the host until the collective ends; without one, a wait only
+orders the stream, as torch's synchronous calls do.)
 """
 
 from __future__ import annotations
