@@ -46,12 +46,14 @@ def run(model: PipelineModel, shared: Shared, parts: list[Part], batch_id: int, 
     return [decoded(data) for data in images]
 
 
-@pytest.mark.parametrize("family", ["pixart", "sd3", "flux", "wan"])
+@pytest.mark.parametrize("family", ["pixart", "sd3", "flux", "wan", "pixart-vae-chunks"])
 def test_a_batch_equals_each_request_alone(family, tmp_path):
-    builders = tiny_wan if family == "wan" else tiny_pipelines
-    directory = getattr(builders, f"build_{family}_pipeline")(tmp_path / family)
+    name, _, chunked = family.partition("-")
+    builders = tiny_wan if name == "wan" else tiny_pipelines
+    directory = getattr(builders, f"build_{name}_pipeline")(tmp_path / name)
     config = ParallelConfig()
-    model = PipelineModel(str(directory), config, config.build_mesh())
+    vae = {"vae_chunk_rows": 4} if chunked else {}  # the server's --vae-chunk-rows reaches the decode
+    model = PipelineModel(str(directory), config, config.build_mesh(), **vae)
     shared = Shared.create(mp.get_context("spawn"), 1)
     parts = [Part(request_id=1, seed=3, prompt="a red cat", count=2),
              Part(request_id=2, seed=8, prompt="a blue house by the sea", negative_prompt="dog", count=1)]  # fmt: skip
