@@ -39,9 +39,10 @@ class Limits:
             )
 
 
-# the prompt length each family's pipeline encodes (its encode_prompt default): longer is refused
+# the prompt length each family's pipeline encodes (its encode_prompt default; SD3 and Flux: their
+# CLIP tokenizer's 77, past which CLIP drops the rest): longer is refused, not silently cut
 _TOKEN_LIMITS = {"PixArtAlphaPipeline": 120, "PixArtSigmaPipeline": 300, "StableDiffusion3Pipeline": 77,
-                 "FluxPipeline": 77}  # fmt: skip
+                 "FluxPipeline": 77, "WanPipeline": 226, "LTXPipeline": 128}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
