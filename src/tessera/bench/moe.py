@@ -56,7 +56,7 @@ class MoeBenchConfig:
     seq: int = 128
     global_batch: int = 8
     warmup: int = 2
-    steps: int = 10
+    steps: int = 16
     repeats: int = 3
     aux_coef: float = 0.02  # router_aux_loss_coef (Mixtral's default is 0.001; larger to show it)
 
