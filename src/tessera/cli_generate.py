@@ -189,7 +189,7 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
     if args.parallel_vae or args.vae_chunk_rows:
         from tessera.diffusion.pipelines import check_vae_split
 
-        check_vae_split(meta, noise, args.nproc if args.parallel_vae else 1)
+        check_vae_split(meta, noise, args.nproc if args.parallel_vae else 1, num_frames=args.frames)
     if video and (args.images_per_prompt or 1) > 1:
         raise ValueError(
             f"--images-per-prompt {args.images_per_prompt}: {type(meta).__name__} writes one video per run; drop it"

@@ -149,6 +149,11 @@ def test_generate_equals_the_pipeline_and_writes_a_gif(wan, tmp_path, capsys):
     )
     assert cli.main(bad[:-2] + ["--frames", "5", "--out", str(tmp_path / "video.png")]) == 2
     assert "must end in .gif" in capsys.readouterr().err
+    # the VAE splits each frame's rows: 3 latent frames of 2 rows cannot go over 3 ranks
+    from tessera.diffusion.pipelines import check_vae_split, meta_pipeline
+
+    with pytest.raises(ValueError, match="a latent of 2 rows cannot be split over 3 ranks"):
+        check_vae_split(meta_pipeline(wan), torch.zeros(1, 4, 3 * 2, 4), 3, num_frames=5)
 
 
 def test_frames_on_an_image_pipeline_are_refused(tmp_path, capsys):

@@ -203,7 +203,7 @@ def generate(
         num_frames=num_frames,
     )
     if parallel_vae or vae_chunk_rows:
-        check_vae_split(pipe, noise, mesh.size() if parallel_vae else 1)
+        check_vae_split(pipe, noise, mesh.size() if parallel_vae else 1, num_frames=num_frames)
     family, device = family_of(type(pipe).__name__), pipe.transformer.device
     if release_unused and config.method == "pipefusion" and mesh.size("pipefusion") > 1:
         release_other_stages(pipe.transformer, config, mesh)
@@ -274,16 +274,21 @@ def _batched(cond: dict[str, torch.Tensor], batch: int) -> dict[str, torch.Tenso
     return {k: v.expand(batch, *v.shape[1:]) if v.shape[0] == 1 and batch > 1 else v for k, v in cond.items()}
 
 
-def check_vae_split(pipe, noise: torch.Tensor, ranks: int) -> None:
+def check_vae_split(pipe, noise: torch.Tensor, ranks: int, *, num_frames: int | None = None) -> None:
     """What a parallel or chunked VAE decode of this run would refuse (the VAE's class and
-    configuration, a latent with fewer rows than ranks), before anything runs."""
+    configuration, a latent with fewer rows than ranks), before anything runs. A video's
+    noise holds frame x row rows: its frames' own rows are what the VAE splits."""
     from tessera.diffusion.vae_parallel import check_vae
 
     check_vae(pipe.vae)
-    if noise.shape[-2] < ranks:
+    family = family_of(type(pipe).__name__)
+    rows = noise.shape[-2]
+    if family.video:
+        rows //= family.latent_frames(pipe, num_frames or family.default_frames)
+    if rows < ranks:
         raise ValueError(
-            f"--parallel-vae: a latent of {noise.shape[-2]} rows cannot be split over {ranks} ranks; "
-            f"use at most {noise.shape[-2]} processes or decode serially"
+            f"--parallel-vae: a latent of {rows} rows cannot be split over {ranks} ranks; "
+            f"use at most {rows} processes or decode serially"
         )
 
 
