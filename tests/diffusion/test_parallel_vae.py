@@ -229,3 +229,27 @@ def ltx_vae():
 
 
 LTX_LATENT = (1, 8, 3, 7, 5)  # 3 latent frames of 7 rows: bands of 4 and 3
+
+
+def _four_ranks():
+    from tessera.runtime.mesh import Mesh
+
+    mesh = Mesh(vae=4)  # 7 latent rows: bands of 2, 2, 2 and 1 (a one-row band still gives its halo)
+    return {
+        "kl": decode_rows(tiny_vae(), latent(SMALL), VaeSplit(mesh=mesh, chunk_rows=3)),
+        "wan": decode_rows(wan_vae(), latent(WAN_LATENT), VaeSplit(mesh=mesh)),
+        "ltx": decode_rows(ltx_vae(), latent(LTX_LATENT), VaeSplit(mesh=mesh)),
+    }
+
+
+def test_four_ranks_with_a_one_row_band():
+    with torch.no_grad():
+        serial = {
+            "kl": tiny_vae().decode(latent(SMALL)).sample,
+            "wan": wan_vae().decode(latent(WAN_LATENT)).sample,
+            "ltx": ltx_vae().decode(latent(LTX_LATENT), None).sample,
+        }
+    ranks = spawn(_four_ranks, 4, timeout_s=300)
+    assert all(v is None for r in ranks[1:] for v in r.values())
+    for name, expected in serial.items():
+        assert relative_error(ranks[0][name], expected) < TOLERANCE, name
