@@ -63,3 +63,18 @@ def test_a_batch_equals_each_request_alone(family, tmp_path):
     for got, want in zip(together, alone, strict=True):
         assert abs(got - want).max() <= 1
     assert abs(together[0] - together[1]).max() > 0  # image k of a part has its own seed (seed + k)
+
+
+def test_a_video_request_is_checked_in_the_server_process(tmp_path):
+    """Frames the pipeline (or the layout, or the VAE split) cannot take are a 422 naming
+    frames before anything reaches the ranks; an image model takes no frames."""
+    from tessera.serve.generate_spec import InputError, model_spec
+
+    directory = tiny_wan.build_wan_pipeline(tmp_path / "wan")
+    spec = model_spec(str(directory), ParallelConfig(ulysses=2), [(32, 16)], {"parallel_vae": True}, ranks=2)
+    assert spec.video and spec.check_frames(5, 32, 16) == 5 and spec.check_frames(None, 32, 16) == 81
+    with pytest.raises(InputError, match="^frames: .*2k\\+1 frames"):
+        spec.check_frames(4, 32, 16)
+    image = model_spec(str(tiny_pipelines.build_pixart_pipeline(tmp_path / "pixart")), ParallelConfig())
+    with pytest.raises(InputError, match="^frames: this model makes images"):
+        image.check_frames(5, 16, 16)

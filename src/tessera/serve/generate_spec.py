@@ -56,6 +56,8 @@ class ModelSpec:
     default_frames: int = 0  # a video pipeline's (0: the model makes images)
     meta: object | None = None  # the pipeline without weights: a video request's frames are checked on it
     config: object | None = None  # the layout
+    vae: dict | None = None  # parallel_vae / vae_chunk_rows: a video's frames are checked against them too
+    ranks: int = 1
 
     @property
     def video(self) -> bool:
@@ -68,12 +70,17 @@ class ModelSpec:
             if frames is not None:
                 raise InputError("frames", "this model makes images; frames are for video pipelines")
             return 0
-        from tessera.diffusion.pipelines import prepare_run
+        from tessera.diffusion.pipelines import check_vae_split, prepare_run
 
         frames = frames or self.default_frames
+        vae = self.vae or {}
         try:
-            prepare_run(self.meta, height=height, width=width, num_steps=1, seed=0, config=self.config,
-                        num_frames=frames)  # fmt: skip
+            noise, _ = prepare_run(self.meta, height=height, width=width, num_steps=1, seed=0, config=self.config,
+                                   num_frames=frames)  # fmt: skip
+            if vae.get("parallel_vae") or vae.get("vae_chunk_rows"):
+                check_vae_split(
+                    self.meta, noise, self.ranks if vae.get("parallel_vae") else 1, num_frames=frames
+                )
         except ValueError as exc:
             raise InputError("frames", str(exc)) from None
         return frames
@@ -184,7 +191,8 @@ def _pipeline_spec(directory: str, config, sizes, vae: dict, ranks: int) -> Mode
     tokenizer = AutoTokenizer.from_pretrained(Path(directory) / "tokenizer")
     limit = min(_TOKEN_LIMITS.get(name, 77), tokenizer.model_max_length)
     return ModelSpec(name=Path(directory).name, kind="text", sizes=chosen, token_limit=limit, tokenizer=tokenizer,
-                     default_frames=family.default_frames if family.video else 0, meta=meta, config=config)  # fmt: skip
+                     default_frames=family.default_frames if family.video else 0, meta=meta, config=config,
+                     vae=vae, ranks=ranks)  # fmt: skip
 
 
 def parse_sizes(text: str) -> list[tuple[int, int]]:
