@@ -48,3 +48,19 @@ def test_settings_that_cannot_work_are_refused_before_the_model_loads(tmp_path, 
     err = _error_of(capsys, [*serve, "--memory-plan", "--scheduler", "fifo_padded"])
     assert "the memory plan is the unpadded runner's; runner is padded" in err
     assert loads == []
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--task", "embed", "--nproc", "2", "--ulysses", "2"], "--nproc, --ulysses are read by generation"),
+        (["--task", "classify", "--parallel-vae"], "--parallel-vae is read by generation"),
+        (["--task", "generate", "--pooling", "cls", "--max-batch-size", "4"], "--pooling, --max-batch-size are read by encoders"),
+    ],
+)
+def test_a_flag_the_task_does_not_read_is_refused(capsys, loads, tmp_path, argv, named):
+    """serve's encoder flags given to generation (and generation's to an encoder) would be
+    ignored: refused in one line before anything loads."""
+    err = _error_of(capsys, ["serve", "--model", str(tmp_path), "--port", "0", *argv])
+    assert named in err and str(tmp_path) in err, err
+    assert loads == []

@@ -26,7 +26,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
             "give --model DIR: a folder written by save_pretrained with its tokenizer "
             "(tessera serve --make-example-model DIR writes one to try)"
         )
-    if args.task == "generate" or (args.task == "auto" and _is_generation_model(args.model)):
+    generating = args.task == "generate" or (args.task == "auto" and _is_generation_model(args.model))
+    _refuse_other_task(args, generating)
+    if generating:
         from tessera.serve.generate_commands import cmd_serve_generate
 
         return cmd_serve_generate(args)
@@ -40,6 +42,36 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.replicas != 1:
         raise ValueError(f"--replicas {args.replicas} needs --ray (one local server is one engine)")
     run_server(config)
+
+
+# flags (by dest) that only one task reads; given to the other they would be ignored
+ENCODER_ONLY = (
+    "pooling", "scheduler", "runner", "attention", "memory_plan", "max_batch_tokens", "max_batch_size",
+    "max_client_batch", "overload_status", "cost_table",
+)  # fmt: skip
+GENERATE_ONLY = (
+    "nproc", "sizes", "max_steps", "max_images", "max_batch_images", "no_batching", "request_timeout",
+    "max_restarts", "parallel_vae", "vae_chunk_rows",
+)  # fmt: skip
+
+
+def _refuse_other_task(args: argparse.Namespace, generating: bool) -> None:
+    """A flag the chosen task does not read is refused in one line, never ignored."""
+    from tessera.cli_flags import LAYOUT, UserError, flag
+
+    parser = args.serve_parser
+    if generating:
+        other, task = ENCODER_ONLY, "encoders (--task embed or classify)"
+    else:
+        other = GENERATE_ONLY + tuple(f.name for f in LAYOUT.fields())
+        task = "generation (--task generate)"
+    given = [flag(name) for name in other if getattr(args, name, None) != parser.get_default(name)]
+    if given:
+        serving = "generation" if generating else "an encoder"
+        raise UserError(
+            f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} read by {task} only, "
+            f"and --model {args.model} is served as {serving}: drop {'it' if len(given) == 1 else 'them'}"
+        )
 
 
 def _is_generation_model(directory: str) -> bool:
@@ -130,4 +162,4 @@ def add_serve_parser(sub, positive_int) -> None:
     from tessera.serve.generate_commands import add_generate_flags
 
     add_generate_flags(p, positive_int)
-    p.set_defaults(handler=cmd_serve)
+    p.set_defaults(handler=cmd_serve, serve_parser=p)
