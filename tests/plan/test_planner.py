@@ -256,6 +256,11 @@ def test_the_planner_learns_ep_for_moe_models(capsys):
     # float64 sums of the same terms: 1e-9 relative is rounding, a missing 1/ep is 75%
     assert one.state["params"] - four.state["params"] == pytest.approx(experts * 3 / 4, rel=1e-9)
     assert "all_to_all@ep" in four.comm_bytes_per_rank and "all_to_all@ep" not in one.comm_bytes_per_rank
+    # under tp each rank dispatches a 1/tp slice of its tp group's tokens: dp4 x ep2 and
+    # dp2 x tp2 x ep2 exchange as many bytes per rank at the same global batch, tp adds gathers
+    dp4 = comm_bytes_per_rank(moe, Plan(dp=4, ep=2), 2, 1024, 2)
+    tp2 = comm_bytes_per_rank(moe, Plan(dp=2, tp=2, ep=2), 4, 1024, 2)
+    assert dp4["all_to_all@ep"] == tp2["all_to_all@ep"] and tp2["all_gather@tp"] > 0
     args = [
         "plan",
         "train",

@@ -328,6 +328,16 @@ def _peers(rank: int, plan: dict) -> tuple[list[int], range]:
     return group, range((d % ep) * local, (d % ep + 1) * local)
 
 
+def _tp_slice(route: torch.Tensor, rank: int, plan: dict) -> torch.Tensor:
+    """The rows of a router call's route the tp coordinate of ``rank`` dispatches (contiguous
+    slices of the tokens its tp group shares, the first ones a row longer)."""
+    tp = plan.get("tp", 1)
+    base, extra = divmod(route.shape[0], tp)
+    sizes = [base + (i < extra) for i in range(tp)]
+    t = rank % tp
+    return route[sum(sizes[:t]) : sum(sizes[: t + 1])]
+
+
 def _check_bytes(case: Case, runs: list[dict]) -> None:
     """Each rank's all-to-all bytes per step = a2a_bytes of the pairs it sent and received,
     from the routes its and its ep peers' routers chose (exact: integers). Every router call
@@ -341,7 +351,10 @@ def _check_bytes(case: Case, runs: list[dict]) -> None:
     first = 1 if pp > 1 else 0
     for rank, run in enumerate(runs):
         peers, mine = _peers(rank, case.plan)
-        routes = {r: runs[r]["routes"][len(runs[r]["routes"]) - STEPS * calls :] for r in (rank, *peers)}
+        routes = {
+            r: [_tp_slice(route, rank, case.plan) for route in runs[r]["routes"][-STEPS * calls :]]
+            for r in (rank, *peers)
+        }
         assert len(run["routes"]) == STEPS * calls + (first * LAYERS // pp), (case, rank, len(run["routes"]))
         for step in range(first, STEPS):
             expected = 0

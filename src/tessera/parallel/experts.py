@@ -24,11 +24,13 @@ module's ``forward`` replaced, its DTensor weights used as local tensors meanwhi
 this implementation instance, which holds the Mesh's counted ``Comm``.
 
 Composition. With ``tp`` the attention, the embedding and the head keep the model's own tensor
-parallel plan (``attention_plan`` drops the entries inside MoE blocks) and every MoE block
-runs whole on each tp rank: the ep groups are the ranks of one tp coordinate, each dispatches
-the whole batch its tp group shares (transformers' ``AllToAllEP`` slices the batch over tp
-instead; here that would make every expert's gradient a sum over tp as well). The expert work
-and bytes are therefore not divided by tp. With ``pp`` each stage's MoE layers are split over
+parallel plan (``attention_plan`` drops the entries inside MoE blocks; the router and a
+shared expert run replicated on every tp rank); the ep groups are the ranks of one tp
+coordinate and, as ``AllToAllEP`` does, each tp rank dispatches a contiguous slice of the
+tokens its tp group shares (``_TakeRows``: its gradient gathered in backward) and the slices'
+outputs are all-gathered (``_GatherRows``), both through ``Comm`` over ``tp``. The expert work
+and the exchanged bytes are so divided by tp; an expert's local gradient is then a partial
+sum over tp, which ZeRO all-reduces over tp before its reduction over edp. With ``pp`` each stage's MoE layers are split over
 the ep ranks of that stage (the expert mesh is pp x edp x ep x tp); micro-batches are
 exchanged one by one as the schedule runs them, every dp replica of a stage in the same
 order. Under activation checkpointing a block's recomputation exchanges its tokens again
@@ -43,7 +45,7 @@ less the dropped), ``R`` the pairs its experts receive, ``H`` the hidden width a
 bytes of an element: ``8 E + 2 (S + R) H b`` (``a2a_bytes``); with activation checkpointing
 ``16 E + 3 (S + R) H b``.
 
-Capacity (GShard's per-group capacity, the group being this rank's tokens of the layer):
+Capacity (GShard's per-group capacity, the group being this rank's tokens of the layer, its tp slice under tp):
 each expert takes at most ``ceil(capacity_factor x pairs / experts)`` of this rank's pairs,
 the first in token order; the others are dropped (their expert output is zero, so the
 token keeps its residual and whatever its other experts give) and counted.
@@ -192,10 +194,9 @@ class ExpertDispatch(AllToAllEP):
     sent each expert and ``dropped`` the pairs over capacity, since the last ``reset_counts``."""
 
     def __init__(self, experts: nn.Module, ep_mesh, tp_mesh, *, comm, capacity_factor: float | None):
-        # tp_mesh is kept for the base class only: every tp rank's ep group dispatches the whole
-        # batch its tp group shares (``AllToAllEP``'s slicing over tp is not used; module doc)
         super().__init__(experts, ep_mesh, tp_mesh)
         self.comm, self.capacity_factor = comm, capacity_factor
+        self.tp = tp_mesh.size()  # the tp ranks share a batch: each dispatches its slice of it
         self.counting = True  # off while activation checkpointing recomputes a block
         self.ep = ep_mesh.size()
         self.num_experts = self.num_local_experts * self.ep
@@ -205,6 +206,19 @@ class ExpertDispatch(AllToAllEP):
         self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long)
         self.dropped = 0
         self.pairs_sent = self.pairs_received = 0
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        if self.tp == 1:
+            return super().__call__(hidden_states, top_k_index, top_k_weights)
+        # as AllToAllEP under tp: each tp rank takes its slice of the rows (its gradient is
+        # gathered in backward, so every tp rank gets the whole input gradient, as the rest of
+        # the replicated block computes it), and the slices' outputs are gathered
+        sizes = _row_sizes(hidden_states.size(0), self.tp)
+        me = self.comm.mesh.rank("tp")
+        lo, hi = sum(sizes[:me]), sum(sizes[: me + 1])
+        mine = [_TakeRows.apply(t, self.comm, lo, hi, sizes) for t in (hidden_states, top_k_weights)]
+        output = super().__call__(mine[0], top_k_index[lo:hi], mine[1])
+        return _GatherRows.apply(output, self.comm, lo, hi, sizes)
 
     def _dispatch_tokens(self, hidden_states, top_k_index, top_k_weights):
         num_tokens, top_k = hidden_states.size(0), top_k_index.size(-1)
@@ -251,10 +265,55 @@ class ExpertDispatch(AllToAllEP):
         return (pairs * state.top_k_weights.unsqueeze(-1)).sum(dim=1)
 
 
+def _row_sizes(rows: int, parts: int) -> list[int]:
+    """``rows`` split into ``parts`` contiguous slices, the first ``rows % parts`` one longer."""
+    base, extra = divmod(rows, parts)
+    return [base + (i < extra) for i in range(parts)]
+
+
+def _gather_rows(t: torch.Tensor, comm, sizes: list[int]) -> torch.Tensor:
+    """Every tp rank's slice of rows (``sizes``), in order: one all-gather of slices padded
+    to the longest."""
+    width = max(sizes)
+    padded = t.new_zeros((width, *t.shape[1:]))
+    padded[: t.shape[0]] = t
+    whole = comm.all_gather(padded, "tp", dim=0)
+    return torch.cat([whole[i * width : i * width + n] for i, n in enumerate(sizes)])
+
+
+class _TakeRows(torch.autograd.Function):
+    """Forward: this tp rank's rows of a tensor every tp rank holds whole. Backward: the slices'
+    gradients gathered, so each rank has the whole gradient (a replicated tensor's)."""
+
+    @staticmethod
+    def forward(ctx, t, comm, lo: int, hi: int, sizes: list[int]):
+        ctx.comm, ctx.sizes = comm, sizes
+        return t[lo:hi].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows(grad.contiguous(), ctx.comm, ctx.sizes), None, None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    """Forward: the tp ranks' row slices gathered whole. Backward: this rank's rows of the
+    gradient (every tp rank holds the same whole gradient of a replicated tensor)."""
+
+    @staticmethod
+    def forward(ctx, t, comm, lo: int, hi: int, sizes: list[int]):
+        ctx.lo, ctx.hi = lo, hi
+        return _gather_rows(t.contiguous(), comm, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.lo : ctx.hi].contiguous(), None, None, None, None
+
+
 def attention_plan(tp_plan, model: nn.Module, ep_plan: dict[str, str]):
     """``tp_plan`` (a ``tessera.parallel.tp_plans.TPPlan``) less every entry inside a MoE block
     (the module holding a dispatched experts module: its experts, router and shared expert):
-    under ``Plan(ep, tp)`` those blocks belong to ep and run whole on every tp rank; the
+    under ``Plan(ep, tp)`` those blocks belong to ep (each tp rank dispatching its slice of the
+    tokens, the router and a shared expert replicated); the
     attention, embedding and head keep the model's own tensor parallel styles."""
     from dataclasses import replace
 

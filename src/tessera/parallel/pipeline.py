@@ -414,6 +414,7 @@ class PipelineTrainer:
             comm, dp = self.experts[0], self.mesh.size(self.dp_axis)
 
             def expert_sum(flat):
+                comm.all_reduce(flat, "tp")  # each tp rank dispatched its slice of the tokens
                 comm.all_reduce(flat, "edp")  # size 1 when dp == ep: no message
                 flat.div_(dp)
 

@@ -37,9 +37,9 @@ the global gradient norm counts each replicated element once.
 
 Expert parameters of an expert parallel plan (``tessera.parallel.experts``, DTensors sharded
 over ``ep``) live in chunks of their own, averaged and sharded over the ``edp`` axis of the
-expert mesh: the dp / ep ranks that hold the same experts (of one tp coordinate: with tp, the
-MoE blocks run whole on every tp rank, so each tp rank's copy of an expert gets the same
-gradient and the reduction stays within its tp coordinate). Every chunk's summed gradient is
+expert mesh: the dp / ep ranks that hold the same experts (of one tp coordinate). With tp each
+tp rank dispatches its slice of the batch its tp group shares, so an expert's local gradient
+is a partial sum over tp: it is all-reduced over tp first, then reduced over edp. Every chunk's summed gradient is
 divided by dp: with the loss a mean over the global batch, a dense parameter's gradient is
 the average of dp local ones, and an expert's local gradient already sums the
 contributions of the tokens of all ep ranks of its group (the all-to-all brought them), so
@@ -73,6 +73,7 @@ class Span:
     axis: str
     size: int
     rank: int
+    partial: str | None = None  # an axis over which the local gradients are partial sums
 
 
 class ZeroEngine:
@@ -198,6 +199,8 @@ class ZeroEngine:
         flat = cg.flat_grads()
         lo, hi = self.shard_bounds(cg)
         span = self.span[cg]
+        if span.partial is not None:  # experts under tp: each tp rank ran its slice of the tokens
+            span.comm.all_reduce(flat, span.partial)
         if self.zero <= 1:
             # which parameters got a gradient on any rank: those get the average everywhere
             # (a rank that did not use one gets it too); the others stay None (skipped)
@@ -289,7 +292,7 @@ class ZeroEngine:
                 part = self.grad_shard[cg].double().pow(2).sum()
             if self.tp_axis is not None and not cg.tp_sharded and not cg.expert:
                 # every tp rank holds the same copy (experts: summed over edp and ep only, which
-                # span one tp coordinate; see grad_norm)
+                # span one tp coordinate, after their reduction over tp; see grad_norm)
                 part = part / self.mesh.size(self.tp_axis)
             total += part
         return total
@@ -497,8 +500,11 @@ class ZeroEngine:
 
 
 def _expert_span(expert_mesh: Mesh) -> Span:
-    """Expert chunks: over the ``edp`` ranks of the expert mesh (those holding the same experts)."""
-    return Span(expert_mesh.comm, "edp", expert_mesh.size("edp"), expert_mesh.rank("edp"))
+    """Expert chunks: over the ``edp`` ranks of the expert mesh (those holding the same
+    experts), their gradients first summed over ``tp`` (each tp rank dispatches its slice of
+    the batch its tp group shares)."""
+    tp = "tp" if expert_mesh.size("tp") > 1 else None
+    return Span(expert_mesh.comm, "edp", expert_mesh.size("edp"), expert_mesh.rank("edp"), partial=tp)
 
 
 def _scalar(value) -> torch.Tensor:

@@ -23,12 +23,15 @@ Mixture of experts (``spec.experts`` > 0) under ``Plan(ep=E)``: the experts' par
 (``P_x``) are split over E ranks and sharded by ZeRO over the edp = d/E ranks holding the same
 experts; every other parameter (``P_d``, tp-split as above) over d. Each table row applies to
 each part with its own degree: e.g. stage 3 holds P_d/d + P_x/(E edp) = P_d/d + P_x/d
-parameters, stage 0 P_d + P_x/E. With tp the MoE blocks run whole on every tp rank (so P_x is
-not divided by t). Each MoE layer exchanges tokens by all-to-all over the ep group:
-``tessera.parallel.expert_costs.balanced_a2a_bytes_per_rank`` per layer and step (the
-formula the expert-parallel tests measure equal to the ledger, averaged over the group: exact
-for the mean rank whatever the routing), the exchanged tensors fp32 (the residual stream is
-fp32 under autocast). Expert gradients are reduced over edp, dense ones over d. Without ep a
+parameters, stage 0 P_d + P_x/E. With tp every tp rank holds its ep share of the experts whole
+(P_x is not divided by t) and dispatches a 1/t slice of the tokens its tp group shares; the
+slices' outputs are all-gathered over tp (and in backward the input gradients: ceil(T/t)
+(2h + top_k) 4 bytes per layer and step). Each MoE layer exchanges tokens by all-to-all over
+the ep group: ``tessera.parallel.expert_costs.balanced_a2a_bytes_per_rank`` of the rank's
+ceil(T/t) tokens per layer and step (the formula the expert-parallel tests measure equal to
+the ledger, averaged over the group: exact for the mean rank whatever the routing), the
+exchanged tensors fp32 (the residual stream is fp32 under autocast). Expert gradients are
+summed over tp, then reduced over edp; dense ones over d. Without ep a
 MoE model is data-parallel as a dense one (every rank holds every expert; Tessera's tensor
 parallel plans do not split experts, so a MoE spec gets tp only with ep).
 
@@ -36,8 +39,8 @@ Activations per layer and micro-batch (Korthikanti et al. 2022, "Reducing activa
 recomputation", 16-bit elements; scaled by e/2): s b h (10 + 24/t + 5 a s / (h t)); with
 activation checkpointing only the block input (2 s b h) is kept, plus one block's worth.
 A MoE layer's MLP share (19 s b h of the dense formula, for an MLP of 4h) scales with the
-experts a token takes and their width, 19 s b h x top_k f / 4h (untouched by tp), plus the
-exchanged pairs (2 top_k s b h, fp32).
+experts a token takes and their width, 19 s b h x top_k f / 4h t, plus the exchanged pairs
+(2 top_k s b h / t, fp32).
 """
 
 from __future__ import annotations
@@ -123,8 +126,8 @@ def activation_bytes(spec: TransformerSpec, c: Plan, micro_batch: int, seq: int,
     s, b, h, a, t = seq, micro_batch, spec.hidden, spec.heads, c.tp
     per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) * e / 2
     if spec.experts:  # the MLP share for the experts a token takes, and the exchanged pairs
-        per_layer += 19 * s * b * h * (spec.top_k * spec.ffn / (4 * h) - 1) * e / 2
-        per_layer += 2 * spec.top_k * s * b * h * A2A_BYTES
+        per_layer += 19 * s * b * h * (spec.top_k * spec.ffn / (4 * h * t) - 1) * e / 2
+        per_layer += 2 * spec.top_k * s * b * h / t * A2A_BYTES
     if c.activation_checkpointing:
         return spec.layers * 2 * s * b * h * e / 2 + per_layer
     return spec.layers * per_layer
@@ -139,10 +142,15 @@ def comm_bytes_per_rank(spec: TransformerSpec, c: Plan, micro_batch: int, seq: i
                 out[f"all_gather@{axis}"] = p / d
             if c.zero == 3:
                 out[f"all_gather@{axis}"] = 2 * p / d
-    if c.tp > 1:
-        out["all_reduce@tp"] = 4 * spec.layers * micro_batch * seq * spec.hidden * e
+    if c.tp > 1:  # with ep the MoE blocks are not split by tp: the attention's two only
+        per_layer = 2 if c.ep > 1 else 4
+        out["all_reduce@tp"] = per_layer * spec.layers * micro_batch * seq * spec.hidden * e
     if c.ep > 1:
-        out["all_to_all@ep"] = spec.layers * _a2a_layer(spec, c, micro_batch * seq)
+        tokens = -(-micro_batch * seq // c.tp)  # this tp rank's slice
+        out["all_to_all@ep"] = spec.layers * _a2a_layer(spec, c, tokens)
+        if c.tp > 1:  # the slices' outputs gathered, and in backward their input gradients
+            moe = spec.layers * tokens * (2 * spec.hidden + spec.top_k) * A2A_BYTES
+            out["all_gather@tp"] = out.get("all_gather@tp", 0) + moe
     return out
 
 
@@ -179,7 +187,8 @@ def predict_train(
     embed_p = (spec.total_params - spec.layers * spec.layer_params) * MASTER_BYTES
     fwd = hw.compute_seconds(b * spec.layer_flops(seq) / c.tp)
     act = b * seq * spec.hidden * e
-    a2a = b * seq * spec.top_k * spec.hidden * A2A_BYTES  # one exchange of this rank's pairs
+    slice_tokens = -(-b * seq // c.tp)  # under tp each rank dispatches a slice of the tokens
+    a2a = slice_tokens * spec.top_k * spec.hidden * A2A_BYTES  # one exchange of this rank's pairs
     last = None
 
     def collective(op: str, num_bytes: float, group, after) -> int:
@@ -192,19 +201,21 @@ def predict_train(
             else after
         )
 
-    def layer(seconds: float, after, exchanges: int) -> int:
+    def layer(seconds: float, after, exchanges: int, gathers: int) -> int:
         op = sched.compute(0, seconds, after=(after,))
-        for _ in range(2):  # after attention and after the MLP
+        for _ in range(1 if c.ep > 1 else 2):  # after attention and after the MLP (not a MoE block)
             if c.tp > 1:
                 op = collective("all_reduce", act, tp_group, op)
         for _ in range(exchanges if c.ep > 1 else 0):  # dispatch and combine (their gradients)
             op = collective("all_to_all", a2a, ep_group, op)
+        for _ in range(gathers if c.ep > 1 and c.tp > 1 else 0):  # the tp slices gathered
+            op = collective("all_gather", slice_tokens * spec.hidden * A2A_BYTES, tp_group, op)
         return op
 
     last = gather(embed_p, last)
     last = sched.compute(0, hw.compute_seconds(b * spec.head_flops(seq)), after=(last,))
     for _ in range(spec.layers):
-        last = layer(fwd, gather(expert_p, gather(layer_p, last), edp_group), 2)
+        last = layer(fwd, gather(expert_p, gather(layer_p, last), edp_group), 2, 1)
     backward = 2 * fwd + (fwd if c.activation_checkpointing else 0.0)
     reduce_op = "all_reduce" if c.zero <= 1 else "reduce_scatter"
     pending = []
@@ -212,7 +223,8 @@ def predict_train(
     for is_layer, chunk in [(True, layer_p)] * spec.layers + [(False, embed_p)]:
         if is_layer:
             gathered = gather(expert_p, gather(chunk, last), edp_group)
-            last = layer(backward, gathered, 4 if c.activation_checkpointing else 2)
+            ckpt = c.activation_checkpointing
+            last = layer(backward, gathered, 4 if ckpt else 2, 3 if ckpt else 2)
         else:
             last = sched.compute(0, head_backward, after=(last,))
         reductions = [(chunk, dp_group)] + ([(expert_p, edp_group)] if is_layer and expert_p else [])

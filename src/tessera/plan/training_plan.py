@@ -59,8 +59,8 @@ class Plan:
     (None: dropless) caps the (token, expert) pairs each rank sends one expert per layer at
     ceil(capacity_factor x its pairs / experts); the rest are dropped (their expert output is
     zero) and counted. With ``tp`` the attention (and the embedding and head) run tensor-parallel
-    by the model's own plan while every MoE block is left to ``ep`` (each tp rank's ep group
-    dispatches the whole batch its tp group shares); with ``pp`` each stage's MoE layers are
+    by the model's own plan while every MoE block is left to ``ep`` (each tp rank dispatches its
+    slice of the tokens its tp group shares); with ``pp`` each stage's MoE layers are
     split over the ep ranks of that stage's dp row."""
 
     dp: int = 1
