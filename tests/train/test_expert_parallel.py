@@ -58,6 +58,7 @@ class Case:
     aux: bool = False  # the model's loss with its load-balancing term (output_router_logits)
     uneven: bool = False  # router weights forcing empty experts (see _force_uneven)
     config: dict = field(default_factory=dict)
+    batch: tuple[int, int] = (GLOBAL_BATCH, SEQ)  # global batch x tokens
 
 
 TWO_RANKS = [
@@ -85,6 +86,8 @@ FOUR_RANKS = [
     # ep2 x tp2: the attention tensor-parallel by the model's own plan, the MoE blocks by ep
     Case("mixtral", dict(dp=2, tp=2, ep=2, zero=1), "adamw"),
     Case("qwen3_moe", dict(dp=2, tp=2, ep=2, zero=3, chunk_mib=0.01, max_grad_norm=CLIP)),
+    # 3 rows x 11 tokens per dp rank: tp slices of 17 and 16 tokens (padded for the gathers)
+    Case("mixtral", dict(dp=2, tp=2, ep=2), batch=(6, 11)),
     # ep2 x pp2: one MoE layer per stage, each stage's experts over its two dp ranks
     Case("mixtral", dict(dp=2, pp=2, ep=2)),
     Case(
@@ -117,9 +120,9 @@ def _force_uneven(model) -> None:
             gate[avoided, 0] = -1.0
 
 
-def _batches():
+def _batches(case: Case):
     g = torch.Generator().manual_seed(3)
-    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ), generator=g) for _ in range(STEPS)]
+    return [torch.randint(0, VOCAB, case.batch, generator=g) for _ in range(STEPS)]
 
 
 def _aux_loss(model, batch):
@@ -192,7 +195,7 @@ def _train(case: Case) -> dict:
     routes.clear()  # boost's own probes (pipeline stages checked and shaped) are no training
     ledger = opt.mesh.comm.ledger
     losses, norms, moved = [], [], []
-    for batch in _batches():
+    for batch in _batches(case):
         before = ledger.total(op="all_to_all", axis="ep")
         stats = opt.train_step(batch, _loss(case))
         losses.append(stats["loss"])
@@ -237,7 +240,7 @@ def reference(case: Case) -> dict:
     opt = _optimizer(model, case.kind)
     losses, norms = [], []
     bf16 = case.plan.get("precision") == "bf16"
-    for batch in _batches():
+    for batch in _batches(case):
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):  # as train_step runs it
             loss = sum(_loss(case)(model, part) for part in batch.chunk(shards)) / shards
