@@ -230,7 +230,14 @@ def run_checkpoint_bench(*, quick: bool, progress: bool = True) -> BenchResult:
     recovery = _recovery(cfg, progress)
     by = {r["variant"]: r for r in rows}
     kill = [r["kill_to_first_step_s"] for r in recovery]
+    # what a save costs the loop directly: its blocked time over the training time between two
+    # saves at the baseline's speed (robust where other jobs' load makes tokens/s noisy)
+    interval_s = cfg.every * cfg.batch * cfg.seq / by["none"]["tokens_per_s"]
+    for row in rows:
+        row["blocked_pct_of_interval"] = round(100 * row["blocked_ms_per_save"] / 1000 / interval_s, 2)
     headline = {
+        "sync_blocked_pct_of_interval": by["sync"]["blocked_pct_of_interval"],
+        "async_blocked_pct_of_interval": by["async"]["blocked_pct_of_interval"],
         "async_overhead_pct": by["async"]["overhead_pct"],
         "async_overhead_pct_range": by["async"]["overhead_pct_range"],
         "sync_overhead_pct": by["sync"]["overhead_pct"],
@@ -246,7 +253,7 @@ def run_checkpoint_bench(*, quick: bool, progress: bool = True) -> BenchResult:
         name="checkpoint",
         headline=headline,
         rows=rows,
-        columns=[*columns, "blocked_ms_per_save"],
+        columns=[*columns, "blocked_ms_per_save", "blocked_pct_of_interval"],
         notes=[
             f"GPT-2 ({cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab}, {params:,} parameters), "
             f"sequence {cfg.seq}, batch {cfg.batch}, AdamW, fp32, ZeRO-3 over {RANKS} gloo ranks x 1 thread; "
@@ -254,6 +261,8 @@ def run_checkpoint_bench(*, quick: bool, progress: bool = True) -> BenchResult:
             f"after {cfg.warmup} warm-up; {cfg.repeats} interleaved repeat(s): median, [min, max].",
             "sync: the loop waits for DCP's write and the commit; async: a copy at the step boundary, then "
             "dcp.async_save and the commit in the background (the last one waited for inside the timed window).",
+            f"blocked_pct_of_interval: the time a save blocks the loop over the training time between two saves "
+            f"({interval_s:.2f} s at the baseline's median tokens/s).",
             "Recovery: rank 1 SIGKILLed after step 7 under tessera launch --max-restarts 1 (checkpoints every 4 "
             "steps); from the kill to the end of the first step after the restart, and its parts.",
         ],
