@@ -104,6 +104,7 @@ def _pipeline_rank(model_dir: str, args: dict, config):
 
 
 DEFAULT_DIGITS, DEFAULT_PER_DIGIT = "0123456789", 10
+DEFAULT_OUT = "grid.png"
 # The flags one kind of model takes and the other would ignore: refused by name instead.
 CLASS_FLAGS = ("digits", "per_digit")
 TEXT_FLAGS = ("prompt", "negative_prompt")
@@ -156,7 +157,7 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
     config = _layout(args)
     meta = meta_pipeline(args.model)
     video = family_of(type(meta).__name__).video
-    out = check_writable(args.out, ".gif" if video else ".png")
+    out = check_writable(args.out or ("video.gif" if video else DEFAULT_OUT), ".gif" if video else ".png")
     job = {
         k: getattr(args, k)
         for k in (
@@ -254,7 +255,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     digits = parse_digits(DEFAULT_DIGITS if args.digits is None else args.digits)
     refuse_other_conditioning(args, pipeline=False)
     per_digit = args.per_digit or DEFAULT_PER_DIGIT
-    out = check_writable(args.out)
+    out = check_writable(args.out or DEFAULT_OUT)
     config = _layout(args)
     model = load_dit(args.model)  # fail here, before any process starts, if it is unusable
     _check_layout(model, config, args.steps)  # and if the layout does not fit it
@@ -310,7 +311,9 @@ def add_generate_parser(sub, positive_int) -> None:
         help="images of the prompt in one batch, seeds --seed, --seed+1, ... (written side by side)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="grid.png", help="output PNG (a video: an animated .gif)")
+    p.add_argument(
+        "--out", help=f"output PNG (default {DEFAULT_OUT}); a video: an animated .gif (default video.gif)"
+    )
     p.add_argument(
         "--nproc", type=positive_int, default=1, help="local processes; the product of the degrees"
     )

@@ -104,7 +104,7 @@ def wan(tmp_path_factory):
     return build_wan_pipeline(tmp_path_factory.mktemp("wan"))
 
 
-def test_generate_equals_the_pipeline_and_writes_a_gif(wan, tmp_path, capsys):
+def test_generate_equals_the_pipeline_and_writes_a_gif(wan, tmp_path, capsys, monkeypatch):
     from PIL import Image
 
     from tessera.diffusion.pipelines import generate, load_pipeline
@@ -140,6 +140,12 @@ def test_generate_equals_the_pipeline_and_writes_a_gif(wan, tmp_path, capsys):
     assert "wrote a 5-frame 16x32 video (ulysses=2, 2 process(es))" in capsys.readouterr().out
     with Image.open(out) as gif:
         assert gif.n_frames == 5 and gif.size == (16, 32)
+
+    # without --out a video goes to video.gif (what `tessera plan generate` prints runs as printed)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(base + ["--height", "32", "--width", "16", "--frames", "3"]) == 0
+    assert (tmp_path / "video.gif").stat().st_size > 0
+    capsys.readouterr()
 
     # refusals, one line each, before any rank starts
     bad = base + ["--height", "32", "--width", "16", "--out", str(out)]
