@@ -96,16 +96,26 @@ def test_save_at_dp2_tp2_load_in_one_process_and_back(tmp_path):
             torch.testing.assert_close(after[key], before[key], rtol=0, atol=0, msg=f"rank {rank} {key}")
 
 
-def test_zero3_round_trip_in_one_process(tmp_path):
-    model, opt = _boosted(tessera.Plan(zero=3, chunk_mib=0.01))
-    opt.train_step(_batch(0), causal_lm_loss)
-    sc.save_sharded(model, opt, tmp_path / "z3")
-    expected = full_state_dict(model, opt)
-    model2, opt2 = _boosted(tessera.Plan())
-    sc.load_sharded(model2, opt2, tmp_path / "z3")
-    for name, p in model2.named_parameters():
-        torch.testing.assert_close(p.detach(), expected[name], rtol=0, atol=0, msg=name)
-    assert all("exp_avg" in s for s in opt2.engine.optimizer.state.values())
+def test_zero3_and_offload_round_trip_in_one_process(tmp_path):
+    """ZeRO-3, and ZeRO-3 with chunks offloaded to disk (a host budget of a few chunks), saved
+    and loaded into a plain plan and back into the offloaded one: bit-exact."""
+    offload = dict(
+        zero=3, chunk_mib=0.02, offload="static", host_memory=200_000, offload_dir=str(tmp_path / "disk")
+    )
+    for name, plan in (("z3", dict(zero=3, chunk_mib=0.01)), ("offload", offload)):
+        model, opt = _boosted(tessera.Plan(**plan))
+        opt.train_step(_batch(0), causal_lm_loss)
+        sc.save_sharded(model, opt, tmp_path / name)
+        expected, expected_optim = full_state_dict(model, opt), opt.state_dict()
+        for back in (dict(), plan):
+            model2, opt2 = _boosted(tessera.Plan(**back))
+            sc.load_sharded(model2, opt2, tmp_path / name)
+            got, got_optim = full_state_dict(model2, opt2), opt2.state_dict()
+            for key, value in expected.items():
+                torch.testing.assert_close(got[key], value, rtol=0, atol=0, msg=f"{name} -> {back}: {key}")
+            for i, entry in expected_optim["state"].items():
+                for key, value in entry.items():
+                    torch.testing.assert_close(got_optim["state"][i][key], value, rtol=0, atol=0)
 
 
 def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -262,25 +272,28 @@ def _from_plain_torch_worker(folder):
     model, opt = _boosted(tessera.Plan(tp=2, zero=1))
     meta = sc.load_sharded(model, opt, folder)
     full, optim = full_state_dict(model, opt), opt.state_dict()
-    return meta["format"], full, optim, opt.train_step(_batch(2), causal_lm_loss)["loss"]
+    lr = opt.param_groups[0]["lr"]
+    return meta["format"], full, optim, opt.train_step(_batch(2), causal_lm_loss)["loss"], lr
 
 
 def test_a_checkpoint_plain_torch_wrote_loads_under_a_plan(tmp_path):
     """Plain torch on one process trains two steps and saves with DCP as its users do; two
-    ranks at tp2 ZeRO-1 (GPT-2's TP layout) load it: parameters and Adam's states to the bit."""
+    ranks at tp2 ZeRO-1 (GPT-2's TP layout) load it: parameters and Adam's states to the bit,
+    the groups' hyper-parameters (an lr a scheduler set) as saved."""
     model = tiny_gpt2()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-4)
     for i in range(2):
         causal_lm_loss(model, _batch(i)).backward()
         opt.step()
         opt.zero_grad()
+    opt.param_groups[0]["lr"] = 3e-3  # as an LR scheduler would have set it
     state = {"model": model.state_dict(), "optimizer": get_optimizer_state_dict(model, opt)}
     dcp.save(state, checkpoint_id=tmp_path / "plain", no_dist=True)
     want = {n: p.detach().clone() for n, p in model.named_parameters()}
     want_optim = opt.state_dict()
     next_loss = causal_lm_loss(model, _batch(2)).item()
-    for fmt, full, optim, loss in spawn(_from_plain_torch_worker, 2, str(tmp_path / "plain")):
-        assert fmt == "torch-dcp"
+    for fmt, full, optim, loss, lr in spawn(_from_plain_torch_worker, 2, str(tmp_path / "plain")):
+        assert fmt == "torch-dcp" and lr == 3e-3  # the group's hyper-parameters too
         for name, value in want.items():
             torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=name)
         for i, entry in want_optim["state"].items():

@@ -47,8 +47,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
     TensorProperties,
@@ -582,6 +583,8 @@ def load_sharded(model: nn.Module, optimizer, path: str | Path, *, scheduler=Non
                     _place(name, params[name], request, keys[name], degree, engine, mesh)
     if "train" in meta:
         restore_train_meta(meta["train"], optimizer, scheduler)
+    else:
+        _restore_plain_groups(path, md, optimizer)
     rank, world = _rank_world()
     meta["rng_restored"] = world == meta["world"]
     if meta["rng_restored"]:
@@ -590,6 +593,44 @@ def load_sharded(model: nn.Module, optimizer, path: str | Path, *, scheduler=Non
         _load(request, path)
         _set_rng(request, rank)
     return meta
+
+
+class _JSONLikeBytesPlanner(DefaultLoadPlanner):
+    """Reads torch.save'd entries with ``weights_only=True`` (plain data, no code run)."""
+
+    def __init__(self):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item, value) -> None:
+        self.original_state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _restore_plain_groups(path: Path, md, optimizer) -> None:
+    """The optimizer groups' hyper-parameters (an LR scheduler's lr, ...) from a checkpoint
+    plain torch saved with ``get_optimizer_state_dict`` (DCP flattens them to
+    ``optimizer.param_groups.<i>.<name>``): group by group, when the counts agree."""
+    prefix = GROUPS + "."
+    request: dict = {
+        k: None
+        for k, v in md.state_dict_metadata.items()
+        if k.startswith(prefix) and isinstance(v, BytesStorageMetadata)
+    }
+    if not request:
+        return
+    with _one_process_is_fine():
+        dcp.load(
+            request,
+            storage_reader=FileSystemReader(path),
+            planner=_JSONLikeBytesPlanner(),
+            no_dist=not dist.is_initialized(),
+        )
+    groups: dict[int, dict] = {}
+    for key, value in request.items():
+        index, _, name = key[len(prefix) :].partition(".")
+        if index.isdigit() and name and name not in ("params", "param_names"):
+            groups.setdefault(int(index), {})[name] = value
+    if sorted(groups) == list(range(len(optimizer.inner.param_groups))):
+        restore_train_meta({"param_groups": [groups[i] for i in sorted(groups)]}, optimizer)
 
 
 def _load(request: dict, path: Path) -> None:
