@@ -424,6 +424,7 @@ def test_aux_loss_changes_training(two_ranks):
         (dict(dp=2, ep=2, capacity_factor=-1), "capacity_factor must be > 0"),
         (dict(capacity_factor=1.0), "set ep > 1"),
         (dict(dp=2, ep=2, sp=2), "sp=2 is not supported yet"),
+        (dict(dp=2, ep=2, pp=2, tp=2), "pp=2 and tp=2 together is not supported yet"),
         (dict(dp=2, ep=2, zero=3, offload="auto"), "offload='auto' is not supported yet"),
         (
             dict(dp=2, ep=2, tp=2, sequence_parallel_norms=True),

@@ -144,6 +144,11 @@ class Plan:
                 raise ValueError(
                     f"Plan(ep={self.ep}) with {name}={value!r} is not supported yet; use {name}={wanted!r}"
                 )
+        if self.pp > 1 and self.tp > 1:  # each pair is parity-tested, the three together are not
+            raise ValueError(
+                f"Plan(ep={self.ep}) with pp={self.pp} and tp={self.tp} together is not supported yet; "
+                "use tp=1 or pp=1"
+            )
 
     def _check_pipeline(self) -> None:
         if self.schedule not in SCHEDULES:
