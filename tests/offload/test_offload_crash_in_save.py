@@ -31,10 +31,13 @@ def _fail_after(n, real, error):
     return wrapped
 
 
-def _half_written(tensors, filename, *args, **kwargs):
-    with open(filename, "wb") as f:
-        f.write(b"\0" * 1000)
-    raise OSError("disk full (forced)")
+class _DiskFull(sharded.FileSystemWriter):
+    """torch.distributed.checkpoint's writer that leaves a half-written data file and fails."""
+
+    def write_data(self, plan, planner):
+        with open(f"{self.path}/__0_0.distcp", "wb") as f:
+            f.write(b"\0" * 1000)
+        raise OSError("disk full (forced)")
 
 
 def test_a_crash_mid_save_keeps_the_previous_checkpoint_and_the_run(tmp_path, monkeypatch):
@@ -51,7 +54,7 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint_and_the_run(tmp_path, mo
     crashes = [
         (DiskTier, "read_into", _fail_after(3, DiskTier.read_into, OSError("read failed (forced)"))),
         (sharded, "tp_layout", _fail_after(5, sharded.tp_layout, RuntimeError("crash (forced)"))),
-        (sharded, "save_file", _half_written),
+        (sharded, "FileSystemWriter", _DiskFull),
     ]
     for (owner, name, replacement), batch in zip(crashes, steps[2:5], strict=True):
         losses.append(opt.train_step(batch, causal_lm_loss)["loss"])

@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -430,14 +431,17 @@ def save_sharded(
     writer = FileSystemWriter(staging)
     planner = _BoxSavePlanner(boxes)
     if not background:
-        with _one_process_is_fine():
-            dcp.save(
-                entries,
-                storage_writer=writer,
-                planner=planner,
-                process_group=process_group,
-                no_dist=not dist.is_initialized(),
-            )
+        try:
+            with _one_process_is_fine():
+                dcp.save(
+                    entries,
+                    storage_writer=writer,
+                    planner=planner,
+                    process_group=process_group,
+                    no_dist=not dist.is_initialized(),
+                )
+        except CheckpointException as exc:  # a BaseException: `except Exception` would miss it
+            raise _first_failure(exc, path) from None
         if rank == 0:
             commit()
         _barrier()
@@ -453,6 +457,14 @@ def save_sharded(
     pending = PendingSave(path, commit if rank == 0 else None)
     future.add_done_callback(pending._finish)
     return pending
+
+
+def _first_failure(exc: CheckpointException, path: Path) -> BaseException:
+    """The error a rank met inside torch.distributed.checkpoint (e.g. OSError: disk full),
+    as itself, with a note naming the rank and the checkpoint."""
+    rank, (first, _) = min(exc.failures.items(), key=lambda item: item[0])
+    first.add_note(f"while saving {path} (rank {rank}, inside torch.distributed.checkpoint)")
+    return first
 
 
 def _write_marker(folder: Path, meta: dict) -> None:
