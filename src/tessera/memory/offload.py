@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from tessera.memory.chunk import ChunkKind, ChunkState
+from tessera.memory.clip import clip_coefficient
 from tessera.memory.store import TieredStore, build_store, check_device_memory
 from tessera.memory.tiers import check_dir
 
@@ -305,8 +306,8 @@ class ShardOffload:
                 total += self.grad_sq_sum(i)
             comm.all_reduce(total, axis)
             norm = float(total.sqrt())
-            scale = max_grad_norm / (norm + 1e-6)
-            if scale < 1:
+            scale = clip_coefficient(norm, max_grad_norm)
+            if scale is not None:
                 for i in range(n):
                     self.scale_grad(i, scale)
         for i in range(n):

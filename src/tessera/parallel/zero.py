@@ -59,6 +59,7 @@ from torch import nn
 from tessera.memory.chunk import ChunkState
 from tessera.memory.chunk_manager import ChunkManager, ParamChunk
 from tessera.memory.chunk_manager import local as _local
+from tessera.memory.clip import clip_coefficient
 from tessera.memory.offload import ShardOffload, check_offload
 from tessera.runtime import Mesh
 from tessera.runtime.comm import Comm
@@ -356,8 +357,8 @@ class ZeroEngine:
         if self.max_grad_norm is None:
             return None
         norm = float(self.grad_norm())
-        scale = self.max_grad_norm / (norm + 1e-6)
-        if scale < 1:
+        scale = clip_coefficient(norm, self.max_grad_norm)
+        if scale is not None:
             for g in self.reduced_grads():
                 g.mul_(scale)
         return norm

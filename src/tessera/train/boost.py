@@ -14,7 +14,9 @@ optimizer object is kept (its class, settings, hooks and any state it had loaded
 1-3 it steps flat shards, so its update must be elementwise. The returned optimizer steps
 the sharded states; ``train_step`` runs one optimizer step of ``grad_accum`` micro-batches
 on this rank's share of the batch, under bf16 or fp16 autocast if the plan says so (fp16
-with dynamic loss scaling, ``tessera.train.loss_scale``).
+with dynamic loss scaling, ``tessera.train.loss_scale``). Under every plan the returned
+optimizer is a ``tessera.train.optimizer.TrainOptimizer`` (pipelined and sequence parallel
+plans return their own classes of it).
 
 Every check comes first (``_validate``), on sizes and metadata only: the tensor parallel
 plan is applied to a meta copy of the model, the offload budgets, dry run and directory are
@@ -41,9 +43,10 @@ from tessera.runtime import Mesh
 from tessera.runtime.mesh import world_size
 from tessera.train.blocks import blocks_or_error, checkpoint_blocks
 from tessera.train.boosted import BoostedOptimizer
+from tessera.train.optimizer import TrainOptimizer
 from tessera.train.plan import Plan, check_chunk_size
 
-__all__ = ["BoostedOptimizer", "boost", "plan_mesh"]
+__all__ = ["BoostedOptimizer", "TrainOptimizer", "boost", "plan_mesh"]
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +99,7 @@ def boost(
     mesh: Mesh | None = None,
     *,
     tp_plan: TPPlan | None = None,
-) -> tuple[nn.Module, BoostedOptimizer]:
+) -> tuple[nn.Module, TrainOptimizer]:
     """Spread ``model`` and ``optimizer`` over the processes by ``plan`` (see the module doc).
     Every refusal comes before the model or the optimizer is changed (``_validate``)."""
     if not isinstance(plan, Plan):
@@ -287,18 +290,7 @@ def _boost(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
     if plan.sp > 1:  # ZeRO and the gradient average span dp x sp; attention talks over sp
         # (dp x sp, tp) lays the ranks out as (dp, sp, tp) does: the same tp groups
         sp_mesh, mesh = mesh, Mesh(dp=plan.dp * plan.sp, **({"tp": plan.tp} if has_tp else {}))
-    model.to(mesh.device)  # in place: the optimizer's parameters stay the model's
-    if setup.tp_plan is not None:
-        apply_tp(
-            model,
-            setup.tp_plan,
-            mesh.device_mesh["tp"],
-            plan.tp,
-            sequence_parallel=plan.sequence_parallel_norms,
-        )
-    _same_start(model, mesh)
-    expert_mesh, expert_params = _apply_experts(model, plan, mesh, setup)
-    _regroup(model, optimizer, setup.group_names)
+    expert_mesh, expert_params = _spread(model, optimizer, plan, mesh, setup)
     # Any state the optimizer held (loaded by the user) was taken whole by _validate and is
     # loaded again below into whatever shards and pieces the plan makes.
     optimizer.state.clear()
@@ -377,20 +369,36 @@ def _boost_pipelined(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
     """Plan(pp > 1): stages of the model on each rank (``tessera.train.pipelined``)."""
     from tessera.train.pipelined import PipelinedOptimizer
 
-    model.to(mesh.device)
-    if setup.tp_plan is not None:
-        apply_tp(model, setup.tp_plan, mesh.device_mesh["tp"], plan.tp)
-        _regroup(model, optimizer, setup.group_names)
-    _same_start(model, mesh)
-    expert_mesh, expert_params = _apply_experts(model, plan, mesh, setup)
-    if expert_mesh is not None:
-        _regroup(model, optimizer, setup.group_names)  # the expert weights are DTensors now
+    expert_mesh, expert_params = _spread(model, optimizer, plan, mesh, setup)
     if plan.activation_checkpointing:
         checkpoint_blocks(
             model, setup.blocks, context_fn=lambda: (contextlib.nullcontext(), _recomputation(model, None))
         )
     experts = None if expert_mesh is None else (expert_mesh, expert_params)
-    return model, PipelinedOptimizer(model, optimizer, plan, mesh, experts=experts)
+    return model, PipelinedOptimizer(
+        model, optimizer, plan, mesh, experts=experts, group_names=setup.group_names
+    )
+
+
+def _spread(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
+    """What every plan does to the model first, in one place: onto the mesh's device (in
+    place: the optimizer's parameters stay the model's), the tensor parallel plan over ``tp``,
+    every replica from dp-rank 0's weights, the experts over ``ep``, and the optimizer's groups
+    holding the re-created (DTensor) parameters. The expert mesh and parameters, or (None, None)."""
+    model.to(mesh.device)
+    if setup.tp_plan is not None:
+        # sequence_parallel_norms is refused under pp (Plan._check_sequence): False there
+        apply_tp(
+            model,
+            setup.tp_plan,
+            mesh.device_mesh["tp"],
+            plan.tp,
+            sequence_parallel=plan.sequence_parallel_norms,
+        )
+    _same_start(model, mesh)
+    expert_mesh, expert_params = _apply_experts(model, plan, mesh, setup)
+    _regroup(model, optimizer, setup.group_names)
+    return expert_mesh, expert_params
 
 
 def _regroup(model: nn.Module, optimizer: torch.optim.Optimizer, group_names: list[list[str]]) -> None:

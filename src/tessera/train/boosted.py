@@ -18,12 +18,13 @@ from tessera.runtime import Mesh
 from tessera.runtime.comm import FunctionalCollectives
 from tessera.train.full_optim_state import load_optimizer_state_dict, optimizer_state_dict
 from tessera.train.loss_scale import LossScaler
+from tessera.train.optimizer import PlanOptimizer
 from tessera.train.plan import Plan
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-class BoostedOptimizer:
+class BoostedOptimizer(PlanOptimizer):
     """The optimizer ``boost`` returns: ``step``/``zero_grad`` over the sharded core,
     ``train_step`` for one whole step, and ``state_dict``/``load_state_dict`` in the
     user's optimizer's own (unsharded) format."""
@@ -52,19 +53,17 @@ class BoostedOptimizer:
         self._tp_calls: list[tuple[str, int]] | None = None  # DTensor's collectives in one step
 
     @property
-    def param_groups(self):
-        return self.engine.optimizer.param_groups
-
-    @property
     def inner(self) -> torch.optim.Optimizer:
         """The user's torch optimizer, which steps (over ZeRO shards at stages 1-3): an LR
         scheduler built on it before or after ``boost`` drives it."""
         return self.engine.optimizer
 
-    @property
-    def skipped_steps(self) -> int:
-        """fp16: optimizer steps skipped because gradients overflowed (0 otherwise)."""
-        return self.loss_scaler.skipped_steps if self.loss_scaler is not None else 0
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer whole (a collective: ZeRO-3 chunks gathered over dp,
+        tensor parallel shards over tp)."""
+        if self.engine.zero == 3:
+            self.engine.gather_all()
+        return {name: _full(t).detach().clone() for name, t in self.model.state_dict(keep_vars=True).items()}
 
     def state_dict(self) -> dict:
         """The whole optimizer state as the user's torch optimizer would give it on one
@@ -84,24 +83,6 @@ class BoostedOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad()
-
-    def local_batch(self, batch):
-        """This data-parallel rank's contiguous share of a global batch (dim 0 of every tensor)."""
-        dp, rank = self.mesh.size("dp"), self.mesh.rank("dp")
-
-        def take(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.shape[0] % (dp * self.plan.grad_accum):
-                raise ValueError(
-                    f"global batch of {t.shape[0]} does not split into dp={dp} x grad_accum={self.plan.grad_accum} "
-                    "equal micro-batches"
-                )
-            n = t.shape[0] // dp
-            # on the mesh's device: recipes build batches on the CPU (a no-op there)
-            return t[rank * n : (rank + 1) * n].to(self.mesh.device)
-
-        return torch.utils._pytree.tree_map(take, batch)
 
     def loss_context(self):
         if self.tp_plan is not None and self.tp_plan.vocab_parallel_loss and self.mesh.size("tp") > 1:

@@ -18,10 +18,11 @@ from torch import nn
 
 
 def full_state_dict(model: nn.Module, optimizer=None) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer whole, in the model class's own layout (a collective)."""
-    if optimizer is not None and getattr(optimizer, "plan", None) is not None and optimizer.plan.zero == 3:
-        optimizer.engine.gather_all()
-    if hasattr(optimizer, "full_state"):  # pipelined: each stage's tensors from its ranks
+    """Every parameter and buffer whole, in the model class's own layout (a collective).
+    ``optimizer``: what ``boost`` returned with ``model`` (a ``TrainOptimizer``, whose
+    ``full_state`` gathers ZeRO-3 chunks, tp shards and pipeline stages); None for a plain
+    model or its plain torch optimizer (DTensor shards gathered)."""
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         state = optimizer.full_state()
     else:
         state = {}

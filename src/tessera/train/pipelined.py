@@ -23,18 +23,31 @@ import time
 import torch
 from torch import nn
 
+from tessera.memory.clip import clip_coefficient
 from tessera.parallel.pipeline import PipelineTrainer
 from tessera.runtime import Mesh
 from tessera.train.losses import LabelLoss
+from tessera.train.optimizer import PlanOptimizer
 
 AUTOCAST = {"bf16": torch.bfloat16}
 
 
-class PipelinedOptimizer:
-    """What ``boost`` returns as the optimizer under ``Plan(pp > 1)``."""
+class PipelinedOptimizer(PlanOptimizer):
+    """What ``boost`` returns as the optimizer under ``Plan(pp > 1)`` (a ``TrainOptimizer``)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan, mesh: Mesh, *, experts=None):
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plan,
+        mesh: Mesh,
+        *,
+        experts=None,
+        group_names: list[list[str]] | None = None,
+    ):
         self.model, self.plan, self.mesh, self.inner = model, plan, mesh, optimizer
+        # parameter names of each of the user's groups (as the user built them)
+        self.group_names = group_names or [[n for n, _ in model.named_parameters()]]
         # Plan(ep): (expert mesh, expert parameters): each stage's experts split over its ep ranks
         self.expert_mesh = experts[0] if experts else None
         self.expert_ids = {id(p) for p in experts[1]} if experts else set()
@@ -116,10 +129,6 @@ class PipelinedOptimizer:
             raise ValueError("the batch has no labelled token (every position is padding or a row's last)")
         return count / (self.plan.microbatches * self.mesh.size("dp"))
 
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer whole (a collective over the pipeline): each tensor
         from the last pp rank holding it (a tied weight sits on two), zeros elsewhere, summed."""
@@ -144,23 +153,9 @@ class PipelinedOptimizer:
     def _stage_loss(self, output, target):
         return self._loss.on_output(output, target)
 
-    def local_batch(self, batch):
-        """This dp replica's contiguous share of the global batch (dim 0 of every tensor)."""
-        dp, rank, m = self.mesh.size("dp"), self.mesh.rank("dp"), self.plan.microbatches
-
-        def take(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.shape[0] % (dp * m):
-                raise ValueError(
-                    f"global batch of {t.shape[0]} does not split into dp={dp} x microbatches={m} equal "
-                    f"micro-batches; use a batch size that is a multiple of {dp * m}"
-                )
-            n = t.shape[0] // dp
-            # on the mesh's device: recipes build batches on the CPU (a no-op there)
-            return t[rank * n : (rank + 1) * n].to(self.mesh.device)
-
-        return torch.utils._pytree.tree_map(take, batch)
+    def batch_split(self) -> tuple[int, int, str, int]:
+        """This dp replica's share of the global batch, cut into ``Plan.microbatches``."""
+        return self.mesh.size("dp"), self.mesh.rank("dp"), "microbatches", self.plan.microbatches
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Every stage parameter's gradient (at ZeRO-1 the optimizer holds only a share)."""
@@ -198,10 +193,7 @@ class PipelinedOptimizer:
             self._loss = None
         if self.plan.sp > 1:  # each sp rank saw a slice of every sequence: sum the slices
             self._sum_over_sp()
-        self.last_grad_norm = self._clip()
-        self.inner.step()
-        if self.plan.zero:
-            self._share_updates()
+        self.step()
         # the last stage's loss, to every rank of the pipeline; then the mean over replicas
         total = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
         if loss is not None:
@@ -215,6 +207,30 @@ class PipelinedOptimizer:
             "grad_norm": self.last_grad_norm,
             "seconds": time.perf_counter() - began,
         }
+
+    def step(self) -> bool:
+        """One optimizer step over this rank's stages (clipped to the global norm, at ZeRO-1
+        the updates shared over dp); never skipped (fp16 is refused under pp): False."""
+        self.last_grad_norm = self._clip()
+        self.inner.step()
+        if self.plan.zero:
+            self._share_updates()
+        return False
+
+    def state_dict(self) -> dict:
+        """Not gathered whole under pp yet: ``tessera.train.sharded_checkpoint.save_sharded``
+        saves the optimizer state under pp (and ``load_sharded`` loads it under any plan)."""
+        raise NotImplementedError(
+            f"Plan(pp={self.plan.pp}): the optimizer state is not gathered whole under pipeline parallel; "
+            "save it with tessera.train.sharded_checkpoint.save_sharded (it loads under any plan)"
+        )
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """See ``state_dict``: ``load_sharded`` loads a state into a pipelined optimizer."""
+        raise NotImplementedError(
+            f"Plan(pp={self.plan.pp}): a whole optimizer state is not loaded under pipeline parallel; "
+            "load one with tessera.train.sharded_checkpoint.load_sharded"
+        )
 
     def _sum_over_sp(self) -> None:
         grads = [_local(p.grad) for p in self.trainer.parameters() if p.grad is not None]
@@ -257,8 +273,8 @@ class PipelinedOptimizer:
             squares += experts
         self.mesh.comm.all_reduce(squares, "pp")
         norm = float(squares.sqrt())
-        coef = self.plan.max_grad_norm / (norm + 1e-6)
-        if coef < 1:
+        coef = clip_coefficient(norm, self.plan.max_grad_norm)
+        if coef is not None:
             for g in {
                 id(p.grad): p.grad for m in self.trainer.modules for p in m.parameters() if p.grad is not None
             }.values():

@@ -11,8 +11,6 @@ the global batch's mean loss.
 
 from __future__ import annotations
 
-import torch
-
 from tessera.parallel.sequence import SequenceParallel
 from tessera.train.boosted import BoostedOptimizer
 
@@ -26,21 +24,9 @@ class SequenceParallelOptimizer(BoostedOptimizer):
         self.sp_mesh = sp_mesh
         self.sequence = SequenceParallel(self.model, sp_mesh.comm, "sp", self.plan.sp_method)
 
-    def local_batch(self, batch):
+    def batch_split(self) -> tuple[int, int, str, int]:
         """This dp replica's share of the global batch; its sp ranks take the same share."""
-        dp, rank, k = self.sp_mesh.size("dp"), self.sp_mesh.rank("dp"), self.plan.grad_accum
-
-        def take(t):
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.shape[0] % (dp * k):
-                raise ValueError(
-                    f"global batch of {t.shape[0]} does not split into dp={dp} x grad_accum={k} equal micro-batches"
-                )
-            n = t.shape[0] // dp
-            return t[rank * n : (rank + 1) * n]
-
-        return torch.utils._pytree.tree_map(take, batch)
+        return self.sp_mesh.size("dp"), self.sp_mesh.rank("dp"), "grad_accum", self.plan.grad_accum
 
     def data_parallel_size(self) -> int:
         return self.sp_mesh.size("dp")  # the engine's flat axis is dp x sp; sp ranks share rows

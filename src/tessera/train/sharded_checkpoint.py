@@ -100,7 +100,8 @@ def _model_identity(model: nn.Module, optimizer=None) -> dict:
         if degree is not None:  # the model class's own layout, whatever the plan did
             shape = gpt2_tensor_layout(name, torch.empty(shape), degree, to_hf=True).shape
         shapes[name] = list(shape)
-    shapes |= getattr(optimizer, "param_shapes", {})  # pipelined: other stages' are released here
+    if optimizer is not None:  # a TrainOptimizer: a pipelined rank released other stages' parameters
+        shapes |= optimizer.param_shapes
     return {"class": type(model).__name__, "config": config, "shapes": shapes}
 
 
@@ -305,7 +306,7 @@ def _plain_entries(model: nn.Module, optimizer) -> dict:
         if name not in params:
             out[MODEL + name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().cpu().clone()
     scalars = _scalars(optimizer)
-    group_names = getattr(optimizer, "group_names", [[n for n, _ in model.named_parameters()]])
+    group_names = optimizer.group_names
     for names in group_names:
         for name in names:
             for k, v in scalars.items():
