@@ -145,3 +145,27 @@ def test_reused_ranks_start_each_call_as_fresh_ones():
         spawn(_rank_one_raises_others_block, 2, timeout_s=60)
     after = spawn(_pid_and_groups, 2, False)
     assert not {p for p, _, _ in after} & {p for p, _, _ in first}  # a failure ended the pool
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def test_pools_beyond_the_rank_budget_are_ended(monkeypatch):
+    """Pooled ranks hold ~0.5 GB each: a new pool ends the least recently used ones beyond
+    MAX_POOLED_RANKS (here 1), so their processes are gone."""
+    from tessera.runtime import launch
+
+    if not launch._pooling:
+        pytest.skip("ranks are reused only under the test suite's set-up")
+    monkeypatch.setattr(launch, "_POOLS", {})  # the suite's own pools stay as they are
+    monkeypatch.setattr(launch, "MAX_POOLED_RANKS", 1)
+    try:
+        [first] = spawn(_pid, 1)
+        [second] = spawn(_pid, 1, threads_per_rank=2)  # another key: another pool
+        assert second != first and [k.threads for k in launch._POOLS] == [2]
+        with pytest.raises(ProcessLookupError):  # ended (and reaped)
+            os.kill(first, 0)
+        assert spawn(_pid, 1, threads_per_rank=2) == [second]  # the pool that stayed is reused
+    finally:
+        launch.close_pools()

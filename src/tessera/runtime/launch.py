@@ -302,17 +302,23 @@ class _Pool:
             q.cancel_join_thread()
 
 
-_POOLS: dict[_RankSpec, _Pool] = {}
+_POOLS: dict[_RankSpec, _Pool] = {}  # least recently used first
 MAX_CALLS = 40
 MAX_THREADS = 200
+# ranks kept alive in all pools together (each holds torch and the tests' imports, ~0.5 GB):
+# a new pool ends the least recently used ones beyond it
+MAX_POOLED_RANKS = 10
 
 
 def _run_pooled(key: _RankSpec, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
-    pool = _POOLS.get(key)
+    pool = _POOLS.pop(key, None)
     if pool is None or pool.worn() or not all(p.is_alive() for p in pool.procs):
         if pool is not None:
             pool.close()
-        pool = _POOLS[key] = _Pool(key)
+        while _POOLS and sum(len(p.procs) for p in _POOLS.values()) + key.world_size > MAX_POOLED_RANKS:
+            _POOLS.pop(next(iter(_POOLS))).close()
+        pool = _Pool(key)
+    _POOLS[key] = pool
     try:
         return pool.run(fn, args, timeout_s)
     except BaseException:
