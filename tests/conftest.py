@@ -11,7 +11,11 @@ def kernel_cache(tmp_path_factory):
     reuse it, and the user's cache is never touched. The folders whose tests compile kernels
     make it autouse in their own conftest."""
     old = os.environ.get("TESSERA_KERNEL_CACHE")
-    path = tmp_path_factory.mktemp("kernel-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # one cache for all workers (writes are atomic renames)
+        path = tmp_path_factory.getbasetemp().parent / "kernel-cache"
+        path.mkdir(exist_ok=True)
+    else:
+        path = tmp_path_factory.mktemp("kernel-cache")
     os.environ["TESSERA_KERNEL_CACHE"] = str(path)
     yield path
     if old is None:
