@@ -5,7 +5,9 @@ call the whole model on the whole batch, so a loss that supports them says how i
 ``pipeline_parts(batch)`` gives the first stage's inputs and the target the last stage
 sees, ``on_output(output, target)`` the micro-batch's mean loss from the last stage's
 output; ``sequence_parallel(sp, batch)`` the global mean loss through a
-``tessera.parallel.sequence.SequenceParallel``.
+``tessera.parallel.sequence.SequenceParallel``. The three protocols below name these
+(``TrainLoss``, ``PipelineLoss``, ``SequenceLoss``); ``causal_lm_loss`` is all three, so the
+same training code runs under every plan.
 
 A causal-LM batch with padding (a dict with ``input_ids`` and ``attention_mask``) has rows
 of different lengths, so a mean per micro-batch averaged over micro-batches and replicas
@@ -18,10 +20,38 @@ and gradients those of one process on the whole batch.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import nn
 
 from tessera.parallel.lm_batch import next_token_labels, token_batch
+
+
+@runtime_checkable
+class TrainLoss(Protocol):
+    """What ``TrainOptimizer.train_step`` calls: ``loss_fn(model, micro_batch)``, the
+    micro-batch's mean loss. Any such callable serves dp and tp (and ZeRO, offload, ep)."""
+
+    def __call__(self, model: nn.Module, batch) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class PipelineLoss(Protocol):
+    """A loss that splits over pipeline stages (``Plan(pp > 1)``): the first stage's inputs
+    and the last stage's target from a batch, and the loss from the last stage's output."""
+
+    def pipeline_parts(self, batch) -> tuple: ...
+
+    def on_output(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SequenceLoss(Protocol):
+    """A loss that splits each sequence over ranks (``Plan(sp > 1)``): the global mean loss
+    through a ``tessera.parallel.sequence.SequenceParallel``."""
+
+    def sequence_parallel(self, sp, batch, *, denominator: float | None = None) -> torch.Tensor: ...
 
 
 class CausalLMLoss:

@@ -26,7 +26,7 @@ from torch import nn
 from tessera.memory.clip import clip_coefficient
 from tessera.parallel.pipeline import PipelineTrainer
 from tessera.runtime import Mesh
-from tessera.train.losses import LabelLoss
+from tessera.train.losses import LabelLoss, PipelineLoss, SequenceLoss
 from tessera.train.optimizer import PlanOptimizer
 
 AUTOCAST = {"bf16": torch.bfloat16}
@@ -100,7 +100,7 @@ class PipelinedOptimizer(PlanOptimizer):
     def _sequence_split(self, local, loss_fn, denominator: float):
         """This sp rank's (input ids, next-token labels); the loss becomes the stage's share
         of the global mean (the labels made before the split, as SequenceParallel does)."""
-        if not hasattr(loss_fn, "sequence_parallel"):
+        if not isinstance(loss_fn, SequenceLoss):
             raise ValueError(
                 f"Plan(pp={self.plan.pp}, sp={self.plan.sp}) splits each sequence over ranks: {loss_fn!r} has no "
                 "sequence_parallel method (use tessera.train.losses.causal_lm_loss)"
@@ -169,7 +169,7 @@ class PipelinedOptimizer(PlanOptimizer):
         """One schedule over this replica's share of ``batch`` and one optimizer step.
         ``loss_fn`` must split over stages (``pipeline_parts`` / ``on_output``, as
         ``tessera.train.losses.causal_lm_loss`` does). Returns {"loss", "grad_norm", "seconds"}."""
-        if not all(hasattr(loss_fn, n) for n in ("pipeline_parts", "on_output")):
+        if not isinstance(loss_fn, PipelineLoss):
             raise ValueError(
                 f"Plan(pp={self.plan.pp}) computes the loss on the last stage from the model's output: "
                 f"{loss_fn!r} has no pipeline_parts/on_output methods (use tessera.train.losses.causal_lm_loss "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from tessera.parallel.sequence import SequenceParallel
 from tessera.train.boosted import BoostedOptimizer
+from tessera.train.losses import SequenceLoss
 
 
 class SequenceParallelOptimizer(BoostedOptimizer):
@@ -32,7 +33,7 @@ class SequenceParallelOptimizer(BoostedOptimizer):
         return self.sp_mesh.size("dp")  # the engine's flat axis is dp x sp; sp ranks share rows
 
     def micro_loss(self, loss_fn, micro_batch, denominator=None):
-        if not hasattr(loss_fn, "sequence_parallel"):
+        if not isinstance(loss_fn, SequenceLoss):
             raise ValueError(
                 f"Plan(sp={self.plan.sp}) splits each sequence over ranks, so the loss must know how: "
                 f"{loss_fn!r} has no sequence_parallel method (use tessera.train.losses.causal_lm_loss)"
