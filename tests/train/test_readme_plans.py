@@ -11,14 +11,17 @@ each step's ``stats`` as the loop asks for the next batch.
 
 Compared with the one-process reference (plain AdamW as the example builds it, lr 3e-4,
 the same clipping): every step's loss and global gradient norm, and the parameters after 3
-steps (gathered with ``export.full_state_dict``).
+steps (gathered with ``export.full_state_dict``), and the optimizer's ``state_dict()`` (the
+protocol's whole state, pipelined too), which ``load_state_dict`` takes back unchanged.
 
 Tolerances: the plans sum the same fp32 products in another order (dp all-reduce, tp partial
 sums, ring attention's log-sum-exp merge, pipeline micro-batches averaged): measured below
 1e-6 relative on losses and norms, compared at rtol 1e-5 / 1e-4. Adam divides by
 sqrt(v) + 1e-8, so an element whose gradient is ~0 can move by up to lr (3e-4) per step on
 rounding noise; parameters are compared at atol 1e-5 with rtol 1e-4, which measured passes
-(the largest difference is printed on failure) and a wrong gradient fails by ~lr.
+(the largest difference is printed on failure) and a wrong gradient fails by ~lr. Adam's
+moments: measured within 1.1e-6 of the largest; compared at rtol 2e-4 (exp_avg_sq squares
+the gradients' rounding) with atol 1e-9 for elements near zero.
 """
 
 import os
@@ -68,7 +71,7 @@ def _batches():
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
 
 
-def reference() -> tuple[list[float], list[float], dict]:
+def reference() -> tuple[list[float], list[float], dict, dict]:
     """One process: the example's model and AdamW on the whole batch, clipped as the plans."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -85,7 +88,7 @@ def reference() -> tuple[list[float], list[float], dict]:
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
         opt.step()
         losses.append(float(loss.detach()))
-    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}, opt.state_dict()
 
 
 @contextmanager
@@ -128,12 +131,16 @@ def run_plans(code: str) -> dict:
             exec(compile(code, str(README), "exec"), ns)
         model, opt = ns["model"], ns["optimizer"]
         state = full_state_dict(model, opt)
+        optim = opt.state_dict()  # the protocol's whole state, under every plan (pp too)
+        opt.load_state_dict(optim)  # and back: each rank keeps its shards of it
         out[name] = {
             "protocol": isinstance(opt, TrainOptimizer),
             "type": type(opt).__name__,
             "losses": [s["loss"] for s in seen],
             "norms": [s["grad_norm"] for s in seen],
             "params": {n: state[n] for n in dict(model.named_parameters(remove_duplicate=False))},
+            "optim": optim,
+            "reloaded": opt.state_dict(),
         }
     return out
 
@@ -141,7 +148,7 @@ def run_plans(code: str) -> dict:
 def test_readme_example_runs_unchanged_under_dp_tp_pp_and_sp():
     code = readme_training_code()
     got = spawn(run_plans, 2, code)[0]
-    losses, norms, params = reference()
+    losses, norms, params, optim = reference()
     for name in PLANS:
         r = got[name]
         assert r["protocol"], f"{name}: {r['type']} is not a TrainOptimizer"
@@ -150,3 +157,12 @@ def test_readme_example_runs_unchanged_under_dp_tp_pp_and_sp():
         torch.testing.assert_close(r["norms"], norms, rtol=1e-4, atol=0, msg=name)
         for n, want in params.items():
             torch.testing.assert_close(r["params"][n], want, rtol=1e-4, atol=1e-5, msg=f"{name}: {n}")
+        # Adam's moments: exp_avg is a sum of gradients (their tolerance), exp_avg_sq of their
+        # squares (twice the relative error); "step" and the groups' settings exactly
+        assert r["optim"]["param_groups"] == optim["param_groups"], name
+        assert r["optim"]["state"].keys() == optim["state"].keys(), name
+        for i, entry in optim["state"].items():
+            for key, want in entry.items():
+                value = r["optim"]["state"][i][key]
+                torch.testing.assert_close(value, want, rtol=2e-4, atol=1e-9, msg=f"{name}: state {i} {key}")
+                torch.testing.assert_close(r["reloaded"]["state"][i][key], value, rtol=0, atol=0)

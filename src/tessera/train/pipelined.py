@@ -218,19 +218,118 @@ class PipelinedOptimizer(PlanOptimizer):
         return False
 
     def state_dict(self) -> dict:
-        """Not gathered whole under pp yet: ``tessera.train.sharded_checkpoint.save_sharded``
-        saves the optimizer state under pp (and ``load_sharded`` loads it under any plan)."""
-        raise NotImplementedError(
-            f"Plan(pp={self.plan.pp}): the optimizer state is not gathered whole under pipeline parallel; "
-            "save it with tessera.train.sharded_checkpoint.save_sharded (it loads under any plan)"
+        """The whole optimizer state in the user's torch optimizer's own format, as
+        ``BoostedOptimizer.state_dict`` gives it (a collective: every rank calls it and gets
+        it all). Each parameter's states come from one rank stepping it (a tp-sharded one
+        gathered over its tp ranks), zeros elsewhere, summed over pp, dp and sp."""
+        if self.expert_mesh is not None:
+            raise NotImplementedError(
+                f"Plan(pp={self.plan.pp}, ep={self.plan.ep}): the optimizer state is not gathered whole; "
+                "save it with tessera.train.sharded_checkpoint.save_sharded (it loads under any plan)"
+            )
+        from tessera.train.export import gpt2_tensor_layout
+        from tessera.train.full_optim_state import HYPER_SKIP
+
+        axes = [a for a in ("pp", "dp", "sp") if a in self.mesh.axes]
+        params = dict(self.model.named_parameters())
+        names = [n for group in self.group_names for n in group]
+        stepped = {id(p) for g in self.inner.param_groups for p in g["params"] if self.inner.state.get(p)}
+        kinds = self._agreed_kinds(axes)
+        # one writer per parameter: the highest (pp, dp, sp) position that steps it (tp ranks
+        # of that position gather a tp-sharded state together)
+        me = 0
+        for a in axes:
+            me = me * self.mesh.size(a) + self.mesh.rank(a)
+        writer = torch.tensor(
+            [me if id(params[n]) in stepped else -1 for n in names],
+            dtype=torch.int64,
+            device=self.mesh.device,
         )
+        for a in axes:
+            self.mesh.comm.all_reduce(writer, a, op="max")
+        wholes: list[tuple[int, str, str, torch.Tensor]] = []  # (index, name, kind, tensor)
+        for index, (name, w) in enumerate(zip(names, writer.tolist(), strict=True)):
+            if w < 0:  # not stepped yet anywhere (torch leaves it out too)
+                continue
+            p = params[name]
+            own = self.inner.state.get(p, {}) if w == me else {}
+            shape = self.param_shapes.get(name, list(p.shape))
+            for kind, per_element in kinds:
+                if per_element:
+                    value = own.get(kind)
+                    whole = (
+                        _full(value).detach().clone()
+                        if value is not None
+                        else torch.zeros(shape, dtype=p.dtype, device=self.mesh.device)
+                    )
+                else:  # a scalar (Adam's step): as float64 for the sum
+                    whole = torch.tensor(
+                        [float(own[kind]) if kind in own else 0.0],
+                        dtype=torch.float64,
+                        device=self.mesh.device,
+                    )
+                wholes.append((index, name, kind, whole))
+        # the sums: one flat all-reduce per dtype and axis, not one per tensor
+        for dtype in sorted({t.dtype for *_, t in wholes}, key=str):  # one order on every rank
+            same = [t for *_, t in wholes if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in same])
+            for a in axes:
+                self.mesh.comm.all_reduce(flat, a)
+            for t, total in zip(same, flat.split([t.numel() for t in same]), strict=True):
+                t.copy_(total.view_as(t))
+        degree = getattr(self.model, "_tessera_gpt2_tp_degree", None)
+        state: dict = {}
+        for index, name, kind, whole in wholes:
+            if not dict(kinds)[kind]:  # a scalar: a float32 tensor, as torch keeps it
+                value = torch.tensor(float(whole), dtype=torch.float32)
+            else:
+                value = whole if degree is None else gpt2_tensor_layout(name, whole, degree, to_hf=True)
+            state.setdefault(index, {})[kind] = value
+        groups, index = [], 0
+        for group, group_names in zip(self.inner.param_groups, self.group_names, strict=True):
+            hyper = {k: v for k, v in group.items() if k not in HYPER_SKIP}
+            groups.append({**hyper, "params": list(range(index, index + len(group_names)))})
+            index += len(group_names)
+        return {"state": state, "param_groups": groups}
+
+    def _agreed_kinds(self, axes: list[str]) -> list[tuple[str, bool]]:
+        """The optimizer's state keys, each (name, per-element?), the same on every rank: a
+        rank stepping nothing yet (ZeRO-1, a small stage) learns them from the others."""
+        local = sorted(
+            {
+                (k, isinstance(v, torch.Tensor) and v.dim() > 0)
+                for p, st in self.inner.state.items()
+                for k, v in st.items()
+                if isinstance(v, (torch.Tensor, float, int))
+            }
+        )
+        text = ";".join(f"{k}:{int(e)}" for k, e in local).encode()
+        size = torch.tensor([len(text)], dtype=torch.int64, device=self.mesh.device)
+        for a in axes:
+            self.mesh.comm.all_reduce(size, a, op="max")
+        codes = torch.zeros(int(size), dtype=torch.int64, device=self.mesh.device)
+        if text:
+            codes[: len(text)] = torch.tensor(list(text), dtype=torch.int64)
+        for a in axes:  # ranks that step anything hold the same keys; the others hold zeros
+            self.mesh.comm.all_reduce(codes, a, op="max")
+        agreed = bytes(codes.tolist()).decode()
+        return [(k, e == "1") for k, e in (item.split(":") for item in agreed.split(";") if item)]
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """See ``state_dict``: ``load_sharded`` loads a state into a pipelined optimizer."""
-        raise NotImplementedError(
-            f"Plan(pp={self.plan.pp}): a whole optimizer state is not loaded under pipeline parallel; "
-            "load one with tessera.train.sharded_checkpoint.load_sharded"
-        )
+        """Load a whole state (``state_dict()`` under any plan, or a plain torch optimizer's)
+        into this rank's stages: each rank keeps the parameters it steps (at ZeRO-1 its share,
+        a tp shard its piece)."""
+        from tessera.train.full_optim_state import load_optimizer_state_dict
+
+        names = [n for group in self.group_names for n in group]
+        held = {id(p) for p in self.engine.owner}
+        params = dict(self.model.named_parameters())
+        mine = {
+            index: entry
+            for index, entry in state_dict["state"].items()
+            if id(params[names[int(index)]]) in held
+        }
+        load_optimizer_state_dict(self, {**state_dict, "state": mine})
 
     def _sum_over_sp(self) -> None:
         grads = [_local(p.grad) for p in self.trainer.parameters() if p.grad is not None]
@@ -371,11 +470,17 @@ class StageEngine:
                 value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
             state = self.optimizer.state[p]
             state[kind] = value
-            state.update({k: torch.tensor(v) for k, v in scalars.items()})
+            state.update(
+                {k: v.clone() if torch.is_tensor(v) else torch.tensor(v) for k, v in scalars.items()}
+            )
 
 
 def _local(t):
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _partition(params: list, ranks: int) -> dict[int, int]:
