@@ -66,6 +66,30 @@ from tessera.runtime.comm import Comm
 
 
 @dataclass(frozen=True)
+class Stage:
+    """What a ZeRO stage shards over the dp axis (the table in the module doc, as data): the
+    engine reads these names, not the stage's number."""
+
+    states: bool  # 1-3: the optimizer steps this rank's flat shard of every chunk
+    gradients: bool  # 2-3: gradients reduce-scattered to shards (0-1: all-reduced, left in p.grad)
+    parameters: bool  # 3: a chunk's storage freed between uses, all-gathered before each
+
+    @property
+    def gathers_updates(self) -> bool:
+        """1-2: the chunk is the parameters' storage; after a step the other ranks' updated
+        shards are all-gathered into it."""
+        return self.states and not self.parameters
+
+
+STAGES = {
+    0: Stage(states=False, gradients=False, parameters=False),
+    1: Stage(states=True, gradients=False, parameters=False),
+    2: Stage(states=True, gradients=True, parameters=False),
+    3: Stage(states=True, gradients=True, parameters=True),
+}
+
+
+@dataclass(frozen=True)
 class Span:
     """The ranks a chunk is averaged and sharded over: ``size`` ranks along ``axis`` of the
     mesh ``comm`` talks over, this rank at coordinate ``rank``."""
@@ -98,6 +122,7 @@ class ZeroEngine:
         expert_params: set[nn.Parameter] | None = None,
     ):
         self.model, self.zero, self.mesh, self.axis = model, zero, mesh, axis
+        self.stage = stage = STAGES[zero]
         self.tp_axis = tp_axis if tp_axis is not None and mesh.size(tp_axis) > 1 else None
         self.max_grad_norm = max_grad_norm
         self.comm = mesh.comm
@@ -127,12 +152,12 @@ class ZeroEngine:
         self.grad_shard: dict[ParamChunk, torch.Tensor | None] = {}
         self.seen: set[nn.Parameter] = set()
         self.shards: list[nn.Parameter] = []
-        if zero >= 1:
+        if stage.states:
             for cg in self.groups:
-                if zero < 3:  # the chunk becomes the parameters' storage, the shard a view of it
+                if not stage.parameters:  # the chunk becomes the parameters' storage, the shard a view of it
                     cg.bind()
                 piece = cg.chunk.shard(self.span[cg].rank, self.span[cg].size)
-                self.shards.append(nn.Parameter(piece if zero < 3 else piece.clone()))
+                self.shards.append(nn.Parameter(piece.clone() if stage.parameters else piece))
             for gi, group in enumerate(optimizer.param_groups):
                 group["params"] = [
                     s for s, cg in zip(self.shards, self.groups, strict=True) if cg.group_index == gi
@@ -141,14 +166,14 @@ class ZeroEngine:
             optimizer.state.clear()  # any state it held is loaded again by tessera.boost
         self.optimizer = optimizer
         self.offload = None  # tessera.memory.offload.ShardOffload, when chunks are tiered
-        if zero == 3:
+        if stage.parameters:
             for cg in self.groups:
                 cg.bind()
                 cg.free()
             if offload is not None:
                 self._start_offload(offload)
             self._install_stage3_hooks()
-        elif zero == 0:
+        elif not stage.states:
             for cg in self.groups:
                 cg.free()  # the packed copy is not needed: parameters keep their own storage
         for p in self.owner:
@@ -202,7 +227,7 @@ class ZeroEngine:
         span = self.span[cg]
         if span.partial is not None:  # experts under tp: each tp rank ran its slice of the tokens
             span.comm.all_reduce(flat, span.partial)
-        if self.zero <= 1:
+        if not self.stage.gradients:
             # which parameters got a gradient on any rank: those get the average everywhere
             # (a rank that did not use one gets it too); the others stay None (skipped)
             had = torch.tensor([float(p.grad is not None) for p in cg.params], device=self.mesh.device)
@@ -227,7 +252,7 @@ class ZeroEngine:
             self.grad_shard[cg] = shard.div_(self.dp)
             for p in cg.params:
                 p.grad = None
-            if self.zero == 3:
+            if self.stage.parameters:
                 self._release(cg)
         self.reduced[cg] = True
 
@@ -267,14 +292,14 @@ class ZeroEngine:
     def grad_norm(self) -> torch.Tensor:
         """The global gradient norm over every parameter once (after reduction)."""
         total = self._squares([cg for cg in self.groups if not cg.expert])
-        if self.zero >= 1:
+        if self.stage.states:  # each rank holds its shard of the reduced gradients
             self.comm.all_reduce(total, self.axis)
         if self.tp_axis is not None:
             self.comm.all_reduce(total, self.tp_axis)
         experts = [cg for cg in self.groups if cg.expert]
         if experts:  # each rank holds its ep share of the experts, ZeRO-sharded over edp
             part, span = self._squares(experts), self.span[experts[0]]
-            if self.zero >= 1:
+            if self.stage.states:
                 span.comm.all_reduce(part, span.axis)
             span.comm.all_reduce(part, "ep")
             total += part
@@ -284,7 +309,7 @@ class ZeroEngine:
         """This rank's sum of squared reduced gradients of ``chunks``."""
         total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for cg in chunks:
-            if self.zero == 0:
+            if not self.stage.states:
                 part = sum(
                     (_local(p.grad).double().pow(2).sum() for p in cg.params if p.grad is not None),
                     torch.zeros((), dtype=torch.float64, device=self.mesh.device),
@@ -301,7 +326,7 @@ class ZeroEngine:
     def reduced_grads(self) -> list[torch.Tensor]:
         """The gradients the optimizer will step with (after reduction): p.grad at stage 0,
         this rank's shards at 1-3 (local tensors: in-place changes reach the DTensors)."""
-        if self.zero == 0:
+        if not self.stage.states:
             return [_local(p.grad) for p in self.owner if p.grad is not None]
         return [self.grad_shard[cg] for cg in self.groups]
 
@@ -364,11 +389,11 @@ class ZeroEngine:
         return norm
 
     def _optimizer_step(self) -> None:
-        if self.zero >= 1:
+        if self.stage.states:
             for cg, shard in zip(self.groups, self.shards, strict=True):
                 shard.grad = self.grad_shard[cg]
         self.optimizer.step()
-        if self.zero in (1, 2):  # the stepped shard is already in place; gather the others'
+        if self.stage.gathers_updates:  # the stepped shard is already in place; gather the others'
             for cg, shard in zip(self.groups, self.shards, strict=True):
                 self.gather_shards(cg, cg.chunk.buffer, shard.detach().clone())
 
@@ -388,9 +413,9 @@ class ZeroEngine:
         cg = self.owner[p]
         slot = cg.slot_of(p)
         with torch.no_grad():
-            if kind == "param" and self.zero < 3:
+            if kind == "param" and not self.stage.parameters:
                 _local(p.data).copy_(local)
-            if self.zero == 0:
+            if not self.stage.states:
                 if kind != "param":
                     value = local.clone()
                     if hasattr(p, "placements"):
