@@ -22,7 +22,9 @@ def full_state_dict(model: nn.Module, optimizer=None) -> dict[str, torch.Tensor]
     ``optimizer``: what ``boost`` returned with ``model`` (a ``TrainOptimizer``, whose
     ``full_state`` gathers ZeRO-3 chunks, tp shards and pipeline stages); None for a plain
     model or its plain torch optimizer (DTensor shards gathered)."""
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+    from tessera.train.optimizer import TrainOptimizer
+
+    if isinstance(optimizer, TrainOptimizer):
         state = optimizer.full_state()
     else:
         state = {}

@@ -42,7 +42,8 @@ class TrainOptimizer(Protocol):
       ``last_grad_norm`` the last step's global gradient norm (None without clipping).
     - ``model``, ``plan``, ``mesh``; ``group_names`` (each group's parameter names) and
       ``param_shapes`` (shapes of parameters this rank released: other pipeline stages'),
-      which checkpoints read.
+      which checkpoints read, with ``engine``: the sharding core (``ZeroEngine``, or a
+      pipelined rank's ``StageEngine``) whose ``resident()`` and ``load_local`` they call.
     """
 
     model: nn.Module
@@ -52,6 +53,7 @@ class TrainOptimizer(Protocol):
     param_shapes: dict[str, list[int]]
     last_grad_norm: float | None
     loss_scaler: Any
+    engine: Any
 
     @property
     def inner(self) -> torch.optim.Optimizer: ...
