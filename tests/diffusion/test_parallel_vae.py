@@ -125,6 +125,8 @@ def test_parallel_decode_equals_serial(pixart):
     print(f"VAE peak / serial: 2 ranks {ratios}, chunked one device {chunked_peak / serial_peak:.3f}")
     assert max(ratios[None]) <= 1.2 / 2, ratios  # the aim: at most 1.2 / N of serial
     assert max(ratios[8]) < max(ratios[None]), ratios  # chunks compose with the split
+    # measured 0.694 here (0.719 in the bench's larger case): 0.8 says chunking cuts the peak
+    # by a fifth at least, with room for allocator rounding on another machine
     assert chunked_peak < 0.8 * serial_peak, chunked_peak / serial_peak
 
     # Wan's causal 3-D VAE, rows split (its own frame-by-frame decode and caches per band)

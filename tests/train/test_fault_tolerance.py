@@ -1,7 +1,12 @@
 """Training that survives a lost process (#33): asynchronous, atomic checkpoints with a commit
 marker and pruning; a kill during a checkpoint write; elastic restarts under torchrun's agent
 that end bit-exactly where an uninterrupted run ends; collectives that hang or lose a peer
-turned into errors naming the rank, the operation and the mesh axis; bad input refused."""
+turned into errors naming the rank, the operation and the mesh axis; bad input refused.
+
+Tolerance: every comparison is exact (rtol=0, atol=0): a checkpoint stores the bits it is
+given, and a resumed run repeats the uninterrupted run's operations in the same order on the
+same plan, so its parameters are the same bits.
+"""
 
 import json
 import os

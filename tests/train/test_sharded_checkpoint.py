@@ -1,6 +1,13 @@
 """Sharded checkpoints (torch.distributed.checkpoint's format): saved at dp2 x tp2 (ZeRO-2,
 GPT-2's TP layout), loaded in one process and back, bit-exact; read by plain torch DCP code
-and the reverse; training continues identically; crashes and foreign checkpoints."""
+and the reverse; training continues identically; crashes and foreign checkpoints.
+
+Tolerance: a checkpoint stores the bits it is given and a load places them back, whatever the
+plan, so every save/load comparison is exact (rtol=0, atol=0). Only training on after a load
+under another plan sums gradients in another order (fp32 rounding, ~1e-7 relative a step):
+that next step is compared at rtol 1e-5 (loss) and rtol 1e-4 / atol 1e-5 (parameters after
+Adam, whose division by sqrt(v) can magnify an element's rounding), as in test_boost_parity.
+"""
 
 import pytest
 import torch
