@@ -29,9 +29,9 @@ demo: $(STAMP)
 	fi
 	$(VENV)/bin/tessera generate --model $(RUN) --digits 0123456789 --steps 20 --seed 0 --out runs/digits.png
 
-# two pytest workers (pytest-xdist), each test file whole on one: a serial run keeps one of
-# the two cores idle about half the time (measured: 727 CPU-seconds in a 1017 s run), so two
-# workers finish in about 0.6 of the time; add -n 0 to run serially
+# two pytest workers (pytest-xdist), each test file whole on one. Measured on 2 cores at
+# ab08a39: quiet, 499 s serial vs 455 s with two workers (each starts its own rank pools);
+# with other work on the machine, 1017 s vs 635 s. Add -n 0 to run serially.
 test: $(STAMP)
 	OMP_NUM_THREADS=2 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests
 
