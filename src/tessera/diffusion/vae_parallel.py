@@ -361,6 +361,17 @@ class _Walk:
         return self.conv(x, dec.conv_out, norm=dec.conv_norm_out, act=dec.conv_act)
 
 
+def row_bounds(split: VaeSplit, rows: int) -> list[tuple[int, int]]:
+    """Each rank's band of a latent's ``rows`` (one line's error when there are fewer rows
+    than ranks): the split every VAE's row decode uses."""
+    if rows < split.size:
+        raise ValueError(
+            f"parallel VAE decode: a latent of {rows} rows cannot be split over {split.size} ranks; "
+            f"use at most {rows}"
+        )
+    return split_rows(rows, split.size)
+
+
 @torch.no_grad()
 def decode_rows(vae: nn.Module, z: torch.Tensor, split: VaeSplit) -> torch.Tensor | None:
     """``vae.decode(z).sample`` with the latent's rows split over ``split.axis``: the whole
@@ -375,13 +386,7 @@ def decode_rows(vae: nn.Module, z: torch.Tensor, split: VaeSplit) -> torch.Tenso
         from tessera.diffusion.vae_parallel_ltx import decode_rows_ltx
 
         return decode_rows_ltx(vae, z, split)
-    n = split.size
-    rows = z.shape[2]
-    if rows < n:
-        raise ValueError(
-            f"parallel VAE decode: a latent of {rows} rows cannot be split over {n} ranks; use at most {rows}"
-        )
-    bounds = split_rows(rows, n)
+    bounds = row_bounds(split, z.shape[2])
     start, stop = bounds[split.rank]
     band = z[:, :, start:stop]
     if vae.post_quant_conv is not None:

@@ -21,8 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.diffusion.layout import split_rows
-from tessera.diffusion.vae_parallel import VaeSplit, _refuse, send_bands_to_first
+from tessera.diffusion.vae_parallel import VaeSplit, _refuse, row_bounds, send_bands_to_first
 from tessera.diffusion.vae_parallel_wan import _with_halo
 
 
@@ -77,14 +76,9 @@ def decode_rows_ltx(vae: nn.Module, z: torch.Tensor, split: VaeSplit) -> torch.T
     check_ltx_vae(vae)
     if split.chunk_rows is not None:
         _refuse("chunked convolution (--vae-chunk-rows) is not implemented for AutoencoderKLLTXVideo yet")
-    n, rows = split.size, z.shape[3]
-    if rows < n:
-        raise ValueError(
-            f"parallel VAE decode: a latent of {rows} rows cannot be split over {n} ranks; use at most {rows}"
-        )
-    if n == 1:
+    bounds = row_bounds(split, z.shape[3])
+    if split.size == 1:
         return vae.decode(z, None, return_dict=False)[0]
-    bounds = split_rows(rows, n)
     start, stop = bounds[split.rank]
     with _patched(vae, split):
         video = vae.decode(z[:, :, :, start:stop], None, return_dict=False)[0]

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.diffusion.layout import split_rows
 from tessera.diffusion.vae_parallel import (
     VaeSplit,
     _refuse,
     exchange_halo,
     gather_bands,
+    row_bounds,
     send_bands_to_first,
 )
 
@@ -138,14 +138,9 @@ def decode_rows_wan(vae: nn.Module, z: torch.Tensor, split: VaeSplit) -> torch.T
     check_wan_vae(vae)
     if split.chunk_rows is not None:
         _refuse("chunked convolution (--vae-chunk-rows) is not implemented for AutoencoderKLWan yet")
-    n, rows = split.size, z.shape[3]
-    if rows < n:
-        raise ValueError(
-            f"parallel VAE decode: a latent of {rows} rows cannot be split over {n} ranks; use at most {rows}"
-        )
-    bounds = split_rows(rows, n)
+    bounds = row_bounds(split, z.shape[3])
     start, stop = bounds[split.rank]
-    if n == 1:
+    if split.size == 1:
         return vae.decode(z, return_dict=False)[0]
     with _patched(vae, split, bounds):
         video = vae.decode(z[:, :, :, start:stop], return_dict=False)[0]
