@@ -9,7 +9,9 @@ from tessera.bench.train import QUICK, plot_train, run_train_bench
 
 
 def test_quick_train_bench_fsdp2_and_tessera_zero3(tmp_path):
-    result = run_train_bench(quick=True, progress=False, variants=["fsdp2", "tessera_zero3", "tessera_dp"])
+    result = run_train_bench(
+        quick=True, progress=False, variants=["fsdp2", "tessera_zero3", "tessera_dp"], checkpoints=False
+    )
     rows = {r["variant"]: r for r in result.rows}
     assert rows.keys() == {"fsdp2", "tessera_zero3", "tessera_dp"}
     # same model, data and optimizer: the same loss to fp32 rounding (the committed full run:
@@ -32,3 +34,40 @@ def test_quick_train_bench_fsdp2_and_tessera_zero3(tmp_path):
     )
     paths = write_results(result, tmp_path, plot_train)
     assert json.loads(paths[0].read_text())["parameters"] > 0
+
+
+def test_train_bench_checkpoint_section(tmp_path, monkeypatch):
+    """The checkpoint section of `tessera bench train`: a run with no checkpoints, one saving
+    synchronously and one in the background, in the same run; each saving run commits one
+    checkpoint per interval, and the section's rows, headline and plot panels land in the
+    train results. (The recovery half is the chaos tests' subject: kills=0 here.)"""
+    from tessera.bench import checkpoint
+
+    tiny = checkpoint.CheckpointBenchConfig(
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        vocab=64,
+        seq=16,
+        batch=2,
+        warmup=1,
+        steps=4,
+        every=2,
+        repeats=1,
+        kills=0,
+    )
+    monkeypatch.setattr(checkpoint, "QUICK", tiny)
+    result = run_train_bench(quick=True, progress=False, variants=["tessera_zero3"], checkpoints=True)
+    section = result.extra["checkpoint"]
+    saves = {r["variant"]: r["saves"] for r in section["rows"]}
+    assert saves == {"none": 0, "sync": 2, "async": 2}  # 4 timed steps, a save every 2
+    assert section["checkpoint_mib"] > 0  # the committed checkpoint's files, measured on disk
+    for key in (
+        "checkpoint_async_overhead_pct",
+        "checkpoint_sync_blocked_ms_per_save",
+        "checkpoint_interval_s",
+    ):
+        assert key in result.headline, key
+    paths = write_results(result, tmp_path, plot_train)
+    assert "Checkpoints: tokens/s with a checkpoint every N steps" in paths[1].read_text()
+    assert paths[2].stat().st_size > 0

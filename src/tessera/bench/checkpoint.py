@@ -1,5 +1,5 @@
-"""`tessera bench checkpoint`: what checkpoints cost a training run, and what a lost rank
-costs it (issue #33).
+"""What checkpoints cost a training run, and what a lost rank costs it: the checkpoint section
+of ``tessera bench train``, and alone as ``tessera bench checkpoint`` (issue #33).
 
 Throughput: a GPT-2 (HuggingFace class, sizes below) trained by 2 gloo ranks at ZeRO-3, with
 no checkpoints (the baseline, in the same run), with a checkpoint every ``every`` steps
@@ -220,14 +220,15 @@ def _recovery(cfg: CheckpointBenchConfig, progress: bool) -> list[dict]:
     return out
 
 
-def run_checkpoint_bench(*, quick: bool, progress: bool = True) -> BenchResult:
+def measure(cfg: CheckpointBenchConfig, progress: bool = True) -> dict:
+    """The throughput and recovery measurements, for ``tessera bench checkpoint`` and as the
+    checkpoint section of ``tessera bench train``: {headline, rows, recovery, notes, extra}."""
     from tessera.train.gpt2_text import gpt2_lm
 
-    cfg = QUICK if quick else FULL
     params = sum(p.numel() for p in gpt2_lm(vocab=cfg.vocab, n_embd=cfg.n_embd, n_layer=cfg.n_layer,
                                            n_head=cfg.n_head, seq=cfg.seq).parameters())  # fmt: skip
     rows, sizes = _throughput(cfg, progress)
-    recovery = _recovery(cfg, progress)
+    recovery = _recovery(cfg, progress) if cfg.kills else []
     by = {r["variant"]: r for r in rows}
     kill = [r["kill_to_first_step_s"] for r in recovery]
     # what a save costs the loop directly: its blocked time over the training time between two
@@ -236,39 +237,79 @@ def run_checkpoint_bench(*, quick: bool, progress: bool = True) -> BenchResult:
     for row in rows:
         row["blocked_pct_of_interval"] = round(100 * row["blocked_ms_per_save"] / 1000 / interval_s, 2)
     headline = {
-        "sync_blocked_pct_of_interval": by["sync"]["blocked_pct_of_interval"],
-        "async_blocked_pct_of_interval": by["async"]["blocked_pct_of_interval"],
         "async_overhead_pct": by["async"]["overhead_pct"],
         "async_overhead_pct_range": by["async"]["overhead_pct_range"],
         "sync_overhead_pct": by["sync"]["overhead_pct"],
         "sync_overhead_pct_range": by["sync"]["overhead_pct_range"],
         "async_blocked_ms_per_save": by["async"]["blocked_ms_per_save"],
         "sync_blocked_ms_per_save": by["sync"]["blocked_ms_per_save"],
-        "kill_to_first_step_s": round(statistics.median(kill), 2),
-        "kill_to_first_step_s_range": [min(kill), max(kill)],
+        "async_blocked_pct_of_interval": by["async"]["blocked_pct_of_interval"],
+        "sync_blocked_pct_of_interval": by["sync"]["blocked_pct_of_interval"],
+        "interval_s": round(interval_s, 2),
     }
-    columns = ["variant", "tokens_per_s", "tokens_per_s_range", "overhead_pct", "overhead_pct_range", "saves"]
-    recovery_columns = list(recovery[0])
+    if kill:
+        headline["kill_to_first_step_s"] = round(statistics.median(kill), 2)
+        headline["kill_to_first_step_s_range"] = [min(kill), max(kill)]
+    notes = [
+        f"GPT-2 ({cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab}, {params:,} parameters), "
+        f"sequence {cfg.seq}, batch {cfg.batch}, AdamW, fp32, ZeRO-3 over {RANKS} gloo ranks x 1 thread; "
+        f"a checkpoint ({sizes['checkpoint_mib']} MiB on disk) every {cfg.every} of {cfg.steps} timed steps "
+        f"after {cfg.warmup} warm-up; {cfg.repeats} interleaved repeat(s): median, [min, max]; overhead = "
+        "1 - tokens/s over the no-checkpoint run of the same repeat.",
+        "sync: the loop waits for DCP's write and the commit; async: a copy at the step boundary, then "
+        "dcp.async_save and the commit in the background (the last one waited for inside the timed window).",
+        f"blocked_pct_of_interval: the time a save blocks the loop over the training time between two saves "
+        f"({interval_s:.2f} s at the baseline's median tokens/s).",
+    ]
+    if kill:
+        notes.append(
+            "Recovery: rank 1 SIGKILLed after step 7 under tessera launch --max-restarts 1 (checkpoints every 4 "
+            "steps); from the kill to the end of the first step after the restart, and its parts."
+        )
+    extra = {"config": asdict(cfg), "parameters": params, "recovery": recovery, **sizes}
+    return {"headline": headline, "rows": rows, "recovery": recovery, "notes": notes, "extra": extra}
+
+
+ROW_COLUMNS = [
+    "variant", "tokens_per_s", "tokens_per_s_range", "overhead_pct", "overhead_pct_range", "saves",
+    "blocked_ms_per_save", "blocked_pct_of_interval",
+]  # fmt: skip
+
+
+def run_checkpoint_bench(*, quick: bool, progress: bool = True) -> BenchResult:
+    part = measure(QUICK if quick else FULL, progress)
+    recovery = part["recovery"]
     return BenchResult(
         name="checkpoint",
-        headline=headline,
-        rows=rows,
-        columns=[*columns, "blocked_ms_per_save", "blocked_pct_of_interval"],
-        notes=[
-            f"GPT-2 ({cfg.n_layer} layers, {cfg.n_embd} wide, vocab {cfg.vocab}, {params:,} parameters), "
-            f"sequence {cfg.seq}, batch {cfg.batch}, AdamW, fp32, ZeRO-3 over {RANKS} gloo ranks x 1 thread; "
-            f"a checkpoint ({sizes['checkpoint_mib']} MiB on disk) every {cfg.every} of {cfg.steps} timed steps "
-            f"after {cfg.warmup} warm-up; {cfg.repeats} interleaved repeat(s): median, [min, max].",
-            "sync: the loop waits for DCP's write and the commit; async: a copy at the step boundary, then "
-            "dcp.async_save and the commit in the background (the last one waited for inside the timed window).",
-            f"blocked_pct_of_interval: the time a save blocks the loop over the training time between two saves "
-            f"({interval_s:.2f} s at the baseline's median tokens/s).",
-            "Recovery: rank 1 SIGKILLed after step 7 under tessera launch --max-restarts 1 (checkpoints every 4 "
-            "steps); from the kill to the end of the first step after the restart, and its parts.",
-        ],
-        extra={"config": asdict(cfg), "parameters": params, "recovery": recovery, **sizes},
-        tables=[("Recovery from a killed rank", recovery_columns, recovery)],
+        headline=part["headline"],
+        rows=part["rows"],
+        columns=ROW_COLUMNS,
+        notes=part["notes"],
+        extra=part["extra"],
+        tables=[("Recovery from a killed rank", list(recovery[0]), recovery)] if recovery else [],
     )
+
+
+def draw(ax_t, ax_r, rows: list[dict], recovery: list[dict]) -> None:
+    """The two panels: tokens/s per variant, and a kill's recovery time in parts."""
+    names = [r["variant"] for r in rows]
+    speed = [r["tokens_per_s"] for r in rows]
+    err = [
+        [s - r["tokens_per_s_range"][0] for s, r in zip(speed, rows, strict=True)],
+        [r["tokens_per_s_range"][1] - s for s, r in zip(speed, rows, strict=True)],
+    ]
+    ax_t.barh(names, speed, xerr=err, color=["#7f7f7f", "#dd8452", "#1f77b4"])
+    ax_t.set(title="throughput with a checkpoint every N steps", xlabel="tokens / s (median, range)")
+    parts = ["kill_to_process_s", "imports_s", "join_s", "build_and_load_s", "first_step_s"]
+    left = [0.0] * len(recovery)
+    labels = [f"kill {i + 1}" for i in range(len(recovery))]
+    for part in parts:
+        values = [r[part] for r in recovery]
+        ax_r.barh(labels, values, left=left, label=part.removesuffix("_s"))
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    ax_r.set(title="from a killed rank to the first step after restart", xlabel="seconds")
+    if recovery:
+        ax_r.legend(fontsize=8)
 
 
 def plot_checkpoint(result: BenchResult, path) -> None:
@@ -278,25 +319,7 @@ def plot_checkpoint(result: BenchResult, path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_r) = plt.subplots(1, 2, figsize=(11, 4))
-    rows = result.rows
-    names = [r["variant"] for r in rows]
-    speed = [r["tokens_per_s"] for r in rows]
-    err = [
-        [s - r["tokens_per_s_range"][0] for s, r in zip(speed, rows, strict=True)],
-        [r["tokens_per_s_range"][1] - s for s, r in zip(speed, rows, strict=True)],
-    ]
-    ax_t.barh(names, speed, xerr=err, color=["#7f7f7f", "#dd8452", "#1f77b4"])
-    ax_t.set(title="throughput with a checkpoint every N steps", xlabel="tokens / s (median, range)")
-    recovery = result.extra["recovery"]
-    parts = ["kill_to_process_s", "imports_s", "join_s", "build_and_load_s", "first_step_s"]
-    left = [0.0] * len(recovery)
-    labels = [f"kill {i + 1}" for i in range(len(recovery))]
-    for part in parts:
-        values = [r[part] for r in recovery]
-        ax_r.barh(labels, values, left=left, label=part.removesuffix("_s"))
-        left = [a + b for a, b in zip(left, values, strict=True)]
-    ax_r.set(title="from a killed rank to the first step after restart", xlabel="seconds")
-    ax_r.legend(fontsize=8)
+    draw(ax_t, ax_r, result.rows, result.extra["recovery"])
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)

@@ -333,7 +333,13 @@ def _headline(by: dict[str, dict]) -> dict:
     return out
 
 
-def run_train_bench(*, quick: bool, progress: bool = True, variants: list[str] | None = None) -> BenchResult:
+def run_train_bench(
+    *, quick: bool, progress: bool = True, variants: list[str] | None = None, checkpoints: bool = True
+) -> BenchResult:
+    """The variants' throughput and memory, then (``checkpoints``) the checkpoint section:
+    ``tessera.bench.checkpoint.measure`` (tokens/s with synchronous and background checkpoints,
+    a killed rank's recovery), its headline keys prefixed ``checkpoint_``."""
+    from tessera.bench import checkpoint
     from tessera.runtime import spawn
 
     cfg = QUICK if quick else FULL
@@ -362,6 +368,18 @@ def run_train_bench(*, quick: bool, progress: bool = True, variants: list[str] |
     headline = _headline(by)
     for row in rows:
         del row["speeds"], row["mems"]
+    notes, tables, extra = _notes(cfg, params, peak, have_deepspeed), [], {}
+    if checkpoints:
+        part = checkpoint.measure(checkpoint.QUICK if quick else checkpoint.FULL, progress)
+        headline |= {f"checkpoint_{k}": v for k, v in part["headline"].items()}
+        notes += [f"Checkpoints: {n}" for n in part["notes"]]
+        tables.append(
+            ("Checkpoints: tokens/s with a checkpoint every N steps", checkpoint.ROW_COLUMNS, part["rows"])
+        )
+        if part["recovery"]:
+            tables.append(("Checkpoints: from a killed rank to the first step after restart",
+                           list(part["recovery"][0]), part["recovery"]))  # fmt: skip
+        extra["checkpoint"] = {"rows": part["rows"], **part["extra"]}
     return BenchResult(
         name="train",
         headline=headline,
@@ -381,13 +399,15 @@ def run_train_bench(*, quick: bool, progress: bool = True, variants: list[str] |
             "final_loss",
             "comm_mib_per_step",
         ],
-        notes=_notes(cfg, params, peak, have_deepspeed),
+        notes=notes,
         extra={
             "config": asdict(cfg),
             "parameters": params,
             "deepspeed_config": deepspeed_config(cfg, cfg.global_batch // RANKS),
             "tessera_plans": TESSERA,
+            **extra,
         },
+        tables=tables,
     )
 
 
@@ -423,7 +443,17 @@ def plot_train(result: BenchResult, path) -> None:
     rows = result.rows
     names = [r["variant"] for r in rows]
     colors = ["#1f77b4" if n.startswith("tessera") else "#7f7f7f" for n in names]
-    fig, (ax_t, ax_m, ax_s) = plt.subplots(1, 3, figsize=(15, 4.5), sharey=True)
+    from tessera.bench.checkpoint import draw
+
+    section = result.extra.get("checkpoint")
+    fig = plt.figure(figsize=(15, 8.5 if section else 4.5))
+    top = fig.add_gridspec(2 if section else 1, 3)
+    ax_t = fig.add_subplot(top[0, 0])
+    ax_m, ax_s = fig.add_subplot(top[0, 1], sharey=ax_t), fig.add_subplot(top[0, 2], sharey=ax_t)
+    for ax in (ax_m, ax_s):
+        ax.tick_params(labelleft=False)
+    if section:
+        draw(fig.add_subplot(top[1, 0]), fig.add_subplot(top[1, 1]), section["rows"], section["recovery"])
     speed = [r["tokens_per_s"] for r in rows]
     err = [
         [s - r["tokens_per_s_range"][0] for s, r in zip(speed, rows, strict=True)],
