@@ -76,6 +76,8 @@ PLAN = Settings(
         "chunk_mib": "ZeRO chunk size in MiB",
         "block_chunks": "a new ZeRO chunk at every transformer block",
         "activation_checkpointing": "recompute each transformer block's activations in backward",
+        "prefetch": "ZeRO chunks whose collectives overlap compute: ZeRO-3 all-gathers ahead, ZeRO-2/3 "
+        "reduce-scatters in flight (0: none)",
         "loss_scale_init": "fp16: the first loss scale",
         "loss_scale_growth_interval": "fp16: clean steps in a row that double the loss scale",
         "offload": "move ZeRO-3 chunks between device, host and disk: auto (by a warm-up trace) or static",

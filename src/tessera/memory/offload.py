@@ -61,6 +61,21 @@ def _need(whole: list[int], shard_bytes: list[int]) -> int:
     return max(max(w + b for w, b in zip(whole, shard_bytes, strict=True)), 4 * max(shard_bytes))
 
 
+def _check_in_flight(name: str, budget: int | None, whole: list[int], shard_bytes: list[int], prefetch: int):
+    """ZeRO-3's prefetch (``tessera.parallel.zero_overlap``) holds up to 1 + ``prefetch`` whole
+    chunks with their shards on the compute tier at once: the largest ones must fit the budget."""
+    if budget is None or prefetch == 0:
+        return
+    uses = sorted((w + b for w, b in zip(whole, shard_bytes, strict=True)), reverse=True)[: 1 + prefetch]
+    held = sum(uses)
+    if held > budget:
+        raise ValueError(
+            f"Plan.prefetch={prefetch} keeps up to {len(uses)} whole chunks in flight at once ({held} bytes with "
+            f"their shards), more than Plan.{name}={budget} bytes; lower Plan.prefetch (0: no overlap) or "
+            f"Plan.chunk_mib, or raise Plan.{name} to at least {held}"
+        )
+
+
 def _dry_run(manager, whole, numels, *, budget_name: str, **settings) -> None:
     """``simulate_step`` (``tessera.memory.dry_run``) over meta tensors; a refusal names the
     compute tier's budget."""
@@ -84,17 +99,20 @@ def check_offload(
     device_memory: int | None,
     host_memory: int | None,
     offload_dir,
+    prefetch: int = 0,
 ) -> None:
     """Every refusal of offloading a rank's ZeRO-3 chunks of ``manager`` (its chunks' data
     is neither read nor changed: meta tensors will do), made before anything is bound,
     freed or built, each with the numbers: a compute-tier budget below what the largest
-    chunk's use needs, ``device_memory`` without CUDA, the dry run of one step over this
+    chunk's use needs, or than the chunks ``prefetch`` keeps in flight need, ``device_memory`` without CUDA, the dry run of one step over this
     layout, and the offload directory (writable, with room for every shard's bytes)."""
     whole = [cg.chunk.capacity * cg.chunk.buffer.element_size() for cg in manager.chunks]
     numels = [cg.chunk.capacity // dp for cg in manager.chunks]
     shard_bytes = [4 * n for n in numels]  # fp32 master shards
     name = "device_memory" if device.type == "cuda" else "host_memory"
-    _check_need(name, device_memory if name == "device_memory" else host_memory, _need(whole, shard_bytes))
+    budget = device_memory if name == "device_memory" else host_memory
+    _check_need(name, budget, _need(whole, shard_bytes))
+    _check_in_flight(name, budget, whole, shard_bytes, prefetch)
     check_device_memory(device, device_memory)
     _dry_run(
         manager, whole, numels, policy=policy, device=device, device_memory=device_memory,
@@ -110,6 +128,7 @@ class ShardOffload:
         self.store, self.optimizer, self.shards = store, optimizer, shards
         self.state_keys: list[dict[str, str]] = [{} for _ in shards]
         self.need, self.budget_name = 0, "host_memory"  # set by create(), with layout and policy
+        self.in_flight: tuple[list[int], list[int], int] = ([], [], 0)  # whole, shard bytes, prefetch
         self.low = False  # this step's forward ran under bf16 autocast: gather the bf16 copies
         for i, shard in enumerate(shards):
             store.register(f"p{i}", ChunkKind.PARAM, shard.data)
@@ -122,31 +141,55 @@ class ShardOffload:
         yield self.store.use(f"p{i}")
         self.store.done(f"p{i}", after)
 
-    def gather_into(self, buffer: torch.Tensor, i: int, after: ChunkState, comm, axis: str) -> None:
+    def gather_into(
+        self, buffer: torch.Tensor, i: int, after: ChunkState, comm, axis: str, *, async_op=False
+    ):
         """All-gather chunk ``i`` into ``buffer`` (the whole fp32 chunk) from the master
         shards; when forward runs under bf16 autocast (and in the backward after it), from
         their bf16 copies ``b{i}`` instead (PatrickStar's low-precision parameter chunks):
         half the bytes read from the slow tier and sent to the other ranks. Every op that
         autocast runs in bf16 then sees the very weights it would have (its cast of the
         master rounds to nearest even, as the copy did); ops it keeps in fp32 (embedding
-        lookups, layer norms) see the rounded values instead of the master's."""
+        lookups, layer norms) see the rounded values instead of the master's.
+
+        ``async_op``: the all-gather is left in flight and a function returned that waits for
+        it (the shard, or its copy, stays in use on the compute tier until then, and the bf16
+        staging is widened into ``buffer`` then); None otherwise."""
         if after is ChunkState.HOLD_AFTER_FWD:  # gather_all (export, saving) is never autocast
             kind = buffer.device.type
             self.low = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
         if not self.low:
-            with self.master(i, after) as shard:
-                comm.all_gather_into(buffer, shard, axis)
-            return
-        staging = _nbytes(buffer) // 2  # the bf16 whole chunk, before it is widened into buffer
-        self.store.reserve_compute(staging, f"bf16 staging of whole chunk {i}")
-        try:
-            whole = torch.empty(buffer.shape, dtype=torch.bfloat16, device=buffer.device)
-            comm.all_gather_into(whole, self._low_copy(i, after), axis)
-            self.store.done(f"b{i}", after)
-            buffer.copy_(whole)
-            del whole
-        finally:
-            self.store.release_compute(staging)
+            shard = self.store.use(f"p{i}")
+            work = comm.all_gather_into(buffer, shard, axis, async_op=async_op)
+
+            def finish() -> None:
+                if work is not None:
+                    work.wait()
+                self.store.done(f"p{i}", after)
+
+        else:
+            staging = _nbytes(buffer) // 2  # the bf16 whole chunk, before it is widened into buffer
+            self.store.reserve_compute(staging, f"bf16 staging of whole chunk {i}")
+            try:
+                whole = torch.empty(buffer.shape, dtype=torch.bfloat16, device=buffer.device)
+                work = comm.all_gather_into(whole, self._low_copy(i, after), axis, async_op=async_op)
+            except BaseException:
+                self.store.release_compute(staging)
+                raise
+
+            def finish() -> None:
+                try:
+                    if work is not None:
+                        work.wait()
+                    self.store.done(f"b{i}", after)
+                    buffer.copy_(whole)
+                finally:
+                    self.store.release_compute(staging)
+
+        if async_op:
+            return finish
+        finish()
+        return None
 
     def _low_copy(self, i: int, after: ChunkState) -> torch.Tensor:
         """Chunk ``i``'s bf16 copy, in use; made from the master the first time (the
@@ -240,7 +283,9 @@ class ShardOffload:
                     self.store.chunks[f"b{i}"].tensor.copy_(self.shards[i].detach())
 
     @classmethod
-    def create(cls, manager, optimizer, shards, whole: list[torch.Tensor], *, device, rank, **settings):
+    def create(
+        cls, manager, optimizer, shards, whole: list[torch.Tensor], *, device, rank, prefetch=0, **settings
+    ):
         """Tier a rank's ``shards`` (``whole``: each chunk's full buffer). The layout was
         checked first (``check_offload``, before any chunk was bound or freed)."""
         name = "device_memory" if device.type == "cuda" else "host_memory"
@@ -248,6 +293,7 @@ class ShardOffload:
         store = build_store(manager, device=device, rank=rank, disk_need=4 * sum(shard_bytes), **settings)
         offload = cls(store, optimizer, shards)
         offload.need = _need([_nbytes(w) for w in whole], shard_bytes)
+        offload.in_flight = [_nbytes(w) for w in whole], shard_bytes, prefetch
         offload.budget_name = name
         offload.layout = [_nbytes(w) for w in whole], [s.numel() for s in shards], _state_tensors(optimizer)
         offload.policy = settings["policy"]
@@ -291,6 +337,7 @@ class ShardOffload:
         refused like the plan's: below what the largest chunk's use needs, or where the
         dry run cannot place a step."""
         _check_need(self.budget_name, nbytes, self.need)
+        _check_in_flight(self.budget_name, nbytes, *self.in_flight)
         self.check_plan(nbytes)
         self.store.set_budget(nbytes)
 

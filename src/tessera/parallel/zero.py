@@ -30,6 +30,12 @@ As with FSDP, every rank must then run the same modules in the same order. At st
 ranks may use different parameters in a step: chunks are reduced in one fixed order, and a
 parameter any rank used gets the averaged gradient on every rank.
 
+``prefetch`` (``Plan.prefetch``, default 1) overlaps the collectives with compute: stage 3
+all-gathers the next chunks in the learned use order while a module computes (forward and
+backward), and stages 2-3 leave gradient reduce-scatters in flight until ``finish_backward``,
+at most ``prefetch`` chunks each way (``tessera.parallel.zero_overlap``, which also says
+what stays synchronous); 0 waits for every collective where it is issued. Bit-exact either way.
+
 Tensor parallel parameters (DTensors) take part through their local shards (at stage 3 the local
 shard itself is bound to the chunk buffer); a chunk holds
 parameters of one optimizer group and one kind (sharded over ``tp`` or replicated on it), so
@@ -61,6 +67,7 @@ from tessera.memory.chunk_manager import ChunkManager, ParamChunk
 from tessera.memory.chunk_manager import local as _local
 from tessera.memory.clip import clip_coefficient
 from tessera.memory.offload import ShardOffload, check_offload
+from tessera.parallel.zero_overlap import InFlight, install_stage3_hooks
 from tessera.runtime import Mesh
 from tessera.runtime.comm import Comm
 
@@ -120,6 +127,7 @@ class ZeroEngine:
         offload: dict | None = None,
         expert_mesh: Mesh | None = None,
         expert_params: set[nn.Parameter] | None = None,
+        prefetch: int = 1,
     ):
         self.model, self.zero, self.mesh, self.axis = model, zero, mesh, axis
         self.stage = stage = STAGES[zero]
@@ -128,6 +136,7 @@ class ZeroEngine:
         self.comm = mesh.comm
         self.sync = True
         self.recomputing = False  # inside activation checkpointing's recomputation
+        self.inflight = InFlight(prefetch)  # collectives not yet waited for (zero_overlap)
         dp = mesh.size(axis)
         self.dp, self.rank = dp, mesh.rank(axis)
         dense = Span(self.comm, axis, dp, self.rank)
@@ -144,7 +153,15 @@ class ZeroEngine:
         self.span = {cg: experts if cg.expert else dense for cg in self.groups}
         if offload is not None:  # refused before any chunk is bound or freed: the model stays whole
             assert zero == 3, "offload moves ZeRO-3 chunks (Plan checks)"
-            check_offload(self.manager, optimizer, dp=dp, device=mesh.device, rank=self.rank, **offload)
+            check_offload(
+                self.manager,
+                optimizer,
+                dp=dp,
+                device=mesh.device,
+                rank=self.rank,
+                prefetch=prefetch,
+                **offload,
+            )
         self.owner = self.manager.owner
         self.pending = {cg: len(cg.params) for cg in self.groups}
         self.expected = dict(self.pending)  # gradients a step brings (fewer: unused modules)
@@ -172,7 +189,7 @@ class ZeroEngine:
                 cg.free()
             if offload is not None:
                 self._start_offload(offload)
-            self._install_stage3_hooks()
+            install_stage3_hooks(self)
         elif not stage.states:
             for cg in self.groups:
                 cg.free()  # the packed copy is not needed: parameters keep their own storage
@@ -248,8 +265,13 @@ class ZeroEngine:
             self._release(cg)
         else:
             shard = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
-            span.comm.reduce_scatter_into(shard, flat, span.axis)
-            self.grad_shard[cg] = shard.div_(self.dp)
+            self.grad_shard[cg] = shard  # averaged once the reduce-scatter is waited for
+            if self.inflight.prefetch:  # flat stays alive in the closure until the wait
+                work = span.comm.reduce_scatter_into(shard, flat, span.axis, async_op=True)
+                self.inflight.add_reduce(work, lambda shard=shard, flat=flat: shard.div_(self.dp))
+            else:
+                span.comm.reduce_scatter_into(shard, flat, span.axis)
+                shard.div_(self.dp)
             for p in cg.params:
                 p.grad = None
             if self.stage.parameters:
@@ -257,11 +279,20 @@ class ZeroEngine:
         self.reduced[cg] = True
 
     def gather(
-        self, cg: ParamChunk, shard: torch.Tensor, after: ChunkState = ChunkState.HOLD_AFTER_FWD
+        self,
+        cg: ParamChunk,
+        shard: torch.Tensor,
+        after: ChunkState = ChunkState.HOLD_AFTER_FWD,
+        *,
+        wait: bool = True,
     ) -> None:
         """Stage 3: refill ``cg``'s buffer from every rank's shard (autograd's saved views stay
-        valid: their version counter is kept). Offloaded: the shard is fetched, left ``after``."""
+        valid: their version counter is kept). Offloaded: the shard is fetched, left ``after``.
+        ``wait=False``: the all-gather is left in flight (a prefetch), finished by the next
+        ``gather`` or ``_release`` of the chunk."""
         if cg.resident:
+            if wait:
+                self.inflight.finish_gather(cg)  # a prefetched chunk: its all-gather done
             return
         i = self.groups.index(cg)
         if self.offload is not None:
@@ -270,23 +301,36 @@ class ZeroEngine:
         self.manager.transition(cg, ChunkState.COMPUTE)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
             if self.offload is not None:  # from the master shards or, at bf16, their copies
-                self.offload.gather_into(buffer, i, after, self.comm, self.axis)
+                finish = self.offload.gather_into(buffer, i, after, self.comm, self.axis, async_op=not wait)
             else:
-                self.span[cg].comm.all_gather_into(buffer, shard, self.span[cg].axis)
+                work = self.span[cg].comm.all_gather_into(
+                    buffer, shard, self.span[cg].axis, async_op=not wait
+                )
+                finish = None if wait else work.wait
+        if not wait:
+
+            def done():
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
+                    finish()
+
+            self.inflight.add_gather(cg, done)
 
     def _release(self, cg: ParamChunk) -> None:  # stage 3: a whole chunk after its last use
         if not cg.resident:
             return
+        self.inflight.finish_gather(cg)  # a prefetched chunk's all-gather lands first
         cg.free()
         self.manager.transition(cg, ChunkState.RELEASED)
         if self.offload is not None:
             self.offload.store.release_compute(cg.chunk.buffer.nbytes)
 
     def finish_backward(self) -> None:
-        """Reduce chunks some of whose parameters got no gradient this step (unused ones)."""
+        """Reduce chunks some of whose parameters got no gradient this step (unused ones),
+        then wait for the reduce-scatters in flight."""
         for cg in self.groups:
             self.pending[cg] = 0
         self._reduce_ready()
+        self.inflight.finish_reduces()
 
     # ---- optimizer -------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
@@ -369,8 +413,9 @@ class ZeroEngine:
         whole = [cg.chunk.buffer for cg in self.groups]
         device, rank = self.mesh.device, self.mesh.rank(self.axis)
         self.offload = ShardOffload.create(
-            self.manager, self.optimizer, self.shards, whole, device=device, rank=rank, **settings
-        )
+            self.manager, self.optimizer, self.shards, whole, device=device, rank=rank,
+            prefetch=self.inflight.prefetch, **settings,
+        )  # fmt: skip
 
     @contextlib.contextmanager
     def resident(self):
@@ -444,78 +489,12 @@ class ZeroEngine:
     # ---- stage 3 ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def recomputation(self):
-        """The context activation checkpointing recomputes a block in (see post_forward)."""
+        """The context activation checkpointing recomputes a block in (see zero_overlap's post_forward)."""
         self.recomputing = True
         try:
             yield
         finally:
             self.recomputing = False
-
-    def _install_stage3_hooks(self) -> None:
-        """Gather a chunk before the first module that uses it runs forward, free it after
-        the last one (in the order recorded on the first forward; until then after each
-        module), gather it again when backward reaches a module using it, and free it once
-        its gradients are reduced."""
-        by_module: dict[nn.Module, list[ParamChunk]] = {}
-        for module in self.model.modules():
-            mine = {self.owner[p] for p in module.parameters(recurse=False) if p in self.owner}
-            if mine:
-                by_module[module] = sorted(mine, key=self.groups.index)
-        shard_of = dict(zip(self.groups, self.shards, strict=True))
-        order: list[nn.Module] = []
-        last_user: dict[ParamChunk, nn.Module] = {}
-
-        def gather(groups, after=ChunkState.HOLD_AFTER_FWD):
-            for cg in groups:
-                self.gather(cg, shard_of[cg].detach(), after)
-
-        def pre_forward(module, args):
-            if not last_user:
-                order.append(module)
-            gather(by_module[module])
-
-        def post_forward(module, args, output):
-            if self.recomputing:
-                # activation checkpointing recomputes a block inside backward: its chunks
-                # stay until their gradients are reduced (the recomputed graph uses them)
-                return
-            groups = by_module[module]
-            if torch.is_grad_enabled():
-                tensors = [
-                    t
-                    for t in torch.utils._pytree.tree_leaves(output)
-                    if isinstance(t, torch.Tensor) and t.requires_grad
-                ]
-                if tensors:
-                    torch.autograd.graph.register_multi_grad_hook(
-                        tensors, lambda grads: gather(groups, ChunkState.HOLD_AFTER_BWD), mode="any"
-                    )
-            for cg in groups:
-                if last_user.get(cg, module) is module:
-                    self._release(cg)
-
-        def end_of_forward(module, args, output):
-            if not last_user and order:
-                for m in order:
-                    for cg in by_module[m]:
-                        last_user[cg] = m
-                # parameters of modules that never ran get no gradient: a chunk waits only
-                # for the others (else an unused module would keep every chunk whole
-                # through backward, as reduction goes in chunk order)
-                ran = {p for m in order for p in m.parameters(recurse=False)}
-                for cg in self.groups:
-                    self.expected[cg] = self.pending[cg] = sum(p in ran for p in cg.params)
-
-        def start_of_forward(module, args):
-            if self.offload is not None:  # chunks left whole (gather_all) go back within budget
-                for cg in self.groups:
-                    self._release(cg)
-
-        self.model.register_forward_pre_hook(start_of_forward)
-        for module in by_module:
-            module.register_forward_pre_hook(pre_forward)
-            module.register_forward_hook(post_forward)
-        self.model.register_forward_hook(end_of_forward)
 
     def gather_all(self) -> None:
         """Stage 3: every parameter whole (evaluation, saving); offloaded, past the budget

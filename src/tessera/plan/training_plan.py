@@ -31,7 +31,11 @@ class Plan:
     block, so a block's parameters are chunks of their own (the granularity FSDP2's
     ``fully_shard`` per block has); ``activation_checkpointing`` recomputes each
     transformer block's activations in backward (``torch.utils.checkpoint``, non-reentrant)
-    instead of keeping them.
+    instead of keeping them. ``prefetch`` overlaps ZeRO's collectives with compute
+    (``tessera.parallel.zero_overlap``): at ZeRO-3 the next ``prefetch`` chunks in the use order
+    are all-gathered while a module computes (forward and backward), at ZeRO-2/3 up to
+    ``prefetch`` gradient reduce-scatters stay in flight during backward; 0: every collective
+    waits where it is issued. Results are bit-exact either way.
 
     ``offload`` moves ZeRO-3 chunks between memory tiers (``tessera.memory.store``): "auto"
     places them by a warm-up trace (Belady eviction, prefetch), "static" keeps only the
@@ -72,6 +76,7 @@ class Plan:
     chunk_mib: float = 32.0
     block_chunks: bool = False
     activation_checkpointing: bool = False
+    prefetch: int = 1
     loss_scale_init: float = 2.0**16
     loss_scale_growth_interval: int = 2000
     offload: str | None = None
@@ -103,6 +108,10 @@ class Plan:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Plan.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or self.prefetch < 0:
+            raise ValueError(
+                f"Plan.prefetch must be a whole number of chunks >= 0 (0: no overlap), got {self.prefetch!r}"
+            )
         if self.zero not in ZERO_STAGES:
             raise ValueError(f"Plan.zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if self.precision not in PRECISIONS:

@@ -19,13 +19,16 @@ rejects CPU tensors; checking here makes a CPU-only test catch it).
 With a link model (``Comm.emulate(link)``, see ``runtime.link``) every transfer also
 waits until the time it would have taken on that link; the bytes counted stay exact and
 the emulated waits are kept apart (``Ledger.emulated``). A synchronous call waits after it
-returns. An asynchronous one (isend, irecv, all_gather_async, all_reduce(async_op=True))
+returns. An asynchronous one (isend, irecv, all_gather_async, all_reduce, all_gather_into and
+reduce_scatter_into with async_op=True)
 completes, when waited for, no earlier than its emulated end, counted from when every
 participant had posted it: compute done in between overlaps the transfer, as it would on
 the real link. A send carries its emulated end to the receiver in an 8-byte header (not
 counted); an asynchronous collective learns the last rank's post time from a small MAX
 all-reduce beside it (not counted). Clocks are CLOCK_MONOTONIC, shared by the processes
-of one machine: emulation is for single-machine runs.
+of one machine: emulation is for single-machine runs. An asynchronous call takes its turn
+on the link when it is waited for, from its post time: the link's order is the order of the
+waits, which can differ from the order of issue.
 
 A call that fails or does not complete within ``Comm.timeout_s`` (default: the variable
 TESSERA_COLLECTIVE_TIMEOUT_S, else the process group's own timeout) raises a
@@ -90,6 +93,11 @@ class Ledger:
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     emulated: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    # the flat all-gathers and reduce-scatters (ZeRO's): the link time of every call issued
+    # (with a link model) and the seconds the caller was blocked by them (in a synchronous call,
+    # or in an asynchronous one's wait): link time not blocked on was hidden behind compute
+    link_s: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
+    blocked_s: dict[tuple[str, str], float] = field(default_factory=lambda: defaultdict(float))
 
     def record(self, op: str, axis: str, num_bytes: int) -> None:
         self.bytes[(op, axis)] += num_bytes
@@ -123,6 +131,17 @@ class Ledger:
         self.bytes.clear()
         self.calls.clear()
         self.emulated.clear()
+        self.link_s.clear()
+        self.blocked_s.clear()
+
+    def hidden(self, ops: tuple[str, ...] = ("all_gather", "reduce_scatter")) -> dict[str, float]:
+        """Of the flat calls of ``ops``: their link time issued, the seconds the caller was
+        blocked by them, and the fraction of link time hidden (1 - blocked / link, at least 0;
+        None without a link model)."""
+        link = sum(v for (o, _), v in self.link_s.items() if o in ops)
+        blocked = sum(v for (o, _), v in self.blocked_s.items() if o in ops)
+        hidden = max(0.0, 1.0 - blocked / link) if link > 0 else None
+        return {"link_s": link, "blocked_s": blocked, "hidden_fraction": hidden}
 
 
 def now() -> float:
@@ -152,6 +171,26 @@ class EmulatedWork:
             self.work.wait()
             self.finish()
             self.done, self.keep = True, None
+        return True
+
+
+class _Blocking:
+    """An asynchronous flat call's work whose wait counts the seconds it blocked the caller."""
+
+    def __init__(self, work, ledger: Ledger, key: tuple[str, str]):
+        self.work, self.ledger, self.key = work, ledger, key
+
+    def wait(self) -> bool:
+        began = now()
+        self.work.wait()
+        self.ledger.blocked_s[self.key] += now() - began
+        return True
+
+
+class _Done:
+    """The work of a call that moved nothing (an axis of one rank)."""
+
+    def wait(self) -> bool:
         return True
 
 
@@ -310,31 +349,49 @@ class Comm:
         self._emulate_sync("reduce_scatter", axis, nbytes(t))
         return out.movedim(0, dim)
 
-    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, axis: str) -> None:
-        """Flat, in place: ``out`` (n x shard elements) becomes every rank's ``shard`` in axis order."""
+    def all_gather_into(self, out: torch.Tensor, shard: torch.Tensor, axis: str, *, async_op: bool = False):
+        """Flat, in place: ``out`` (n x shard elements) becomes every rank's ``shard`` in axis
+        order. ``async_op``: returns a work object to ``wait`` on (keep both tensors alive and
+        unchanged until then)."""
         self._check("all_gather", out, shard)
         if self.mesh.size(axis) == 1:
             out.view(-1).copy_(shard.view(-1))
-            return
+            return _Done() if async_op else None
         self.ledger.record("all_gather", axis, nbytes(shard))
+        began = now()
         work = _all_gather_flat(
             out.view(-1), shard.contiguous().view(-1), group=self.mesh.group(axis), async_op=True
         )
-        self._finish(work, "all_gather", axis)
-        self._emulate_sync("all_gather", axis, nbytes(shard))
+        return self._flat(work, "all_gather", axis, nbytes(shard), out.device, async_op, began)
 
-    def reduce_scatter_into(self, out: torch.Tensor, full: torch.Tensor, axis: str) -> None:
-        """Flat, in place: ``out`` becomes my 1/n of the sum over ranks of ``full``."""
+    def reduce_scatter_into(
+        self, out: torch.Tensor, full: torch.Tensor, axis: str, *, async_op: bool = False
+    ):
+        """Flat, in place: ``out`` becomes my 1/n of the sum over ranks of ``full``.
+        ``async_op``: returns a work object to ``wait`` on (keep both tensors alive until then)."""
         self._check("reduce_scatter", out, full)
         if self.mesh.size(axis) == 1:
             out.view(-1).copy_(full.view(-1))
-            return
+            return _Done() if async_op else None
         self.ledger.record("reduce_scatter", axis, nbytes(full))
+        began = now()
         work = _reduce_scatter_flat(
             out.view(-1), full.contiguous().view(-1), group=self.mesh.group(axis), async_op=True
         )
-        self._finish(work, "reduce_scatter", axis)
-        self._emulate_sync("reduce_scatter", axis, nbytes(full))
+        return self._flat(work, "reduce_scatter", axis, nbytes(full), out.device, async_op, began)
+
+    def _flat(self, work, op: str, axis: str, num_bytes: int, device, async_op: bool, began: float):
+        """Wait for a flat call now, or hand back its work; either way count its link time and
+        the time it blocks the caller (``Ledger.hidden``)."""
+        if self.clock is not None:
+            self.ledger.link_s[(op, axis)] += self.clock.link.seconds(op, num_bytes, self._size(axis))
+        if async_op:
+            named = self._emulate_async(self._named(work, op, axis), op, axis, num_bytes, device)
+            return _Blocking(named, self.ledger, (op, axis))
+        self._finish(work, op, axis)
+        self._emulate_sync(op, axis, num_bytes)
+        self.ledger.blocked_s[(op, axis)] += now() - began
+        return None
 
     def all_to_all(self, t: torch.Tensor, axis: str, *, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split ``t`` into equal chunks along ``scatter_dim``, send chunk i to rank i, and

@@ -280,8 +280,9 @@ def _check_offload(model: nn.Module, optimizer, plan: Plan, mesh: Mesh, blocks: 
         groups, chunk_elems=chunk_elems_for(plan.chunk_mib), align=dp, segment_of=segment_of
     )
     check_offload(
-        manager, optimizer, dp=dp, device=mesh.device, rank=mesh.rank("dp"), **_offload_settings(plan)
-    )
+        manager, optimizer, dp=dp, device=mesh.device, rank=mesh.rank("dp"), prefetch=plan.prefetch,
+        **_offload_settings(plan),
+    )  # fmt: skip
 
 
 def _boost(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
@@ -312,6 +313,7 @@ def _boost(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
         offload=_offload_settings(plan),
         expert_mesh=expert_mesh,
         expert_params=expert_params,
+        prefetch=plan.prefetch,
     )
     if plan.activation_checkpointing:
         checkpoint_blocks(
