@@ -96,7 +96,7 @@ def prepare_run(
     the same refusals without weights. A video's noise is (1, C, F*H, W): frame x row rows."""
     family = family_of(type(pipe).__name__)
     if family.video:
-        num_frames = num_frames or family.default_frames
+        num_frames = family.default_frames if num_frames is None else num_frames  # 0 is refused
         family.check(pipe, num_frames)
         multiple = family.size_multiple(pipe)
         if height % multiple or width % multiple:

@@ -101,13 +101,16 @@ def _pipeline_pixels(folder: Path) -> tuple[int, int]:
     return side, side
 
 
-def generate_command(args, best) -> tuple[list[str], str | None]:
+def generate_command(args, best, video=None) -> tuple[list[str], str | None]:
     """The argv (after `tessera`) that samples ``args.model`` under the layout ``best`` with the
-    planned steps, image size and guidance, and a one-line note where ``--model`` is a
+    planned steps, image size and guidance (and a video's ``--frames``: ``video``, the
+    planned tessera.plan.video.VideoShape), and a one-line note where ``--model`` is a
     placeholder (a preset has no folder here; a model tessera generate cannot sample)."""
     size = (args.height, args.width) if args.height else None
     note = None
-    if (Path(args.model) / "model_index.json").is_file():
+    if video is not None:
+        model, text, size = args.model, True, (video.height, video.width)
+    elif (Path(args.model) / "model_index.json").is_file():
         model, text = args.model, True
         size = size or _pipeline_pixels(Path(args.model))
     elif args.model in PRESET_MODELS:
@@ -124,6 +127,8 @@ def generate_command(args, best) -> tuple[list[str], str | None]:
         argv += ["--prompt", PROMPT_PLACEHOLDER]
     if size:
         argv += ["--height", str(size[0]), "--width", str(size[1])]
+    if video is not None:
+        argv += ["--frames", str(video.frames)]
     argv += ["--steps", str(args.steps)]
     if args.no_guidance:
         argv += ["--guidance", "1"]  # tessera generate runs the guidance branch only above 1
@@ -131,33 +136,55 @@ def generate_command(args, best) -> tuple[list[str], str | None]:
     return argv, note
 
 
+def _seconds(s: float) -> str:
+    """Three decimals, or three significant digits below 10 ms (a tiny model's run is not 0 s)."""
+    return f"{s:.3f}" if s >= 0.01 else f"{s:.3g}"
+
+
 def cmd_plan_generate(args) -> None:
     from tessera.plan.search import search_generate
+    from tessera.plan.video import is_video_folder, video_plan
 
     hw = _hardware(args)
     if (args.height is None) != (args.width is None):
         only = f"--height {args.height}" if args.width is None else f"--width {args.width}"
         raise ValueError(f"only {only}: give --height and --width together (pixels), or neither")
-    tokens = (args.height // 16) * (args.width // 16) if args.height else None
-    spec = model_spec(args.model, tokens)
-    ranked = search_generate(spec, args.devices, hw, steps=args.steps, guidance=not args.no_guidance)
+    video = None
+    if is_video_folder(args.model):
+        video = video_plan(args.model, frames=args.frames, height=args.height, width=args.width)
+        spec = video.spec
+    elif args.frames is not None:
+        raise ValueError(
+            f"--frames {args.frames}: {args.model} is not a video pipeline folder; --frames plans a saved "
+            "WanPipeline or LTXPipeline"
+        )
+    else:
+        tokens = (args.height // 16) * (args.width // 16) if args.height else None
+        spec = model_spec(args.model, tokens)
+    ranked = search_generate(
+        spec,
+        args.devices,
+        hw,
+        steps=args.steps,
+        guidance=not args.no_guidance,
+        runnable=video.runnable if video else None,
+    )
     rows = [
         [
             i + 1,
             p.config.describe(),
-            f"{p.seconds:.3f}",
+            _seconds(p.seconds),
             f"{p.memory_bytes_per_rank / GIB:.1f}",
             f"{p.comm_bytes / GIB:.2f}",
         ]
         for i, p in enumerate(ranked.fits[: args.top])
     ]
-    print(
-        f"{spec.name}: {spec.tokens} tokens, {args.steps} steps on {args.devices} x {hw.device.name} ({hw.link.name})"
-    )
+    what = video.shape.describe() if video else f"{spec.tokens} tokens"
+    print(f"{spec.name}: {what}, {args.steps} steps on {args.devices} x {hw.device.name} ({hw.link.name})")
     print(_table(["rank", "plan", "seconds", "GiB/rank", "GiB moved"], rows))
     _check_fits(ranked, hw, args.devices)
     best = ranked.fits[0].config
-    argv, note = generate_command(args, best)
+    argv, note = generate_command(args, best, video.shape if video else None)
     print("choice: tessera " + shlex.join(argv))
     if note:
         print(f"note: {note}")
@@ -242,6 +269,12 @@ def add_plan_parsers(plan_sub) -> None:
     add_hardware_args(p)
     p.add_argument("--height", type=int, help="image height in pixels (8x VAE, 2x2 patches)")
     p.add_argument("--width", type=int, help="image width in pixels")
+    p.add_argument(
+        "--frames",
+        type=int,
+        help="video frames (a saved WanPipeline / LTXPipeline folder; default: the pipeline's own): "
+        "the VAE's temporal compression k takes k*n+1",
+    )
     p.add_argument("--steps", type=int, default=20, help="sampling steps")
     p.add_argument("--no-guidance", action="store_true", help="no classifier-free guidance (Flux)")
     p.set_defaults(handler=cmd_plan_generate)

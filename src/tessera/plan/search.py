@@ -4,7 +4,7 @@ memory, rank the rest by predicted time."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tessera.diffusion.layout import ParallelConfig
@@ -93,11 +93,21 @@ def _rank(predictions, budget: float) -> Ranked:
 
 
 def search_generate(
-    spec: TransformerSpec, world: int, hw: Hardware, *, steps: int, guidance: bool = True, batch: int = 1
+    spec: TransformerSpec,
+    world: int,
+    hw: Hardware,
+    *,
+    steps: int,
+    guidance: bool = True,
+    batch: int = 1,
+    runnable: Callable[[ParallelConfig], bool] | None = None,
 ) -> Ranked:
+    """The layouts of ``world`` ranks ranked; ``runnable``: only those it accepts (the
+    layouts the model's run would not refuse)."""
     preds: list[GeneratePrediction] = [
         predict_generate(spec, c, hw, steps=steps, guidance=guidance, batch=batch)
         for c in generate_configs(spec, world, guidance)
+        if runnable is None or runnable(c)
     ]
     return _rank(preds, hw.device.memory_bytes)
 
