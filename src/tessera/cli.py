@@ -45,6 +45,7 @@ BENCHES = {
         "stencil",
         "moe",
         "checkpoint",
+        "overlap",
     )
 } | {
     "dit": ("dit", "run_dit_bench", "plot_dit"),
