@@ -2,7 +2,8 @@
 video DiT on its latent frames x token rows x token columns with the image DiT's cost model,
 so the estimate is non-zero and grows with the frames; the parameter count is the model's;
 frame counts the VAE's temporal compression cannot take are refused as tessera generate
-refuses them; the printed command carries --frames and only layouts the run takes."""
+refuses them; only the layouts the run takes are ranked, and the printed command carries
+--frames."""
 
 import re
 import shlex
@@ -13,8 +14,10 @@ import pytest
 
 from tessera.cli import build_parser, main
 from tessera.cli_generate import build_layout
+from tessera.diffusion.adapters import adapter_for
+from tessera.diffusion.parallel import check_layout
 from tessera.plan.commands import _hardware, add_hardware_args
-from tessera.plan.search import search_generate
+from tessera.plan.search import generate_configs, search_generate
 from tessera.plan.video import video_plan
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "diffusion"))
@@ -45,6 +48,7 @@ def test_the_estimate_is_the_videos_tokens_and_grows_with_frames(wan):
     vae = json.loads((wan / "vae" / "config.json").read_text())
     k, s = vae["scale_factor_temporal"], vae["scale_factor_spatial"]
     model = WanTransformer3DModel.from_pretrained(wan / "transformer")
+    adapter = adapter_for(model)
     hw = _hw(2)
     seconds, activations = {}, {}
     for frames in (1, 5, 9, 17):
@@ -57,8 +61,14 @@ def test_the_estimate_is_the_videos_tokens_and_grows_with_frames(wan):
         ranked = search_generate(plan.spec, 2, hw, steps=3, runnable=plan.runnable)
         assert ranked.fits and not ranked.dropped
         by_layout = {p.config.describe(): p for p in ranked.fits}
-        # the tensor-parallel baseline runs Tessera's DiT only: tessera generate would refuse it
-        assert not any(name.startswith("tp=") for name in by_layout)
+        # exactly the layouts tessera generate takes on this model and shape are ranked
+        for config in generate_configs(plan.spec, 2, True):
+            try:
+                check_layout(adapter, config, plan.shape.rows * 2, plan.shape.cols * 2)
+                takes = True
+            except ValueError:
+                takes = False
+            assert (config.describe() in by_layout) == takes, config.describe()
         seconds[frames] = {name: p.seconds for name, p in by_layout.items()}
         activations[frames] = {name: p.activation_bytes_per_rank for name, p in by_layout.items()}
     for name in seconds[1]:
