@@ -334,12 +334,10 @@ def test_pixart_prompt_mask_reaches_the_cross_attention():
 
 
 def test_tensor_parallel_baseline_refuses_what_its_plan_does_not_split():
-    """Megatron TP leaves the model's own attention running on each rank's heads: only
-    Tessera's DiT has a plan, and its heads must divide the degree."""
-    with pytest.raises(
-        ValueError, match="^the tensor-parallel baseline supports Tessera's DiT only, not PixArt"
-    ):
-        _denoise(tiny_pixart_transformer(), _pixart_cond(), ParallelConfig(tp=2))
+    """Megatron TP leaves the model's own attention running on each rank's heads: Tessera's
+    DiT, Wan and PixArt have a plan (SD3 has none), and the heads must divide the degree."""
+    with pytest.raises(ValueError, match="^tensor parallel has no plan for SD3Transformer2DModel; it runs"):
+        _denoise(tiny_sd3(), _joint_cond(guidance=False), ParallelConfig(tp=2))
     model, cond = _dit()
     with pytest.raises(ValueError, match="^4 attention heads are not divisible by the TP degree 3"):
         _denoise(model, cond, ParallelConfig(tp=3))

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from tessera.diffusion.adapters import Adapter, TesseraDiTAdapter, adapter_for
+from tessera.diffusion.adapters import Adapter, adapter_for
 from tessera.diffusion.band_parallel import DistriFusionKernel, USPKernel, band_denoise
 from tessera.diffusion.guidance import Cond, Guidance
 from tessera.diffusion.layout import ParallelConfig, stage_bounds
 from tessera.diffusion.pipefusion import pipefusion_denoise, sub_bands
 from tessera.diffusion.sampler import initial_noise
 from tessera.diffusion.stepper import FlowStepper
-from tessera.diffusion.tensor_parallel import tensor_parallel
+from tessera.diffusion.tensor_parallel import check_tp, tensor_parallel
 from tessera.runtime.mesh import Mesh
 
 
@@ -29,10 +29,8 @@ def check_layout(adapter: Adapter, config: ParallelConfig, height: int, width: i
         raise ValueError(
             f"{adapter.num_heads} attention heads are not divisible by the TP degree {config.tp}"
         )
-    if config.tp > 1 and not isinstance(adapter, TesseraDiTAdapter):
-        raise ValueError(
-            f"the tensor-parallel baseline supports Tessera's DiT only, not {type(adapter.model).__name__}"
-        )
+    if config.tp > 1:  # the plan's class, processors, norms and every split size
+        check_tp(adapter.model, config.tp)
     if config.method == "pipefusion":
         stage_bounds(adapter.num_layers, config.pipefusion, config.stage_layers)
         sub_bands(rows, config.patches, config.sp, 0)

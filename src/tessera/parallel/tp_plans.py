@@ -243,6 +243,15 @@ def _check_config_heads(model: nn.Module, plan: TPPlan, degree: int) -> None:
             raise ValueError(f"tp={degree} does not divide {key}={value} of {type(model).__name__}")
 
 
+def check_plan(model: nn.Module, plan: TPPlan, degree: int) -> None:
+    """Every check :func:`apply_tp` makes before it shards (styles, patterns, the degree
+    against each split size and head count), without sharding: attributes only, so a model
+    on the meta device will do."""
+    _check_config_heads(model, plan, degree)
+    _resolve(model, plan, degree)
+    _head_modules(model, plan, degree)
+
+
 def apply_tp(
     model: nn.Module,
     plan: TPPlan,

@@ -1,0 +1,166 @@
+"""Megatron-style tensor parallel plans for diffusers' DiTs (the model's own classes, applied
+from outside as Tessera's DiT's ``tessera.parallel.tp_plans.DIT`` is): in every block the
+self-attention's and the cross-attention's q/k/v projections are split by heads (colwise),
+their output projections by input features (rowwise: one all-reduce each), and the MLP's
+hidden units likewise (one all-reduce after it). Each attention module's ``heads`` is set to
+the local count while sharded (the processors reshape with it) and restored after.
+
+Wan 2.1's query/key norms (and LTX-Video's) are RMSNorms over all heads together
+(``norm_q``/``norm_k`` over the inner width): normalising each rank's heads alone would be a
+different model. While sharded they are replaced by :class:`HeadSplitRMSNorm`, which
+all-reduces each token's sum of squares over the tp ranks (a functional collective, counted
+under ``tp`` with DTensor's) and so computes the whole norm exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from tessera.parallel.tp_plans import TPPlan, check_plan
+
+# class name -> (block list attribute, the attention modules of a block, its MLP)
+_FAMILIES = {
+    "WanTransformer3DModel": ("blocks", ("attn1", "attn2"), "ffn"),
+    "PixArtTransformer2DModel": ("transformer_blocks", ("attn1", "attn2"), "ff"),
+}
+
+
+DIFFUSERS_TP = tuple(_FAMILIES)
+
+
+def supports(model: nn.Module) -> bool:
+    return type(model).__name__ in _FAMILIES
+
+
+def diffusers_plan(model: nn.Module) -> TPPlan:
+    """The plan of a supported diffusers DiT; a ValueError naming the class otherwise."""
+    name = type(model).__name__
+    if name not in _FAMILIES:
+        raise ValueError(
+            f"no tensor parallel plan for {name}; diffusers DiTs with one: {', '.join(_FAMILIES)}"
+        )
+    blocks, attentions, mlp = _FAMILIES[name]
+    layers: dict[str, str] = {}
+    for attn in attentions:
+        for proj in ("to_q", "to_k", "to_v"):
+            layers[f"{blocks}.*.{attn}.{proj}"] = "colwise"
+        layers[f"{blocks}.*.{attn}.to_out.0"] = "rowwise"
+    layers[f"{blocks}.*.{mlp}.net.0.proj"] = "colwise"  # FeedForward: GELU(proj), dropout, Linear
+    layers[f"{blocks}.*.{mlp}.net.2"] = "rowwise"
+    heads = {f"{blocks}.*.{attn}": "heads" for attn in attentions}
+    return TPPlan(family=name, layers=layers, head_counts=heads)
+
+
+def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    blocks, attentions, _ = _FAMILIES[type(model).__name__]
+    return [
+        (f"{blocks}.{i}.{a}", getattr(block, a))
+        for i, block in enumerate(getattr(model, blocks))
+        for a in attentions
+    ]
+
+
+def check_diffusers_tp(model: nn.Module, degree: int) -> None:
+    """Every refusal of ``degree``-way tensor parallel on ``model`` before any rank starts (it
+    reads attributes only: a model on the meta device will do): the class, the processors
+    (the model's own, which reshape by ``heads``), fused projections, image key/value
+    projections, a norm between the projections that the split would change, and every
+    split size (heads, q/k/v widths, MLP hidden units) against the degree, with the numbers."""
+    plan = diffusers_plan(model)
+    own = _own_processor(model)
+    if getattr(model, "_parallel_config", None) is not None:
+        raise ValueError(
+            f"{type(model).__name__} has diffusers' own parallelism enabled (enable_parallelism); "
+            "Tessera splits the model itself: load it without"
+        )
+    for path, attn in _attention_modules(model):
+        if getattr(attn, "fused_projections", False):
+            raise ValueError(
+                f"{path} has fused q/k/v projections (fuse_qkv_projections); the tensor parallel plan "
+                "splits to_q/to_k/to_v: call unfuse_qkv_projections() first"
+            )
+        if getattr(attn, "add_k_proj", None) is not None:
+            raise ValueError(f"{path} has image key/value projections (add_k_proj), which tp does not split")
+        for norm in ("norm_q", "norm_k"):
+            _check_norm(path, norm, getattr(attn, norm, None))
+        for other in ("spatial_norm", "group_norm", "norm_cross"):
+            if getattr(attn, other, None) is not None:
+                raise ValueError(f"{path} has {other}, which tensor parallel does not split")
+        if type(attn.processor) is not own:
+            raise ValueError(
+                f"{path} runs processor {type(attn.processor).__name__}; tensor parallel runs the model's "
+                f"own {own.__name__} (which reshapes by the local head count): set that processor"
+            )
+    check_plan(model, plan, degree)
+
+
+def _own_processor(model: nn.Module) -> type:
+    if type(model).__name__ == "WanTransformer3DModel":
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+        return WanAttnProcessor
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    return AttnProcessor2_0
+
+
+def _check_norm(path: str, name: str, norm: nn.Module | None) -> None:
+    if norm is None or isinstance(norm, nn.Identity):
+        return
+    if not isinstance(norm, nn.RMSNorm) or len(norm.normalized_shape) != 1:
+        raise ValueError(
+            f"{path}.{name} is a {type(norm).__name__}; tensor parallel keeps query/key norms exact "
+            "for an RMSNorm over the projection's width (across heads) only"
+        )
+
+
+class HeadSplitRMSNorm(nn.Module):
+    """An RMSNorm over a width split into ``degree`` contiguous slices, one per rank, given
+    this rank's slice: each token's sum of squares is all-reduced over ``group`` before it
+    is divided by the whole width, so the output is this rank's slice of the whole norm."""
+
+    def __init__(self, norm: nn.RMSNorm, group, rank: int, degree: int):
+        super().__init__()
+        (self.width,) = norm.normalized_shape
+        self.eps = torch.finfo(torch.float32).eps if norm.eps is None else norm.eps
+        self.group = group
+        local = self.width // degree
+        self.weight = None
+        if norm.weight is not None:
+            self.weight = nn.Parameter(
+                norm.weight.detach()[rank * local : (rank + 1) * local].clone(), requires_grad=False
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_reduce
+
+        squares = x.float().pow(2).sum(-1, keepdim=True)
+        squares = all_reduce(squares, "sum", self.group)
+        out = (x.float() * torch.rsqrt(squares / self.width + self.eps)).type_as(x)
+        return out if self.weight is None else out * self.weight
+
+
+def _split_norm(norm: nn.RMSNorm, group, rank: int, degree: int) -> nn.Module:
+    return HeadSplitRMSNorm(norm, group, rank, degree)
+
+
+@contextmanager
+def split_norms(model: nn.Module, group, rank: int, degree: int) -> Iterator[None]:
+    """Every attention's RMSNorm query/key norm replaced by its tp-split version for the
+    duration; the originals restored after."""
+    swapped = []
+    for _, attn in _attention_modules(model):
+        for name in ("norm_q", "norm_k"):
+            norm = getattr(attn, name, None)
+            if isinstance(norm, nn.RMSNorm):
+                swapped.append((attn, name, norm))
+                setattr(attn, name, _split_norm(norm, group, rank, degree))
+    try:
+        yield
+    finally:
+        for attn, name, norm in swapped:
+            setattr(attn, name, norm)

@@ -1,0 +1,136 @@
+"""Tensor parallel on diffusers' DiTs (tessera.diffusion.tp_diffusers): Wan 2.1 on 2 ranks
+equals the loop WanPipeline runs, and so does PixArt its pipeline's; a per-rank query/key
+norm (the mutant a plain split of Wan's norms across heads would be) fails the same
+tolerance; all-reduce bytes equal the plan's count; split sizes the degree does not divide
+are refused with their numbers before anything runs."""
+
+import pytest
+import torch
+from parity import relative_error
+from test_diffusers_parity import inputs as pixart_inputs
+from test_diffusers_parity import pipeline_loop as pixart_loop
+from test_diffusers_parity import tiny_pixart
+from test_wan_parity import FRAMES, GUIDANCE, STEPS, H, W, inputs, pipeline_loop, scheduler
+from tiny_wan import tiny_wan_transformer
+from torch import nn
+
+import tessera.diffusion.tp_diffusers as tp_diffusers
+from tessera.diffusion.layout import ParallelConfig
+from tessera.diffusion.parallel import parallel_denoise
+from tessera.diffusion.stepper import DiffusersStepper
+from tessera.runtime import spawn
+
+TP2 = ParallelConfig(tp=2)
+TOKENS, TEXT, HIDDEN, LAYERS = FRAMES * (H // 2) * (W // 2), 7, 24, 3  # tiny Wan's
+
+
+def _wan(model, mesh) -> torch.Tensor:
+    data, frames = inputs(), torch.tensor([FRAMES])
+    return parallel_denoise(
+        model,
+        cond={"prompt_embeds": data["text"], "latent_frames": frames},
+        uncond={"prompt_embeds": data["negative"], "latent_frames": frames},
+        guidance_scale=GUIDANCE,
+        stepper=DiffusersStepper(scheduler(), STEPS),
+        noise=data["noise"].reshape(1, 4, FRAMES * H, W),
+        config=TP2,
+        mesh=mesh,
+    )
+
+
+def _pixart(model, mesh) -> torch.Tensor:
+    from diffusers import DPMSolverMultistepScheduler
+    from test_diffusers_parity import STEPS as PIXART_STEPS
+
+    data = pixart_inputs()
+    return parallel_denoise(
+        model,
+        cond={"prompt_embeds": data["text"], "prompt_attention_mask": data["mask"]},
+        uncond={"prompt_embeds": data["negative"], "prompt_attention_mask": data["mask"]},
+        guidance_scale=3.0,
+        stepper=DiffusersStepper(DPMSolverMultistepScheduler(), PIXART_STEPS),
+        noise=data["noise"],
+        config=TP2,
+        mesh=mesh,
+    )
+
+
+def _per_rank_norm(norm: nn.RMSNorm, group, rank: int, degree: int) -> nn.Module:
+    """The mutant: each rank normalises its own heads' slice alone."""
+    local = norm.normalized_shape[0] // degree
+    mutant = nn.RMSNorm(local, eps=norm.eps)
+    with torch.no_grad():
+        mutant.weight.copy_(norm.weight[rank * local : (rank + 1) * local])
+    return mutant
+
+
+def _worker() -> dict:
+    mesh = TP2.build_mesh()
+    torch.manual_seed(0)
+    model = tiny_wan_transformer()
+    mesh.comm.ledger.reset()
+    wan = _wan(model, mesh)
+    counted = mesh.comm.ledger.snapshot()
+    attn = model.blocks[0].attn1
+    restored = (
+        attn.heads == 2
+        and type(attn.norm_q) is nn.RMSNorm
+        and not any(hasattr(p, "placements") for p in model.parameters())
+    )
+    tp_diffusers._split_norm = _per_rank_norm  # this process only: the spawned rank exits after
+    mutant = _wan(model, mesh)
+    return dict(
+        wan=wan, counted=counted, restored=restored, mutant=mutant, pixart=_pixart(tiny_pixart(), mesh)
+    )
+
+
+def test_tensor_parallel_on_wan_and_pixart_matches_their_pipelines():
+    torch.manual_seed(0)
+    expected = pipeline_loop(tiny_wan_transformer(), inputs())
+    pixart_expected = pixart_loop(tiny_pixart(), pixart_inputs())
+    # per rank, per step, both guidance branches (2 samples): the three rowwise all-reduces of
+    # each layer (self-attention, cross-attention, MLP outputs: tokens x hidden) and the
+    # sum-of-squares all-reduces of the query/key norms (self q and k over the video's tokens,
+    # cross q over them and k over the prompt's), float32
+    per_layer = 3 * TOKENS * HIDDEN + 3 * TOKENS + TEXT
+    formula = STEPS * LAYERS * 2 * per_layer * 4
+    for rank in spawn(_worker, 2, timeout_s=300):
+        # the same math with the attention and MLP sums split over 2 ranks: float32 rounding
+        # (~1e-7 relative per op) through 3 layers, 3 steps and guidance 4 (measured 3.1e-7 on Wan,
+        # 2.8e-7 on PixArt): a 30x margin
+        assert relative_error(rank["wan"], expected) < 1e-5
+        assert relative_error(rank["pixart"], pixart_expected) < 1e-5
+        # a per-rank query/key norm is another model (measured 4.9e-2): 100x past the tolerance above
+        assert relative_error(rank["mutant"], expected) > 1e-3
+        assert rank["restored"]  # heads, norms and whole weights back after the run
+        assert rank["counted"].keys() == {"all_reduce@tp"}, rank["counted"]
+        assert rank["counted"]["all_reduce@tp"]["bytes"] == formula
+        errors = (rank[k] for k in ("wan", "pixart", "mutant"))
+        errors = [
+            relative_error(a, b) for a, b in zip(errors, (expected, pixart_expected, expected), strict=True)
+        ]
+        print("tp=2 relative error: Wan {:.1e}, PixArt {:.1e}, per-rank-norm mutant {:.1e}".format(*errors))
+
+
+def test_split_sizes_the_degree_does_not_divide_are_refused():
+    from diffusers import WanTransformer3DModel
+
+    from tessera.diffusion.adapters import adapter_for
+    from tessera.diffusion.parallel import check_layout
+
+    def wan(**kw):
+        with torch.device("meta"):
+            config = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4)
+            return WanTransformer3DModel(**config | dict(text_dim=24, freq_dim=16, num_layers=1) | kw)
+
+    with pytest.raises(ValueError, match="^2 attention heads are not divisible by the TP degree 3$"):
+        check_layout(adapter_for(wan(ffn_dim=32)), ParallelConfig(tp=3), 8, 8)
+    with pytest.raises(
+        ValueError,
+        match=r"^tp=2 does not divide the output features \(33\) of module 'blocks.0.ffn.net.0.proj'$",
+    ):
+        check_layout(adapter_for(wan(ffn_dim=33)), TP2, 8, 8)
+    model = wan(ffn_dim=32)
+    model.blocks[0].attn1.fuse_projections()
+    with pytest.raises(ValueError, match=r"^blocks.0.attn1 has fused q/k/v projections"):
+        check_layout(adapter_for(model), TP2, 8, 8)
