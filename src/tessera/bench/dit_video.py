@@ -9,8 +9,9 @@ held once (#31), each against its serial baseline in the same run.
 * Parallel VAE decode: ``AutoencoderKL`` and Wan's ``AutoencoderKLWan``, serial decode vs
   2 ranks (rows split) and vs chunked convolution on one device: seconds and the activation
   peak (live tensor bytes, ``TensorMemory``) per rank.
-* Text encoder: parameter bytes each rank holds after loading a saved pipeline, every rank
-  loading the text encoder ("before") vs rank 0 alone, as ``tessera generate`` does.
+* Text encoder: parameter bytes and resident memory each rank holds after loading a saved
+  pipeline, every rank loading the text encoder ("before") vs rank 0 alone, as ``tessera
+  generate`` does, each way in fresh processes (``bench.dit_text_memory``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ from pathlib import Path
 
 import torch
 
+from tessera.bench.dit_text_memory import (
+    TEXT_COLUMNS,
+    TEXT_NOTE,
+    measure_text_encoder_memory,
+    text_memory_rows,
+    text_pipeline,
+)
 from tessera.bench.harness import BenchResult
 from tessera.diffusion.comm_bytes import Dims, formula_bytes, measured_bytes
 from tessera.diffusion.layout import ParallelConfig
@@ -211,85 +219,17 @@ def _serial_vae(plan: VideoBenchPlan) -> dict:
     return out
 
 
-def _text_encoder_bytes(directory: str) -> dict:
-    """Parameter bytes this rank holds after loading the pipeline both ways."""
-    from tessera.diffusion.pipelines import load_pipeline
-    from tessera.runtime.mesh import global_rank
-
-    def held(pipe) -> int:
-        return sum(
-            p.numel() * p.element_size()
-            for c in pipe.components.values()
-            if isinstance(c, torch.nn.Module)
-            for p in c.parameters()
-        )
-
-    every = held(load_pipeline(directory, with_text_encoder=True))
-    once = held(load_pipeline(directory, with_text_encoder=global_rank() == 0))
-    return {"before": every, "after": once}
-
-
 PARALLEL_VAE_CASES = [("AutoencoderKL", None), ("AutoencoderKL", 8), ("AutoencoderKLWan", None)]
 
 
 @torch.no_grad()
-def _rank(plan: VideoBenchPlan, links: dict[str, Link], pipeline_dir: str) -> dict:
+def _rank(plan: VideoBenchPlan, links: dict[str, Link]) -> dict:
     from tessera.runtime.mesh import Mesh
 
     return {
         "video": _video_runs(plan, LAYOUTS, links),
         "vae": _vae_runs(plan, Mesh(vae=2), plan.repeats, PARALLEL_VAE_CASES),
-        "text": _text_encoder_bytes(pipeline_dir),
     }
-
-
-def _word_tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = "a the cat dog red blue photo of".split()
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2} | {w: i + 3 for i, w in enumerate(words)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
-    )
-
-
-def _text_pipeline(directory: Path) -> str:
-    """A saved PixArt pipeline whose T5 encoder (4 layers, width 512) outweighs its
-    transformer, as T5-XXL outweighs PixArt's."""
-    from diffusers import (
-        AutoencoderKL,
-        DPMSolverMultistepScheduler,
-        PixArtAlphaPipeline,
-        PixArtTransformer2DModel,
-    )
-    from transformers import T5Config, T5EncoderModel
-
-    torch.manual_seed(0)
-    pipe = PixArtAlphaPipeline(
-        tokenizer=_word_tokenizer(),
-        text_encoder=T5EncoderModel(
-            T5Config(vocab_size=11, d_model=512, d_ff=2048, num_layers=4, num_heads=8, d_kv=64)
-        ).eval(),
-        vae=AutoencoderKL(latent_channels=4, block_out_channels=(32,), norm_num_groups=8),
-        transformer=PixArtTransformer2DModel(
-            sample_size=8,
-            num_layers=2,
-            attention_head_dim=16,
-            num_attention_heads=4,
-            in_channels=4,
-            out_channels=8,
-            cross_attention_dim=64,
-            caption_channels=512,
-            norm_type="ada_norm_single",
-            num_embeds_ada_norm=1000,
-        ),
-        scheduler=DPMSolverMultistepScheduler(),
-    )
-    pipe.save_pretrained(directory)
-    return str(directory)
 
 
 def _video_dims(plan: VideoBenchPlan, steps: int) -> Dims:
@@ -313,18 +253,11 @@ def run_dit_video_bench(quick: bool = False) -> BenchResult:
         serial = _video_runs(plan, {"serial": ParallelConfig()}, links)["serial"]
     serial_vae = _serial_vae(plan)
     serial_vae_chunked = _vae_runs_serial_chunked(plan)
+    ranks = spawn(_rank, 2, plan, links, timeout_s=3600)
     with tempfile.TemporaryDirectory() as tmp:
-        ranks = spawn(_rank, 2, plan, links, _text_pipeline(Path(tmp) / "pixart"), timeout_s=3600)
+        text_rows = text_memory_rows(measure_text_encoder_memory(text_pipeline(Path(tmp) / "pixart")))
     video_rows, link_rows = _video_rows(plan, serial, ranks, links)
     vae_rows = _vae_rows(serial_vae, serial_vae_chunked, ranks)
-    text_rows = [
-        {
-            "rank": r,
-            "every_rank_loads_text_encoder_mib": round(ranks[r]["text"]["before"] / 2**20, 2),
-            "rank0_alone_mib": round(ranks[r]["text"]["after"] / 2**20, 2),
-        }
-        for r in range(2)
-    ]
     headline = {
         "video_tokens": _video_dims(plan, plan.steps).tokens,
         **{f"video_{r['method']}_speedup": r["speedup"] for r in video_rows if r["method"] != "serial"},
@@ -344,8 +277,12 @@ def run_dit_video_bench(quick: bool = False) -> BenchResult:
             if r["vae"] == "AutoencoderKLWan" and r["decode"] == "2 ranks"
         ),
         "text_encoder_rank1_mib_before_after": [
-            text_rows[1]["every_rank_loads_text_encoder_mib"],
-            text_rows[1]["rank0_alone_mib"],
+            text_rows[1]["params_mib_before"],
+            text_rows[1]["params_mib_after"],
+        ],
+        "text_encoder_rank1_rss_mib_before_after": [
+            text_rows[1]["rss_mib_before"],
+            text_rows[1]["rss_mib_after"],
         ],
     }
     notes = [
@@ -358,8 +295,7 @@ def run_dit_video_bench(quick: bool = False) -> BenchResult:
         "vae: decode seconds (fastest of the repeats) and activation peak (live tensor bytes the decode adds, "
         "TensorMemory) per rank; 2 ranks: rows split (halo exchange, norms reduced over ranks); chunked: "
         "convolutions over 8 output rows at a time on one device",
-        "text encoder: parameter bytes of the loaded pipeline held by each rank (a PixArt pipeline with a "
-        "4-layer width-512 T5): every rank loading the encoder vs rank 0 alone (tessera generate)",
+        TEXT_NOTE,
     ]
     if link_info:
         notes.append(
@@ -382,7 +318,7 @@ def run_dit_video_bench(quick: bool = False) -> BenchResult:
         tables=[
             (f"Emulated links (video, {plan.link_steps} steps)", LINK_COLUMNS, link_rows),
             ("Parallel VAE decode", VAE_COLUMNS, vae_rows),
-            ("Text encoder held once: parameter MiB per rank", TEXT_COLUMNS, text_rows),
+            ("Text encoder held once: parameter and resident MiB per rank", TEXT_COLUMNS, text_rows),
         ],
     )
 
@@ -506,7 +442,6 @@ VIDEO_COLUMNS = [
 ]
 LINK_COLUMNS = ["method", "link", "seconds", "emulated_wait_s", "speedup"]
 VAE_COLUMNS = ["vae", "decode", "seconds", "speedup", "peak_mib", "peak_vs_serial"]
-TEXT_COLUMNS = ["rank", "every_rank_loads_text_encoder_mib", "rank0_alone_mib"]
 
 
 def plot_dit_video(result: BenchResult, path: Path) -> None:
