@@ -135,13 +135,17 @@ class Ledger:
         self.blocked_s.clear()
 
     def hidden(self, ops: tuple[str, ...] = ("all_gather", "reduce_scatter")) -> dict[str, float]:
-        """Of the flat calls of ``ops``: their link time issued, the seconds the caller was
-        blocked by them, and the fraction of link time hidden (1 - blocked / link, at least 0;
-        None without a link model)."""
+        """Of the flat calls of ``ops``, with a link model: the link time issued
+        (``link_s``), the part of it the caller still waited for (``exposed_s``: the emulated
+        waits, i.e. link time not yet over when the caller needed the result), the fraction
+        hidden behind compute (1 - exposed / link, at least 0; None without a link model),
+        and ``blocked_s``, every second the caller spent in those calls or their waits (also
+        the real transfer and waiting for a slower peer)."""
         link = sum(v for (o, _), v in self.link_s.items() if o in ops)
+        exposed = sum(v for (o, _), v in self.emulated.items() if o in ops)
         blocked = sum(v for (o, _), v in self.blocked_s.items() if o in ops)
-        hidden = max(0.0, 1.0 - blocked / link) if link > 0 else None
-        return {"link_s": link, "blocked_s": blocked, "hidden_fraction": hidden}
+        hidden = max(0.0, 1.0 - exposed / link) if link > 0 else None
+        return {"link_s": link, "exposed_s": exposed, "blocked_s": blocked, "hidden_fraction": hidden}
 
 
 def now() -> float:
