@@ -186,6 +186,30 @@ def test_unknown_vae_class_is_refused_by_name():
         VaeSplit(chunk_rows=0)
 
 
+def test_a_frame_split_is_refused_with_its_reason():
+    # Wan's causal decode: a frame's output depends on the frames before it (the caches), so
+    # decoding the last latent frames alone is a different video, and passing the caches on
+    # would make rank r+1 wait for rank r: refused, pointing at the rows split.
+    vae, z = wan_vae(), latent(WAN_LATENT)
+    with torch.no_grad():
+        serial = vae.decode(z, return_dict=False)[0]
+        alone = vae.decode(z[:, :, 1:], return_dict=False)[0]  # latent frames 1-2 with fresh caches
+    # the last latent frame's two video frames: measured 1.31 relative apart (a decode that did not
+    # depend on earlier frames would match to float32 rounding, ~1e-6)
+    assert relative_error(alone[:, :, -2:], serial[:, :, -2:]) > 0.05
+    refusals = {
+        "Wan": (vae, "a frame split of AutoencoderKLWan is refused: its causal decode runs frame by frame"),
+        "LTX": (ltx_vae(), "a frame split of AutoencoderKLLTXVideo is not implemented; split by rows"),
+        "KL": (tiny_vae(), "AutoencoderKL decodes images, which have no frames to split; split by rows"),
+    }
+    for vae, message in refusals.values():
+        with pytest.raises(ValueError, match=message) as refused:
+            decode_rows(vae, z, VaeSplit(by="frames"))
+        assert "\n" not in str(refused.value) and "by='rows', --parallel-vae" in str(refused.value)
+    with pytest.raises(ValueError, match="by='time': a VAE decode splits by 'rows' or 'frames'"):
+        VaeSplit(by="time")
+
+
 def test_cli_parallel_vae(pixart, tmp_path, capsys):
     from tessera import cli
 

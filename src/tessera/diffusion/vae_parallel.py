@@ -107,6 +107,29 @@ def check_vae(vae: nn.Module) -> None:
                 _refuse(f"convolution {m} is not a stride-1 'same' convolution with zero padding")
 
 
+SPLITS = ("rows", "frames")
+
+
+def refuse_frame_split(vae: nn.Module) -> None:
+    """Why no VAE here splits a decode by frames, in one line, and what does work."""
+    name = type(vae).__name__
+    if name == "AutoencoderKLWan":
+        _refuse(
+            "a frame split of AutoencoderKLWan is refused: its causal decode runs frame by frame and each "
+            "frame reads the convolution caches the previous frame wrote, so rank r+1 could start only when "
+            "rank r had finished (no speedup, and every rank would hold the same caches and per-frame "
+            "activations); split by rows (by='rows', --parallel-vae), which divides both"
+        )
+    if name == "AutoencoderKLLTXVideo":
+        _refuse(
+            "a frame split of AutoencoderKLLTXVideo is not implemented; split by rows (by='rows', "
+            "--parallel-vae)"
+        )
+    _refuse(
+        f"{name} decodes images, which have no frames to split; split by rows (by='rows', --parallel-vae)"
+    )
+
+
 @dataclass(frozen=True, kw_only=True)
 class VaeSplit:
     """How a decode is spread: ``axis`` of ``mesh`` (None: one device) and, optionally, the
@@ -116,8 +139,11 @@ class VaeSplit:
     axis: str = "vae"
     chunk_rows: int | None = None
     reduce_norm: bool = True  # False only to show a per-rank norm is a different model
+    by: str = "rows"  # "frames": refused for every VAE, each with its reason (refuse_frame_split)
 
     def __post_init__(self) -> None:
+        if self.by not in SPLITS:
+            raise ValueError(f"by={self.by!r}: a VAE decode splits by {' or '.join(map(repr, SPLITS))}")
         if self.chunk_rows is not None and (not isinstance(self.chunk_rows, int) or self.chunk_rows < 1):
             raise ValueError(f"chunk_rows must be an integer >= 1 or None, got {self.chunk_rows!r}")
 
@@ -378,6 +404,8 @@ def decode_rows(vae: nn.Module, z: torch.Tensor, split: VaeSplit) -> torch.Tenso
     image on the axis's rank 0, None on its other ranks. Every rank passes the whole ``z``
     (after denoising every rank holds it) and decodes its own band."""
     check_vae(vae)
+    if split.by == "frames":
+        refuse_frame_split(vae)
     if type(vae).__name__ == "AutoencoderKLWan":
         from tessera.diffusion.vae_parallel_wan import decode_rows_wan
 
