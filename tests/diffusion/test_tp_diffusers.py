@@ -11,7 +11,7 @@ from test_diffusers_parity import inputs as pixart_inputs
 from test_diffusers_parity import pipeline_loop as pixart_loop
 from test_diffusers_parity import tiny_pixart
 from test_wan_parity import FRAMES, GUIDANCE, STEPS, H, W, inputs, pipeline_loop, scheduler
-from tiny_wan import tiny_wan_transformer
+from tiny_wan import build_wan_pipeline, tiny_wan_transformer
 from torch import nn
 
 import tessera.diffusion.tp_diffusers as tp_diffusers
@@ -64,8 +64,16 @@ def _per_rank_norm(norm: nn.RMSNorm, group, rank: int, degree: int) -> nn.Module
     return mutant
 
 
-def _worker() -> dict:
+VIDEO = dict(prompt="a red cat", num_steps=2, guidance_scale=GUIDANCE, height=32, width=16, num_frames=5)
+
+
+def _worker(folder) -> dict:
+    from tessera.diffusion.pipelines import generate, load_pipeline
+
     mesh = TP2.build_mesh()
+    pipe = load_pipeline(folder)  # the saved pipeline, as `tessera generate --tp 2` loads it
+    pipe.set_progress_bar_config(disable=True)
+    video = generate(pipe, **VIDEO, seed=3, config=TP2, mesh=mesh, output_type="pt")
     torch.manual_seed(0)
     model = tiny_wan_transformer()
     mesh.comm.ledger.reset()
@@ -80,11 +88,26 @@ def _worker() -> dict:
     tp_diffusers._split_norm = _per_rank_norm  # this process only: the spawned rank exits after
     mutant = _wan(model, mesh)
     return dict(
-        wan=wan, counted=counted, restored=restored, mutant=mutant, pixart=_pixart(tiny_pixart(), mesh)
+        video=video,
+        wan=wan,
+        counted=counted,
+        restored=restored,
+        mutant=mutant,
+        pixart=_pixart(tiny_pixart(), mesh),
     )
 
 
-def test_tensor_parallel_on_wan_and_pixart_matches_their_pipelines():
+def test_tensor_parallel_on_wan_and_pixart_matches_their_pipelines(tmp_path):
+
+    from tessera.diffusion.pipelines import load_pipeline
+
+    folder = build_wan_pipeline(tmp_path / "wan")
+    pipe = load_pipeline(folder)
+    pipe.set_progress_bar_config(disable=True)
+    run = {k: v for k, v in VIDEO.items() if k not in ("num_steps",)}
+    reference = pipe(
+        **run, num_inference_steps=2, generator=torch.Generator().manual_seed(3), output_type="pt"
+    ).frames[0]
     torch.manual_seed(0)
     expected = pipeline_loop(tiny_wan_transformer(), inputs())
     pixart_expected = pixart_loop(tiny_pixart(), pixart_inputs())
@@ -94,7 +117,13 @@ def test_tensor_parallel_on_wan_and_pixart_matches_their_pipelines():
     # cross q over them and k over the prompt's), float32
     per_layer = 3 * TOKENS * HIDDEN + 3 * TOKENS + TEXT
     formula = STEPS * LAYERS * 2 * per_layer * 4
-    for rank in spawn(_worker, 2, timeout_s=300):
+    ranks = spawn(_worker, 2, str(folder), timeout_s=300)
+    # WanPipeline's own frames (two branch calls, a serial VAE decode) vs generate under tp=2
+    # (the same decode): float32 rounding (measured 1.0e-6)
+    torch.testing.assert_close(ranks[0]["video"], reference, rtol=0, atol=1e-5)
+    assert ranks[1]["video"] is None  # the frames come back on rank 0
+    print(f"tp=2 generate vs WanPipeline: max |frame diff| {(ranks[0]['video'] - reference).abs().max():.1e}")
+    for rank in ranks:
         # the same math with the attention and MLP sums split over 2 ranks: float32 rounding
         # (~1e-7 relative per op) through 3 layers, 3 steps and guidance 4 (measured 3.1e-7 on Wan,
         # 2.8e-7 on PixArt): a 30x margin
@@ -112,9 +141,10 @@ def test_tensor_parallel_on_wan_and_pixart_matches_their_pipelines():
         print("tp=2 relative error: Wan {:.1e}, PixArt {:.1e}, per-rank-norm mutant {:.1e}".format(*errors))
 
 
-def test_split_sizes_the_degree_does_not_divide_are_refused():
+def test_split_sizes_the_degree_does_not_divide_are_refused(tmp_path, capsys):
     from diffusers import WanTransformer3DModel
 
+    from tessera import cli
     from tessera.diffusion.adapters import adapter_for
     from tessera.diffusion.parallel import check_layout
 
@@ -134,3 +164,9 @@ def test_split_sizes_the_degree_does_not_divide_are_refused():
     model.blocks[0].attn1.fuse_projections()
     with pytest.raises(ValueError, match=r"^blocks.0.attn1 has fused q/k/v projections"):
         check_layout(adapter_for(model), TP2, 8, 8)
+
+    # the command line refuses it before any rank starts
+    folder = build_wan_pipeline(tmp_path / "wan")
+    argv = ["generate", "--model", str(folder), "--prompt", "a cat", "--height", "32", "--width", "16"]
+    assert cli.main(argv + ["--frames", "3", "--nproc", "3", "--tp", "3"]) == 2
+    assert "2 attention heads are not divisible by the TP degree 3" in capsys.readouterr().err
