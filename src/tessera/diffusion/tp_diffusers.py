@@ -9,7 +9,9 @@ Wan 2.1's query/key norms (and LTX-Video's) are RMSNorms over all heads together
 (``norm_q``/``norm_k`` over the inner width): normalising each rank's heads alone would be a
 different model. While sharded they are replaced by :class:`HeadSplitRMSNorm`, which
 all-reduces each token's sum of squares over the tp ranks (a functional collective, counted
-under ``tp`` with DTensor's) and so computes the whole norm exactly.
+under ``tp`` with DTensor's) and so computes the whole norm exactly. LTX-Video also rotates
+q and k over the whole width (before the heads are split): each rank's self-attention is
+handed its heads' columns of the rotary tables. PixArt has no query/key norm.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from tessera.parallel.tp_plans import TPPlan, check_plan
 # class name -> (block list attribute, the attention modules of a block, its MLP)
 _FAMILIES = {
     "WanTransformer3DModel": ("blocks", ("attn1", "attn2"), "ffn"),
+    "LTXVideoTransformer3DModel": ("transformer_blocks", ("attn1", "attn2"), "ff"),
     "PixArtTransformer2DModel": ("transformer_blocks", ("attn1", "attn2"), "ff"),
 }
 
@@ -103,6 +106,10 @@ def _own_processor(model: nn.Module) -> type:
         from diffusers.models.transformers.transformer_wan import WanAttnProcessor
 
         return WanAttnProcessor
+    if type(model).__name__ == "LTXVideoTransformer3DModel":
+        from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
+
+        return LTXVideoAttnProcessor
     from diffusers.models.attention_processor import AttnProcessor2_0
 
     return AttnProcessor2_0
@@ -148,19 +155,40 @@ def _split_norm(norm: nn.RMSNorm, group, rank: int, degree: int) -> nn.Module:
     return HeadSplitRMSNorm(norm, group, rank, degree)
 
 
+def _rotary_columns(lo: int, hi: int):
+    """A pre-hook giving an attention module the columns [lo, hi) of its rotary tables:
+    LTX-Video rotates q and k over the whole width before splitting heads, so each rank
+    takes the (cos, sin) columns of its heads (whole rotated pairs: a head is even)."""
+
+    def hook(module, args, kwargs):
+        rotary = kwargs.get("image_rotary_emb")
+        if rotary is not None:
+            kwargs["image_rotary_emb"] = tuple(t[..., lo:hi] for t in rotary)
+        return args, kwargs
+
+    return hook
+
+
 @contextmanager
 def split_norms(model: nn.Module, group, rank: int, degree: int) -> Iterator[None]:
-    """Every attention's RMSNorm query/key norm replaced by its tp-split version for the
-    duration; the originals restored after."""
-    swapped = []
-    for _, attn in _attention_modules(model):
+    """While sharded: every attention's RMSNorm query/key norm replaced by its tp-split
+    version, and (LTX-Video) each self-attention given its heads' rotary columns; the
+    originals restored after."""
+    swapped, hooks = [], []
+    for path, attn in _attention_modules(model):
         for name in ("norm_q", "norm_k"):
             norm = getattr(attn, name, None)
             if isinstance(norm, nn.RMSNorm):
                 swapped.append((attn, name, norm))
                 setattr(attn, name, _split_norm(norm, group, rank, degree))
+        if type(model).__name__ == "LTXVideoTransformer3DModel" and path.endswith("attn1"):
+            local = attn.inner_dim // degree
+            hook = _rotary_columns(rank * local, (rank + 1) * local)
+            hooks.append(attn.register_forward_pre_hook(hook, with_kwargs=True))
     try:
         yield
     finally:
+        for handle in hooks:
+            handle.remove()
         for attn, name, norm in swapped:
             setattr(attn, name, norm)
