@@ -76,15 +76,16 @@ def test_overlapped_zero_is_bit_exact_with_the_synchronous_engine(tmp_path):
 
 
 def test_prefetch_beyond_the_offload_budget_is_refused_before_training(tmp_path):
-    """0.016 MiB chunks of the tiny GPT-2 on one rank: a whole chunk and its shard are ~33.5 kB,
-    the largest use (master, gradient, two moments) ~67 kB; 80 kB holds that and one chunk in
-    flight, not the three whole chunks prefetch=2 keeps."""
+    """0.016 MiB chunks of the tiny GPT-2 on one rank: a whole chunk and its shard are ~16.8 kB
+    each, the largest use (master, gradient, two moments) ~67 kB; 80 kB holds that, not three
+    whole chunks at once with the two being gathered from their shards (~84 kB, prefetch=2)."""
     model = _gpt2()
     plan = tessera.Plan(
         zero=3, chunk_mib=0.016, offload="auto", host_memory=80_000, offload_dir=str(tmp_path), prefetch=2
     )
     with pytest.raises(
-        ValueError, match=r"^Plan.prefetch=2 keeps up to 3 whole chunks in flight at once \(\d+ bytes"
+        ValueError,
+        match=r"^Plan.prefetch=2 holds up to 3 whole chunks at once, 2 of them still being gathered .* \(\d+ bytes\)",
     ):
         tessera.boost(model, _optimizer(model), plan)
     assert all(p.numel() > 0 for p in model.parameters())  # refused before any chunk was freed

@@ -62,17 +62,20 @@ def _need(whole: list[int], shard_bytes: list[int]) -> int:
 
 
 def _check_in_flight(name: str, budget: int | None, whole: list[int], shard_bytes: list[int], prefetch: int):
-    """ZeRO-3's prefetch (``tessera.parallel.zero_overlap``) holds up to 1 + ``prefetch`` whole
-    chunks with their shards on the compute tier at once: the largest ones must fit the budget."""
+    """ZeRO-3's prefetch (``tessera.parallel.zero_overlap``) holds the chunk in use and up to
+    ``prefetch`` more whole on the compute tier at once, each of those with the shard it is
+    gathered from: the largest ones must fit the budget."""
     if budget is None or prefetch == 0:
         return
-    uses = sorted((w + b for w, b in zip(whole, shard_bytes, strict=True)), reverse=True)[: 1 + prefetch]
-    held = sum(uses)
+    held = sum(sorted(whole, reverse=True)[: 1 + prefetch]) + sum(
+        sorted(shard_bytes, reverse=True)[:prefetch]
+    )
     if held > budget:
         raise ValueError(
-            f"Plan.prefetch={prefetch} keeps up to {len(uses)} whole chunks in flight at once ({held} bytes with "
-            f"their shards), more than Plan.{name}={budget} bytes; lower Plan.prefetch (0: no overlap) or "
-            f"Plan.chunk_mib, or raise Plan.{name} to at least {held}"
+            f"Plan.prefetch={prefetch} holds up to {min(1 + prefetch, len(whole))} whole chunks at once, "
+            f"{prefetch} of them still being gathered from their shards ({held} bytes), more than "
+            f"Plan.{name}={budget} bytes; lower Plan.prefetch (0: no overlap) or Plan.chunk_mib, or raise "
+            f"Plan.{name} to at least {held}"
         )
 
 
