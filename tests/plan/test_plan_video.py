@@ -113,3 +113,22 @@ def test_frames_the_vae_cannot_take_are_refused(wan, capsys):
     # frames are for video pipelines
     assert main(["plan", "generate", "--model", "flux-dev", "--devices", "2", "--frames", "9"]) == 2
     assert "--frames 9: flux-dev is not a video pipeline folder" in capsys.readouterr().err
+
+
+def test_a_folder_of_configs_alone_is_planned(wan, tmp_path, capsys):
+    # the planner reads configs, never weights: the saved pipeline less every weights file
+    # (WanPipeline's transformer is an optional component, which DiffusionPipeline's own
+    # from_pretrained would load from disk in place of the weightless one)
+    import shutil
+
+    from tessera.diffusion.pipelines import meta_pipeline
+
+    configs = tmp_path / "wan-configs"
+    shutil.copytree(wan, configs, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    assert not list(configs.rglob("*.safetensors"))
+    pipe = meta_pipeline(configs)
+    assert pipe.transformer.device.type == "meta" and pipe.vae.device.type == "meta"
+    out, words, _ = _choice(
+        capsys, ["--model", str(configs), "--devices", "2", "--steps", "2", "--frames", "5"]
+    )
+    assert "5 frames (3 latent)" in out[0] and words[words.index("--frames") + 1] == "5"

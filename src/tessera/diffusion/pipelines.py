@@ -72,9 +72,11 @@ def meta_pipeline(directory: str | Path):
     bars = diffusers_logging.is_progress_bar_enabled()
     diffusers_logging.disable_progress_bar()  # a check, not a load: nothing to report
     try:
-        return diffusers.DiffusionPipeline.from_pretrained(
-            directory, local_files_only=True, **parts, **_no_text(index)
-        )
+        # the pipeline's own class: DiffusionPipeline.from_pretrained reads the optional
+        # components (WanPipeline's transformer) off DiffusionPipeline, not the pipeline, and
+        # would load that part's weights from the folder in place of the one passed
+        pipeline_class = getattr(diffusers, index["_class_name"])
+        return pipeline_class.from_pretrained(directory, local_files_only=True, **parts, **_no_text(index))
     finally:
         if bars:
             diffusers_logging.enable_progress_bar()
