@@ -1,8 +1,9 @@
 """Tensor parallel on diffusers' DiTs (tessera.diffusion.tp_diffusers): Wan 2.1 on 2 ranks
 equals the loop WanPipeline runs (and generate on the saved pipeline WanPipeline's frames),
 LTX-Video and PixArt their pipelines' loops; a per-rank query/key norm (the mutant a plain
-split of Wan's and LTX's norms across heads would be) fails the same tolerance; all-reduce bytes equal the plan's count; split sizes the degree does not divide
-are refused with their numbers before anything runs."""
+split of Wan's and LTX's norms across heads would be) fails the same tolerance; all-reduce
+bytes equal the plan's count; split sizes the degree does not divide, fused q/k/v and a
+LoRA are refused with their numbers before anything runs."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from test_diffusers_parity import tiny_pixart
 from test_ltx_parity import _denoise as ltx_denoise
 from test_ltx_parity import inputs as ltx_inputs
 from test_ltx_parity import pipeline_loop as ltx_loop
+from test_wan_lora import save_random_lora
 from test_wan_parity import FRAMES, GUIDANCE, STEPS, H, W, inputs, pipeline_loop, scheduler
 from tiny_ltx import tiny_ltx_transformer
 from tiny_wan import build_wan_pipeline, tiny_wan_transformer
@@ -180,9 +182,22 @@ def test_split_sizes_the_degree_does_not_divide_are_refused(tmp_path, capsys):
     model.blocks[0].attn1.fuse_projections()
     with pytest.raises(ValueError, match=r"^blocks.0.attn1 has fused q/k/v projections"):
         check_layout(adapter_for(model), TP2, 8, 8)
+    from peft import LoraConfig
 
-    # the command line refuses it before any rank starts
+    model = wan(ffn_dim=32)
+    model.add_adapter(LoraConfig(r=2, target_modules=["to_q"]))  # what load_lora_weights does
+    with pytest.raises(
+        ValueError, match=r"^blocks.0.attn1.to_q is a peft.tuners.lora.layer.Linear, not a plain"
+    ):
+        check_layout(adapter_for(model), TP2, 8, 8)
+
+    # the command line refuses them before any rank starts
     folder = build_wan_pipeline(tmp_path / "wan")
     argv = ["generate", "--model", str(folder), "--prompt", "a cat", "--height", "32", "--width", "16"]
     assert cli.main(argv + ["--frames", "3", "--nproc", "3", "--tp", "3"]) == 2
     assert "2 attention heads are not divisible by the TP degree 3" in capsys.readouterr().err
+    lora = save_random_lora(tmp_path / "lora")
+    assert cli.main(argv + ["--frames", "3", "--nproc", "2", "--tp", "2", "--lora", str(lora)]) == 2
+    assert (
+        "--lora with --tp 2: a LoRA wraps the projections tensor parallel splits" in capsys.readouterr().err
+    )

@@ -90,6 +90,10 @@ def check_diffusers_tp(model: nn.Module, degree: int) -> None:
             raise ValueError(f"{path} has image key/value projections (add_k_proj), which tp does not split")
         for norm in ("norm_q", "norm_k"):
             _check_norm(path, norm, getattr(attn, norm, None))
+        _check_linears(
+            path,
+            [("to_q", attn.to_q), ("to_k", attn.to_k), ("to_v", attn.to_v), ("to_out.0", attn.to_out[0])],
+        )
         for other in ("spatial_norm", "group_norm", "norm_cross"):
             if getattr(attn, other, None) is not None:
                 raise ValueError(f"{path} has {other}, which tensor parallel does not split")
@@ -98,7 +102,23 @@ def check_diffusers_tp(model: nn.Module, degree: int) -> None:
                 f"{path} runs processor {type(attn.processor).__name__}; tensor parallel runs the model's "
                 f"own {own.__name__} (which reshapes by the local head count): set that processor"
             )
+    blocks, _, mlp = _FAMILIES[type(model).__name__]
+    for i, block in enumerate(getattr(model, blocks)):
+        ff = getattr(block, mlp)
+        _check_linears(f"{blocks}.{i}.{mlp}", [("net.0.proj", ff.net[0].proj), ("net.2", ff.net[2])])
     check_plan(model, plan, degree)
+
+
+def _check_linears(path: str, named: list[tuple[str, nn.Module]]) -> None:
+    """The split projections must be plain Linears: a LoRA loaded with load_lora_weights
+    (fused or not) wraps them in peft layers, which the plan does not split."""
+    for name, module in named:
+        if type(module) is not nn.Linear:
+            kind = f"{type(module).__module__}.{type(module).__name__}"
+            raise ValueError(
+                f"{path}.{name} is a {kind}, not a plain torch.nn.Linear (a LoRA wraps it); tensor "
+                "parallel splits plain projections only: run a LoRA with another method"
+            )
 
 
 def _own_processor(model: nn.Module) -> type:
