@@ -50,9 +50,10 @@ def test_the_estimate_is_the_videos_tokens_and_grows_with_frames(wan):
     model = WanTransformer3DModel.from_pretrained(wan / "transformer")
     adapter = adapter_for(model)
     hw = _hw(2)
-    seconds, activations = {}, {}
+    seconds, activations, decode = {}, {}, []
     for frames in (1, 5, 9, 17):
         plan = video_plan(wan, frames=frames, height=H, width=W)
+        decode.append(plan.spec.decode_flops)
         latent = (frames - 1) // k + 1
         assert plan.shape.latent_frames == latent
         assert plan.spec.tokens == latent * (H // s // 2) * (W // s // 2)  # 2x2 patches
@@ -77,6 +78,8 @@ def test_the_estimate_is_the_videos_tokens_and_grows_with_frames(wan):
         # activations are per token: 1, 3, 5 and 9 latent frames
         a = [activations[f][name] for f in (1, 5, 9, 17)]
         assert [x / a[0] for x in a] == pytest.approx([1, 3, 5, 9], rel=1e-12), name  # exact ratios of ints
+    # the VAE decodes every frame: its FLOPs grow with them (and are in each estimate, on one rank)
+    assert 0 < decode[0] < decode[1] < decode[2] < decode[3], decode
 
 
 def _choice(capsys, argv):

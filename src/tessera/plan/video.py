@@ -5,7 +5,8 @@ columns (Wan's 1 x 2 x 2 patches; LTX's 1 x 1). Tessera's samplers see the video
 image of *frame x row* rows (tessera.diffusion.adapters.wan), and every method splits those
 rows, so the planner costs the same layers on ``frames x rows x cols`` tokens with the
 cost model of an image DiT (tessera.plan.inference): nothing about time changes the
-arithmetic of a layer.
+arithmetic of a layer. The VAE decode is in the estimate as the presets have it, once on one
+rank at the end: its FLOPs counted on the meta device (``host_ops.decode_flops``).
 
 The shape comes from the pipeline as ``tessera generate`` would run it: the folder loaded
 on the meta device (``meta_pipeline``: configs, no weights) and ``prepare_run``'s noise,
@@ -104,6 +105,7 @@ def video_plan(folder: str | Path, *, frames: int | None, height: int | None, wi
     from tessera.diffusion.layout import ParallelConfig
     from tessera.diffusion.pipeline_families import family_of
     from tessera.diffusion.pipelines import meta_pipeline, prepare_run
+    from tessera.plan.host_ops import decode_flops
 
     pipe = meta_pipeline(folder)
     family = family_of(type(pipe).__name__)
@@ -127,6 +129,7 @@ def video_plan(folder: str | Path, *, frames: int | None, height: int | None, wi
     )
     hidden = adapter.hidden_size
     ffn = _mlp_width(pipe.transformer, hidden)
+    latent_frame = (noise.shape[2] // shape.latent_frames, noise.shape[3])  # one latent frame's rows, cols
     spec = dit_spec(
         type(pipe.transformer).__name__,
         latent=1,
@@ -138,6 +141,7 @@ def video_plan(folder: str | Path, *, frames: int | None, height: int | None, wi
         adaln_single=True,  # one time embedding; each block has only a 6h scale-shift table
         mlp_ratio=ffn / hidden,
         params=sum(t.numel() for t in pipe.transformer.parameters()),
+        decode_flops=decode_flops(pipe.vae, (1, noise.shape[1], shape.latent_frames, *latent_frame)),
         source=str(Path(folder) / "transformer" / "config.json"),
     )
     return VideoPlan(replace(spec, ffn=ffn).with_tokens(shape.tokens), shape, adapter)
