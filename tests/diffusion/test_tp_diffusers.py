@@ -73,10 +73,29 @@ def _per_rank_norm(norm: nn.RMSNorm, group, rank: int, degree: int) -> nn.Module
 VIDEO = dict(prompt="a red cat", num_steps=2, guidance_scale=GUIDANCE, height=32, width=16, num_frames=5)
 
 
+def _norms(mesh) -> dict:
+    """HeadSplitRMSNorm on this rank's half of the width against its half of the whole
+    torch RMSNorm, in float32 and bfloat16 (eps given and None)."""
+    group = mesh.device_mesh["tp"]
+    rank, g = group.get_local_rank(), torch.Generator().manual_seed(5)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        for eps in (1e-6, None):
+            norm = nn.RMSNorm(24, eps=eps).to(dtype)
+            with torch.no_grad():
+                norm.weight.copy_(torch.randn(24, generator=g))
+            x = (torch.randn(2, 5, 24, generator=g) * 3).to(dtype)
+            half = slice(12 * rank, 12 * (rank + 1))
+            split = tp_diffusers.HeadSplitRMSNorm(norm, group, rank, 2)(x[..., half])
+            out[(dtype, eps)] = (split, norm(x)[..., half])
+    return out
+
+
 def _worker(folder) -> dict:
     from tessera.diffusion.pipelines import generate, load_pipeline
 
     mesh = TP2.build_mesh()
+    norms = _norms(mesh)
     pipe = load_pipeline(folder)  # the saved pipeline, as `tessera generate --tp 2` loads it
     pipe.set_progress_bar_config(disable=True)
     video = generate(pipe, **VIDEO, seed=3, config=TP2, mesh=mesh, output_type="pt")
@@ -96,6 +115,7 @@ def _worker(folder) -> dict:
     mutant = _wan(model, mesh)
     ltx_mutant = ltx_denoise({"tp2": TP2})["tp2"]
     return dict(
+        norms=norms,
         video=video,
         wan=wan,
         counted=counted,
@@ -136,6 +156,13 @@ def test_tensor_parallel_on_wan_ltx_and_pixart_matches_their_pipelines(tmp_path)
     assert ranks[1]["video"] is None  # the frames come back on rank 0
     print(f"tp=2 generate vs WanPipeline: max |frame diff| {(ranks[0]['video'] - reference).abs().max():.1e}")
     for rank in ranks:
+        for (dtype, eps), (split, whole) in rank["norms"].items():
+            # the sum of squares in two partial sums: float32 rounding (measured 4.8e-7 on
+            # values up to ~3), at most one bfloat16 rounding step (2^-8) where it tips a cast
+            # (measured: bfloat16 equal)
+            tol = 1e-6 if dtype == torch.float32 else 2**-8
+            torch.testing.assert_close(split, whole, rtol=tol, atol=tol, msg=f"{dtype} eps={eps}")
+            print(f"split norm vs torch's, {dtype} eps={eps}: max |diff| {(split - whole).abs().max():.1e}")
         # the same math with the attention and MLP sums split over 2 ranks: float32 rounding
         # (~1e-7 relative per op) through 3 layers, 3-4 steps and guidance 3-4 (measured
         # 3.1e-7 Wan, 2.3e-7 LTX, 2.8e-7 PixArt): a 30x margin

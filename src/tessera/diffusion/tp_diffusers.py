@@ -153,7 +153,7 @@ class HeadSplitRMSNorm(nn.Module):
     def __init__(self, norm: nn.RMSNorm, group, rank: int, degree: int):
         super().__init__()
         (self.width,) = norm.normalized_shape
-        self.eps = torch.finfo(torch.float32).eps if norm.eps is None else norm.eps
+        self.eps = norm.eps  # None: the computation dtype's machine epsilon, as torch's
         self.group = group
         local = self.width // degree
         self.weight = None
@@ -165,10 +165,13 @@ class HeadSplitRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_reduce
 
-        squares = x.float().pow(2).sum(-1, keepdim=True)
-        squares = all_reduce(squares, "sum", self.group)
-        out = (x.float() * torch.rsqrt(squares / self.width + self.eps)).type_as(x)
-        return out if self.weight is None else out * self.weight
+        # as torch's rms_norm: computed in float32 (float64 for float64), the weight applied
+        # before the cast back
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))
+        squares = all_reduce(wide.pow(2).sum(-1, keepdim=True), "sum", self.group)
+        eps = torch.finfo(wide.dtype).eps if self.eps is None else self.eps
+        out = wide * torch.rsqrt(squares / self.width + eps)
+        return (out if self.weight is None else out * self.weight).type_as(x)
 
 
 def _split_norm(norm: nn.RMSNorm, group, rank: int, degree: int) -> nn.Module:
