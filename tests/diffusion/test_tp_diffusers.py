@@ -209,6 +209,14 @@ def test_split_sizes_the_degree_does_not_divide_are_refused(tmp_path, capsys):
     model.blocks[0].attn1.fuse_projections()
     with pytest.raises(ValueError, match=r"^blocks.0.attn1 has fused q/k/v projections"):
         check_layout(adapter_for(model), TP2, 8, 8)
+    from diffusers import LTXVideoTransformer3DModel
+
+    with torch.device("meta"):
+        ltx = LTXVideoTransformer3DModel(
+            in_channels=8, num_attention_heads=2, attention_head_dim=12, num_layers=1, activation_fn="geglu"
+        )
+    with pytest.raises(ValueError, match=r"^transformer_blocks.0.ff uses activation GEGLU; tensor parallel"):
+        check_layout(adapter_for(ltx), TP2, 8, 8)
     from peft import LoraConfig
 
     model = wan(ffn_dim=32)

@@ -3,7 +3,7 @@ against), by the same DTensor plan training uses (``tessera.parallel.tp_plans.DI
 attention heads and the MLP's hidden units split over the ``tp`` axis, one all-reduce after
 the attention output projection and one after the MLP, per layer.
 
-diffusers' DiTs (Wan 2.1, PixArt) take the plan of ``tessera.diffusion.tp_diffusers``, with
+diffusers' DiTs (Wan 2.1, LTX-Video, PixArt) take the plan of ``tessera.diffusion.tp_diffusers``, with
 their query/key norms across heads kept exact.
 
 Each rank holds only its shard of the split weights while sampling. DTensor's collectives

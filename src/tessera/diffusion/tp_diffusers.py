@@ -33,6 +33,8 @@ _FAMILIES = {
 
 
 DIFFUSERS_TP = tuple(_FAMILIES)
+# diffusers FeedForward activations (net.0: a Linear ``proj`` then a function of each unit)
+_ELEMENTWISE = ("GELU", "ApproximateGELU")
 
 
 def supports(model: nn.Module) -> bool:
@@ -52,7 +54,7 @@ def diffusers_plan(model: nn.Module) -> TPPlan:
         for proj in ("to_q", "to_k", "to_v"):
             layers[f"{blocks}.*.{attn}.{proj}"] = "colwise"
         layers[f"{blocks}.*.{attn}.to_out.0"] = "rowwise"
-    layers[f"{blocks}.*.{mlp}.net.0.proj"] = "colwise"  # FeedForward: GELU(proj), dropout, Linear
+    layers[f"{blocks}.*.{mlp}.net.0.proj"] = "colwise"  # FeedForward: act(proj), dropout, Linear
     layers[f"{blocks}.*.{mlp}.net.2"] = "rowwise"
     heads = {f"{blocks}.*.{attn}": "heads" for attn in attentions}
     return TPPlan(family=name, layers=layers, head_counts=heads)
@@ -105,6 +107,13 @@ def check_diffusers_tp(model: nn.Module, degree: int) -> None:
     blocks, _, mlp = _FAMILIES[type(model).__name__]
     for i, block in enumerate(getattr(model, blocks)):
         ff = getattr(block, mlp)
+        act = type(ff.net[0]).__name__
+        if act not in _ELEMENTWISE:
+            raise ValueError(
+                f"{blocks}.{i}.{mlp} uses activation {act}; tensor parallel splits an MLP whose "
+                f"activation acts on each hidden unit alone ({', '.join(_ELEMENTWISE)}): a gated one "
+                "(GEGLU, SwiGLU) would split its value and gate halves apart"
+            )
         _check_linears(f"{blocks}.{i}.{mlp}", [("net.0.proj", ff.net[0].proj), ("net.2", ff.net[2])])
     check_plan(model, plan, degree)
 
