@@ -91,7 +91,8 @@ def check_diffusers_tp(model: nn.Module, degree: int) -> None:
         if getattr(attn, "add_k_proj", None) is not None:
             raise ValueError(f"{path} has image key/value projections (add_k_proj), which tp does not split")
         for norm in ("norm_q", "norm_k"):
-            _check_norm(path, norm, getattr(attn, norm, None))
+            proj = attn.to_q if norm == "norm_q" else attn.to_k
+            _check_norm(path, norm, getattr(attn, norm, None), proj.out_features)
         _check_linears(
             path,
             [("to_q", attn.to_q), ("to_k", attn.to_k), ("to_v", attn.to_v), ("to_out.0", attn.to_out[0])],
@@ -144,13 +145,14 @@ def _own_processor(model: nn.Module) -> type:
     return AttnProcessor2_0
 
 
-def _check_norm(path: str, name: str, norm: nn.Module | None) -> None:
+def _check_norm(path: str, name: str, norm: nn.Module | None, width: int) -> None:
     if norm is None or isinstance(norm, nn.Identity):
         return
-    if not isinstance(norm, nn.RMSNorm) or len(norm.normalized_shape) != 1:
+    if not isinstance(norm, nn.RMSNorm) or tuple(norm.normalized_shape) != (width,):
+        shape = tuple(getattr(norm, "normalized_shape", ()))
         raise ValueError(
-            f"{path}.{name} is a {type(norm).__name__}; tensor parallel keeps query/key norms exact "
-            "for an RMSNorm over the projection's width (across heads) only"
+            f"{path}.{name} is a {type(norm).__name__} over {shape or 'its input'}; tensor parallel keeps "
+            f"query/key norms exact for a torch RMSNorm over the projection's whole width ({width}) only"
         )
 
 
