@@ -39,16 +39,22 @@ def _train(family, settings, prefetch, folder):
     plan = tessera.Plan(dp=2, prefetch=prefetch, **settings)
     model, opt = tessera.boost(model, _optimizer(model), plan)
     losses = [opt.train_step(batch, causal_lm_loss)["loss"] for batch in _batches()]
-    return losses, _full_params(model, opt), dict(opt.engine.inflight.issued), dict(opt.engine.inflight.peak)
+    # autograd's view of the chunks: a gather must leave a buffer's version counter as it found
+    # it (views saved in forward are checked against it in backward), also when gloo writes an
+    # asynchronous result on its own thread after the call returned
+    versions = [cg.chunk.buffer._version for cg in opt.engine.groups]
+    inflight = opt.engine.inflight
+    return losses, _full_params(model, opt), dict(inflight.issued), dict(inflight.peak), versions
 
 
 def _worker(folder):
     out = []
     for family, settings in RUNS:
-        ref_losses, ref_params, issued, _ = _train(family, settings, 0, folder)
+        ref_losses, ref_params, issued, _, ref_versions = _train(family, settings, 0, folder)
         assert issued == {"all_gather": 0, "reduce_scatter": 0}, issued  # prefetch=0: all synchronous
         for n in PREFETCH:
-            losses, params, issued, peak = _train(family, settings, n, folder)
+            losses, params, issued, peak, versions = _train(family, settings, n, folder)
+            assert versions == ref_versions, (family, settings, n, versions, ref_versions)
             out.append((family, settings, n, losses == ref_losses, ref_losses, losses, issued, peak))
             for name, ref in ref_params.items():
                 assert torch.equal(params[name], ref), (

@@ -299,7 +299,10 @@ class ZeroEngine:
             self.offload.store.reserve_compute(cg.chunk.buffer.nbytes, f"whole chunk {i} for compute")
         buffer = cg.restore()
         self.manager.transition(cg, ChunkState.COMPUTE)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
+        # the version counter as it is now, set back once the data has landed: gloo may write
+        # an asynchronous result into ``buffer`` (an in-place copy) on its own thread, later
+        keep = torch.autograd._unsafe_preserve_version_counter(buffer)
+        with torch.no_grad(), keep:
             if self.offload is not None:  # from the master shards or, at bf16, their copies
                 finish = self.offload.gather_into(buffer, i, after, self.comm, self.axis, async_op=not wait)
             else:
@@ -310,7 +313,7 @@ class ZeroEngine:
         if not wait:
 
             def done():
-                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buffer):
+                with torch.no_grad(), keep:
                     finish()
 
             self.inflight.add_gather(cg, done)
