@@ -13,7 +13,7 @@ from tessera.diffusion.layout import ParallelConfig, stage_bounds
 from tessera.diffusion.pipefusion import pipefusion_denoise, sub_bands
 from tessera.diffusion.sampler import initial_noise
 from tessera.diffusion.stepper import FlowStepper
-from tessera.diffusion.tensor_parallel import check_tp, tensor_parallel
+from tessera.diffusion.tensor_parallel import check_tp, is_tp_sharded, tensor_parallel
 from tessera.runtime.mesh import Mesh
 
 
@@ -29,7 +29,10 @@ def check_layout(adapter: Adapter, config: ParallelConfig, height: int, width: i
         raise ValueError(
             f"{adapter.num_heads} attention heads are not divisible by the TP degree {config.tp}"
         )
-    if config.tp > 1:  # the plan's class, processors, norms and every split size
+    # the plan's class, processors, norms and every split size; a model already sharded (split
+    # once before many runs, as bench dit does) was checked when it was split, and its modules
+    # now count their local heads
+    if config.tp > 1 and not is_tp_sharded(adapter.model):
         check_tp(adapter.model, config.tp)
     if config.method == "pipefusion":
         stage_bounds(adapter.num_layers, config.pipefusion, config.stage_layers)
