@@ -104,11 +104,11 @@ def _tessera_step(cfg, depth, variant, base_rss, workdir):
                 layers=depth, width=cfg.width, heads=cfg.heads, vocab=cfg.vocab, batch=cfg.batch, seq=cfg.seq
             )
         host = int(cfg.budget_mib * MiB - base_rss - 1.1 * acts - 3 * cfg.chunk_mib * MiB)
-        kwargs = dict(offload="auto" if variant == "tessera" else "static", host_memory=max(host, 1))
+        kwargs = dict(offload="static" if variant == "static" else "auto", host_memory=max(host, 1))
         kwargs["offload_dir"] = str(workdir)
     plan = tessera.Plan(
         zero=3, chunk_mib=cfg.chunk_mib, block_chunks=True, activation_checkpointing=cfg.activation_checkpointing,
-        **kwargs,
+        precision="bf16" if variant.endswith("_bf16") else "fp32", **kwargs,
     )  # fmt: skip
     model, opt = tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True), plan)
     if opt.engine.offload is not None:
@@ -135,7 +135,7 @@ def _tessera_step(cfg, depth, variant, base_rss, workdir):
     return step, moved, host
 
 
-def _deepspeed_step(cfg, depth, workdir):
+def _deepspeed_step(cfg, depth, workdir, *, bf16: bool = False):
     import deepspeed
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -164,6 +164,7 @@ def _deepspeed_step(cfg, depth, workdir):
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "bf16": {"enabled": bf16},  # bf16 parameters and compute, fp32 master copies (its docs)
         "aio": {"block_size": 1 << 20, "queue_depth": 8, "thread_count": 1, "single_submit": False,
                 "overlap_events": True},
         "zero_optimization": {
@@ -207,27 +208,20 @@ def trial(cfg: OffloadBenchConfig, depth: int, variant: str) -> dict:
     """One variant at one depth (run in a fresh process): peak RSS of the steps, setup peak,
     tokens/s, bytes moved per step."""
     import torch
-    import torch.distributed as dist
 
     from tessera.memory.track import peak_resident_bytes, reset_peak_rss, resident_bytes
 
     torch.set_num_threads(cfg.threads)
-    if variant == "deepspeed":
-        import deepspeed  # noqa: F401  (its import is runtime, not model memory)
-    import transformers  # noqa: F401
-
-    if variant == "deepspeed" and not dist.is_initialized():  # DeepSpeed needs a process group
-        store = tempfile.mkdtemp(prefix="tessera-ds-")
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
-        dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
+    if variant.startswith("deepspeed"):
+        _common_setup()  # a no-op in a trial's own process, which did it first
     base = resident_bytes()
     g = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq), generator=g) for _ in range(cfg.steps)]
     with tempfile.TemporaryDirectory(
         prefix="tessera-offload-", dir=os.environ.get("TESSERA_OFFLOAD_DIR")
     ) as work:
-        if variant == "deepspeed":
-            step, moved, where = _deepspeed_step(cfg, depth, work)
+        if variant.startswith("deepspeed"):
+            step, moved, where = _deepspeed_step(cfg, depth, work, bf16=variant.endswith("_bf16"))
             host = None
         else:
             step, moved, host = _tessera_step(cfg, depth, variant, base, work)
@@ -257,13 +251,33 @@ def trial(cfg: OffloadBenchConfig, depth: int, variant: str) -> dict:
     }
 
 
+def _common_setup() -> None:
+    """The same for every variant, before its baseline: the imports (DeepSpeed's too, where it
+    is installed) and a one-rank process group, so that no variant's runtime counts against
+    its budget and another's does not."""
+    import torch.distributed as dist
+    import transformers  # noqa: F401
+
+    if _have_deepspeed():
+        import deepspeed  # noqa: F401
+    if not dist.is_initialized():
+        store = tempfile.mkdtemp(prefix="tessera-pg-")
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        dist.init_process_group("gloo", init_method=f"file://{store}/pg", rank=0, world_size=1)
+
+
 def _child_main() -> None:
+    _common_setup()
     spec = json.loads(sys.argv[1])
     cfg = OffloadBenchConfig(**{**spec["cfg"], "depths": tuple(spec["cfg"]["depths"])})
     print("RESULT " + json.dumps(trial(cfg, spec["depth"], spec["variant"])), flush=True)
 
 
 def _run_trial(cfg: OffloadBenchConfig, depth: int, variant: str) -> dict:
+    """One trial in a fresh process, under the budget as a hard limit where the machine allows
+    one (``memory_limit.HardLimit``: set-up included; passing it kills the trial), and checked
+    by the steps' resident high-water mark either way."""
+    from tessera.bench.memory_limit import HardLimit
     from tessera.memory.track import fresh_process_env
 
     spec = json.dumps({"cfg": asdict(cfg), "depth": depth, "variant": variant})
@@ -272,24 +286,33 @@ def _run_trial(cfg: OffloadBenchConfig, depth: int, variant: str) -> dict:
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.abspath(".cache/torch_extensions"))
     env["HF_HUB_OFFLINE"] = "1"
     began = time.perf_counter()
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", code, spec],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=cfg.trial_timeout_s,
-        )
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "why": f"timed out after {cfg.trial_timeout_s:.0f} s"}
+    with HardLimit(cfg.budget_mib * MiB) as limit:
+        try:
+            out = subprocess.run(
+                [sys.executable, "-c", code, spec],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=cfg.trial_timeout_s,
+                preexec_fn=limit.preexec,
+            )
+        except subprocess.TimeoutExpired:
+            return {"ok": False, "why": f"timed out after {cfg.trial_timeout_s:.0f} s", "limit": limit.how}
+        charged = limit.peak_bytes()
+        killed = limit.killed(out.returncode)
+    extra = {"limit": limit.how, "charged_peak_mib": None if charged is None else charged / MiB}
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode != 0 or not lines:
         tail = (out.stderr.strip().splitlines() or ["no output"])[-1]
-        return {"ok": False, "why": tail[:200], "wall_s": time.perf_counter() - began}
-    row = json.loads(lines[-1][len("RESULT ") :])
-    row["ok"] = row["peak_mib"] <= cfg.budget_mib
+        why = f"killed by the hard limit ({limit.how})" if killed else tail[:200]
+        return {"ok": False, "why": why, "wall_s": time.perf_counter() - began, **extra}
+    row = json.loads(lines[-1][len("RESULT ") :]) | extra
+    row["ok"] = (
+        row["peak_mib"] <= cfg.budget_mib and max(row["setup_peak_mib"], row["peak_mib"]) <= cfg.budget_mib
+    )
     if not row["ok"]:
-        row["why"] = f"resident peak {row['peak_mib']:.0f} MiB over the {cfg.budget_mib} MiB budget"
+        worst = max(row["setup_peak_mib"], row["peak_mib"])
+        row["why"] = f"resident peak {worst:.0f} MiB over the {cfg.budget_mib} MiB budget"
     row["wall_s"] = time.perf_counter() - began
     return row
 
@@ -309,27 +332,12 @@ def run_offload_bench(cfg: OffloadBenchConfig | None = None, *, quick: bool = Fa
     cfg = cfg or (QUICK if quick else FULL)
     if cfg.act_per_layer_mib is None:
         cfg = _measure_activations(cfg)
-    variants = [v for v in VARIANTS if v != "deepspeed" or _have_deepspeed()]
+    variants = [v for v in VARIANTS if not v.startswith("deepspeed") or _have_deepspeed()]
     rows, largest = [], {}
     for variant in variants:
-        began = time.perf_counter()
-        for depth in cfg.depths:
-            row = {"variant": variant, "depth": depth, "params_m": params_of(cfg, depth) / 1e6}
-            if time.perf_counter() - began > cfg.variant_budget_s:
-                row.update(
-                    ok=False,
-                    why=f"not run: the variant's {cfg.variant_budget_s:.0f} s were spent",
-                    untried=True,
-                )
-                rows.append(row)
-                break
-            row.update(_run_trial(cfg, depth, variant))
-            rows.append(row)
-            if progress:
-                print(_progress(row), file=sys.stderr, flush=True)
-            if not row["ok"]:
-                break
-            largest[variant] = depth
+        fits = _ladder(cfg, variant, rows, progress)
+        if fits is not None:
+            largest[variant] = fits
     common = []
     for variant in variants:
         row = {
@@ -342,6 +350,42 @@ def run_offload_bench(cfg: OffloadBenchConfig | None = None, *, quick: bool = Fa
         if progress:
             print(_progress(row) + " (common size, timed)", file=sys.stderr, flush=True)
     return result(cfg, rows, largest, variants, common)
+
+
+def _ladder(cfg: OffloadBenchConfig, variant: str, rows: list, progress: bool) -> int | None:
+    """Depth up the ladder to the first miss (or the variant's time), then bisected between the
+    last depth that fits and that miss; every trial's row appended to ``rows``. The largest
+    depth that fits (None: not even the first)."""
+    began = time.perf_counter()
+
+    def attempt(depth: int, *, bisecting: bool = False) -> bool:
+        row = {"variant": variant, "depth": depth, "params_m": params_of(cfg, depth) / 1e6}
+        if bisecting:
+            row["bisect"] = True
+        row.update(_run_trial(cfg, depth, variant))
+        rows.append(row)
+        if progress:
+            print(_progress(row), file=sys.stderr, flush=True)
+        return row["ok"]
+
+    largest, miss = None, None
+    for depth in cfg.depths:
+        if time.perf_counter() - began > cfg.variant_budget_s:
+            rows.append({"variant": variant, "depth": depth, "params_m": params_of(cfg, depth) / 1e6, "ok": False,
+                         "why": f"not run: the variant's {cfg.variant_budget_s:.0f} s were spent", "untried": True})  # fmt: skip
+            break
+        if not attempt(depth):
+            miss = depth
+            break
+        largest = depth
+    low, high = largest or 0, miss
+    while high is not None and high - low > 1:
+        mid = (low + high) // 2
+        if attempt(mid, bisecting=True):
+            low = largest = mid
+        else:
+            high = mid
+    return largest
 
 
 def _measure_activations(cfg: OffloadBenchConfig) -> OffloadBenchConfig:

@@ -7,12 +7,14 @@ from dataclasses import asdict
 
 from tessera.bench.harness import BenchResult
 
-VARIANTS = ["none", "tessera", "static", "deepspeed"]
+VARIANTS = ["none", "tessera", "static", "deepspeed", "tessera_bf16", "deepspeed_bf16"]
 LABEL = {
     "none": "no offload (ZeRO-3 in memory)",
     "static": "static offload (working set only)",
     "deepspeed": "DeepSpeed ZeRO-3 offload",
     "tessera": "Tessera planned placement",
+    "tessera_bf16": "Tessera planned placement, bf16 copies",
+    "deepspeed_bf16": "DeepSpeed ZeRO-3 offload, bf16",
 }
 
 
@@ -41,9 +43,11 @@ def result(cfg, rows, largest, variants, timed=None) -> BenchResult:
         "largest_vs_no_offload": _ratio(size.get("tessera"), size.get("none")),
         "largest_vs_deepspeed": _ratio(size.get("tessera"), size.get("deepspeed")),
         "largest_vs_static": _ratio(size.get("tessera"), size.get("static")),
+        "largest_bf16_vs_deepspeed_bf16": _ratio(size.get("tessera_bf16"), size.get("deepspeed_bf16")),
         "moved_vs_static": _ratio(moved.get("tessera"), moved.get("static")),
         **_moved_where_both_offload(rows, largest),
         "tokens_per_s_vs_no_offload": _ratio(tps.get("tessera"), tps.get("none")),
+        "tokens_per_s_vs_deepspeed": _ratio(tps.get("tessera"), tps.get("deepspeed")),
         "lower_bound": {
             v: largest.get(v) == cfg.depths[-1] or any(r["variant"] == v and r.get("untried") for r in rows)
             for v in variants
@@ -59,8 +63,8 @@ def result(cfg, rows, largest, variants, timed=None) -> BenchResult:
         name="offload",
         headline=headline,
         rows=rows,
-        columns=["variant", "depth", "params_m", "ok", "peak_mib", "setup_peak_mib", "host_memory_mib",
-                 "tokens_per_s", "moved_mib_per_step", "offload_to", "why"],
+        columns=["variant", "depth", "params_m", "ok", "peak_mib", "setup_peak_mib", "charged_peak_mib",
+                 "host_memory_mib", "tokens_per_s", "moved_mib_per_step", "offload_to", "why"],
         notes=notes,
         extra={"config": asdict(cfg), "common": common, "common_runs": timed or []},
         tables=[(f"At the common size (depth {cfg.common_depth}, {params_of(cfg, cfg.common_depth) / 1e6:.1f} M "
@@ -94,17 +98,21 @@ def _notes(cfg, rows, variants, largest) -> list[str]:
             else "activations estimated (dry run formula), "
         )
         + f"{cfg.threads} threads, 1 process; {cfg.steps} steps per trial (the first is the warm-up).",
-        f"Budget: {cfg.budget_mib} MiB resident high-water mark over the training steps (VmHWM after a reset once "
-        "the model is set up). Setup (building the model whole, packing chunks) is not held to it: its peak is "
-        "reported. The disk tier's files go through the OS page cache, which is not resident memory of the process.",
-        "No hard memory limit (cgroup) was applied; the high-water mark is the check.",
+        "The same rule for every variant: each trial imports torch, transformers and DeepSpeed (where installed) "
+        "and joins a one-rank gloo process group before its baseline is taken, whether it uses them or not.",
+        f"Budget: {cfg.budget_mib} MiB of resident memory for the whole trial, set-up included: the steps' "
+        "high-water mark (VmHWM after a reset once the model is set up) and set-up's (building the model whole, "
+        "packing chunks) must both stay under it. " + _limit_note(rows),
+        "Depth: the ladder up to the first miss, then bisected between the last depth that fits and that miss.",
     ]
-    if "deepspeed" not in variants:
+    if not any(v.startswith("deepspeed") for v in variants):
         notes.append(
             "DeepSpeed is not installed (optional extra: pip install '.[deepspeed]'): its rows are absent."
         )
     else:
-        to = {r.get("offload_to") for r in rows if r["variant"] == "deepspeed" and r.get("offload_to")}
+        to = {
+            r.get("offload_to") for r in rows if r["variant"].startswith("deepspeed") and r.get("offload_to")
+        }
         notes.append(
             f"DeepSpeed ZeRO-3 offloaded parameters and optimizer states to {', '.join(sorted(to)) or 'nothing (it failed)'}"
             " (nvme needs its async I/O op, which needs libaio; without it, to host memory, which on a CPU-only "
@@ -116,6 +124,16 @@ def _notes(cfg, rows, variants, largest) -> list[str]:
             why = "reached the top of the ladder" if not untried else "ran out of its time before a miss"
             notes.append(f"{LABEL[v]} {why}: its largest size is a lower bound.")
     return notes
+
+
+def _limit_note(rows) -> str:
+    how = sorted({r["limit"] for r in rows if r.get("limit")})
+    if how and all(not h.startswith("not applied") for h in how):
+        return (
+            f"Hard limit: {'; '.join(how)} per trial (a trial over it is killed; charged_peak_mib is the group's "
+            "high-water mark, which also counts the page cache of the disk tier's files)."
+        )
+    return "No hard limit: " + ("; ".join(how) or "none tried") + ". The high-water marks are the check."
 
 
 def plot_offload(result: BenchResult, path) -> None:
