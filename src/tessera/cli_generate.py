@@ -201,11 +201,6 @@ def cmd_generate_pipeline(args: argparse.Namespace) -> None:
         from tessera.diffusion.lora import check_lora
 
         check_lora(meta, args.lora)
-        if config.tp > 1:  # the ranks would refuse it once loaded (tensor_parallel.check_tp)
-            raise ValueError(
-                f"--lora with --tp {config.tp}: a LoRA wraps the projections tensor parallel splits; "
-                "run it with another method (--ulysses, --ring, --cfg-parallel, --pipefusion, --distrifusion)"
-            )
     if args.nproc == 1:
         image = _pipeline_rank(str(args.model), job, config)
     else:

@@ -3,7 +3,8 @@ equals the loop WanPipeline runs (and generate on the saved pipeline WanPipeline
 LTX-Video and PixArt their pipelines' loops; a per-rank query/key norm (the mutant a plain
 split of Wan's and LTX's norms across heads would be) fails the same tolerance; all-reduce
 bytes equal the plan's count; split sizes the degree does not divide, fused q/k/v and a
-LoRA are refused with their numbers before anything runs."""
+LoRA variant (DoRA) are refused with their numbers before anything runs (a plain LoRA runs:
+test_wan_lora)."""
 
 import pytest
 import torch
@@ -14,7 +15,6 @@ from test_diffusers_parity import tiny_pixart
 from test_ltx_parity import _denoise as ltx_denoise
 from test_ltx_parity import inputs as ltx_inputs
 from test_ltx_parity import pipeline_loop as ltx_loop
-from test_wan_lora import save_random_lora
 from test_wan_parity import FRAMES, GUIDANCE, STEPS, H, W, inputs, pipeline_loop, scheduler
 from tiny_ltx import tiny_ltx_transformer
 from tiny_wan import build_wan_pipeline, tiny_wan_transformer
@@ -111,9 +111,13 @@ def _worker(folder) -> dict:
         and not any(hasattr(p, "placements") for p in model.parameters())
     )
     ltx = ltx_denoise({"tp2": TP2})["tp2"]
-    tp_diffusers._split_norm = _per_rank_norm  # this process only: the spawned rank exits after
-    mutant = _wan(model, mesh)
-    ltx_mutant = ltx_denoise({"tp2": TP2})["tp2"]
+    # the mutant, put back after: a pooled rank process runs other tests' work next
+    tp_diffusers._split_norm, exact = _per_rank_norm, tp_diffusers._split_norm
+    try:
+        mutant = _wan(model, mesh)
+        ltx_mutant = ltx_denoise({"tp2": TP2})["tp2"]
+    finally:
+        tp_diffusers._split_norm = exact
     return dict(
         norms=norms,
         video=video,
@@ -221,9 +225,11 @@ def test_split_sizes_the_degree_does_not_divide_are_refused(tmp_path, capsys):
 
     model = wan(ffn_dim=32)
     model.add_adapter(LoraConfig(r=2, target_modules=["to_q"]))  # what load_lora_weights does
-    with pytest.raises(
-        ValueError, match=r"^blocks.0.attn1.to_q is a peft.tuners.lora.layer.Linear, not a plain"
-    ):
+    check_layout(adapter_for(model), TP2, 8, 8)  # a plain LoRA: merged into the split Linear
+    assert hasattr(model.blocks[0].attn1.to_q, "base_layer")  # the LoRA layer is back after the check
+    model = wan(ffn_dim=32)
+    model.add_adapter(LoraConfig(r=2, target_modules=["to_q"], use_dora=True))
+    with pytest.raises(ValueError, match=r"^blocks.0.attn1.to_q: adapter 'default' is a LoRA variant"):
         check_layout(adapter_for(model), TP2, 8, 8)
 
     # the command line refuses them before any rank starts
@@ -231,8 +237,3 @@ def test_split_sizes_the_degree_does_not_divide_are_refused(tmp_path, capsys):
     argv = ["generate", "--model", str(folder), "--prompt", "a cat", "--height", "32", "--width", "16"]
     assert cli.main(argv + ["--frames", "3", "--nproc", "3", "--tp", "3"]) == 2
     assert "2 attention heads are not divisible by the TP degree 3" in capsys.readouterr().err
-    lora = save_random_lora(tmp_path / "lora")
-    assert cli.main(argv + ["--frames", "3", "--nproc", "2", "--tp", "2", "--lora", str(lora)]) == 2
-    assert (
-        "--lora with --tp 2: a LoRA wraps the projections tensor parallel splits" in capsys.readouterr().err
-    )

@@ -49,6 +49,7 @@ def _ranks(pipeline_dir, lora_dir):
         "ring2": ParallelConfig(ring=2),
         "cfg2": ParallelConfig(cfg_parallel=True),
         "distrifusion2": ParallelConfig(distrifusion=2, warmup_steps=STEPS),
+        "tp2": ParallelConfig(tp=2),  # the LoRA merged into the split Linears, the wrappers back after
         "pipefusion2": ParallelConfig(pipefusion=2, patches=3, warmup_steps=STEPS),  # last: frees blocks
     }
     out = {}

@@ -21,6 +21,7 @@ from tessera.diffusion.tp_diffusers import (
     DIFFUSERS_TP,
     check_diffusers_tp,
     diffusers_plan,
+    plain_projections,
     split_norms,
     supports,
 )
@@ -65,17 +66,19 @@ def tensor_parallel(adapter: Adapter, mesh: Mesh) -> Iterator[None]:
     model, degree = adapter.model, mesh.size(AXIS)
     plan, group = inference_plan(model), mesh.device_mesh[AXIS]
     shard_here = not is_tp_sharded(model)
-    if shard_here:  # every rank holds the same model: each takes its slice, nothing moves
-        if supports(model):
-            check_diffusers_tp(model, degree)
-        apply_tp(model, plan, group, degree, src_data_rank=None)
-    counter = FunctionalCollectives(mesh.comm, AXIS)  # counted, and timed by a link model if any
-    with ExitStack() as stack:
-        if supports(model):  # query/key norms across heads: exact over the split
-            stack.enter_context(split_norms(model, group, group.get_local_rank(), degree))
-        stack.enter_context(counter)
-        yield
-    for op, num_bytes in counter.calls:
-        mesh.comm.ledger.record(op, AXIS, num_bytes)
-    if shard_here:  # not after an error: a collective now could wait for ranks that are gone
-        gather_tp(model, plan, degree)
+    with ExitStack() as lora:
+        if shard_here:  # every rank holds the same model: each takes its slice, nothing moves
+            if supports(model):
+                check_diffusers_tp(model, degree)
+                lora.enter_context(plain_projections(model))  # a LoRA's layers: the Linears they compute
+            apply_tp(model, plan, group, degree, src_data_rank=None)
+        counter = FunctionalCollectives(mesh.comm, AXIS)  # counted, and timed by a link model if any
+        with ExitStack() as stack:
+            if supports(model):  # query/key norms across heads: exact over the split
+                stack.enter_context(split_norms(model, group, group.get_local_rank(), degree))
+            stack.enter_context(counter)
+            yield
+        for op, num_bytes in counter.calls:
+            mesh.comm.ledger.record(op, AXIS, num_bytes)
+        if shard_here:  # not after an error: a collective now could wait for ranks that are gone
+            gather_tp(model, plan, degree)

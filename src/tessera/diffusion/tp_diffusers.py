@@ -12,6 +12,13 @@ all-reduces each token's sum of squares over the tp ranks (a functional collecti
 under ``tp`` with DTensor's) and so computes the whole norm exactly. LTX-Video also rotates
 q and k over the whole width (before the heads are split): each rank's self-attention is
 handed its heads' columns of the rotary tables. PixArt has no query/key norm.
+
+A LoRA loaded with ``load_lora_weights`` wraps the split projections in peft layers. While
+sharded, each wrapped projection the plan splits is replaced by the plain Linear it computes
+(:func:`plain_projections`): a fused LoRA's base layer (the update is in its weight), or an
+unfused one's base weight plus every active adapter's update (``get_delta_weight``: the same
+model, rounded once where peft adds the low-rank product per call); the wrappers come back
+after. LoRA variants (DoRA) are refused by name.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from tessera.parallel.tp_plans import TPPlan, check_plan
+from tessera.parallel.tp_plans import TPPlan, check_plan, path_matches
 
 # class name -> (block list attribute, the attention modules of a block, its MLP)
 _FAMILIES = {
@@ -116,19 +123,83 @@ def check_diffusers_tp(model: nn.Module, degree: int) -> None:
                 "(GEGLU, SwiGLU) would split its value and gate halves apart"
             )
         _check_linears(f"{blocks}.{i}.{mlp}", [("net.0.proj", ff.net[0].proj), ("net.2", ff.net[2])])
-    check_plan(model, plan, degree)
+    with plain_projections(model, check_only=True):  # the plan's styles see the Linears they will split
+        check_plan(model, plan, degree)
 
 
 def _check_linears(path: str, named: list[tuple[str, nn.Module]]) -> None:
-    """The split projections must be plain Linears: a LoRA loaded with load_lora_weights
-    (fused or not) wraps them in peft layers, which the plan does not split."""
+    """The split projections must be plain Linears or peft LoRA layers around one (which
+    ``plain_projections`` turns into the Linear they compute)."""
     for name, module in named:
-        if type(module) is not nn.Linear:
+        if _lora_base(module) is not None:
+            _lora_plain(f"{path}.{name}", module, check_only=True)
+        elif type(module) is not nn.Linear:
             kind = f"{type(module).__module__}.{type(module).__name__}"
             raise ValueError(
-                f"{path}.{name} is a {kind}, not a plain torch.nn.Linear (a LoRA wraps it); tensor "
-                "parallel splits plain projections only: run a LoRA with another method"
+                f"{path}.{name} is a {kind}, not a torch.nn.Linear or a LoRA layer around one; tensor "
+                "parallel splits plain projections only"
             )
+
+
+def _lora_base(module: nn.Module) -> nn.Linear | None:
+    """The Linear a peft LoRA layer wraps; None for anything else."""
+    base = getattr(module, "base_layer", None)
+    return base if type(base) is nn.Linear and hasattr(module, "get_delta_weight") else None
+
+
+def _lora_plain(path: str, module: nn.Module, *, check_only: bool = False) -> nn.Linear | None:
+    """The plain Linear a peft LoRA layer computes (see the module doc)."""
+    base = module.base_layer
+    active = [a for a in module.active_adapters if a in module.lora_A]
+    variants = [a for a in active if a in getattr(module, "lora_variant", {})]
+    if variants:
+        raise ValueError(
+            f"{path}: adapter {variants[0]!r} is a LoRA variant (e.g. DoRA), which tensor parallel does "
+            "not merge; a plain LoRA, fused or not, runs under tp"
+        )
+    if module.disable_adapters and module.merged:
+        raise ValueError(
+            f"{path}: its LoRA is fused into the weight but disabled (peft would unfuse it at the next call); "
+            "unfuse_lora() or enable it before tensor parallel"
+        )
+    if check_only:
+        return None
+    if module.merged or module.disable_adapters or not active:
+        return base  # its weight is what the layer computes with
+    plain = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None,
+                      device=base.weight.device, dtype=base.weight.dtype)  # fmt: skip
+    with torch.no_grad():
+        weight = base.weight.detach().clone()
+        for adapter in active:
+            weight += module.get_delta_weight(adapter).to(weight.dtype)
+        plain.weight.copy_(weight)
+        if base.bias is not None:
+            plain.bias.copy_(base.bias)
+    return plain.requires_grad_(False)
+
+
+@contextmanager
+def plain_projections(model: nn.Module, *, check_only: bool = False) -> Iterator[None]:
+    """While inside: every projection the plan splits that a peft LoRA layer wraps replaced
+    by the plain Linear it computes (``check_only``: by its base layer, same shapes, nothing
+    computed); the LoRA layers put back after."""
+    patterns = list(diffusers_plan(model).layers)
+    modules = dict(model.named_modules())
+    swapped = []
+    for path, module in modules.items():
+        if _lora_base(module) is None or not any(path_matches(pattern, path) for pattern in patterns):
+            continue
+        parent, _, name = path.rpartition(".")
+        plain = module.base_layer if check_only else _lora_plain(path, module)
+        swapped.append((modules[parent], name, module, plain is module.base_layer))
+        modules[parent]._modules[name] = plain
+    try:
+        yield
+    finally:
+        for parent, name, module, is_base in swapped:
+            if is_base:  # what stands there now is the base layer (gather_tp rebuilds it whole)
+                module.base_layer = parent._modules[name]
+            parent._modules[name] = module
 
 
 def _own_processor(model: nn.Module) -> type:

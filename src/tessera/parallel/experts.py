@@ -66,7 +66,7 @@ from transformers.distributed.expert_parallel import (
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 
 from tessera.parallel.expert_costs import a2a_bytes  # noqa: F401  (the formula, torch-free)
-from tessera.parallel.tp_plans import _matches
+from tessera.parallel.tp_plans import path_matches as _matches
 from tessera.runtime import Mesh
 
 # The routers whose output Tessera's dispatch was checked against (the parity tests):

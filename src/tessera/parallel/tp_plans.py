@@ -174,7 +174,7 @@ def plan_for(model: nn.Module) -> TPPlan:
     )
 
 
-def _matches(pattern: str, name: str) -> bool:
+def path_matches(pattern: str, name: str) -> bool:
     """``*`` matches one path segment (``layers.*.mlp`` matches ``layers.3.mlp`` only)."""
     parts, segments = pattern.split("."), name.split(".")
     return len(parts) == len(segments) and all(map(fnmatch.fnmatchcase, segments, parts))
@@ -186,8 +186,8 @@ def _resolve(model: nn.Module, plan: TPPlan, degree: int) -> dict[str, Style]:
     chosen: dict[str, tuple[str, str]] = {}  # path -> (pattern, style name)
     for pattern, name in plan.layers.items():
         lookup(name, f"plan {plan.family!r}, pattern {pattern!r}")
-        hits = [path for path in modules if _matches(pattern, path)]
-        if not hits and any(_matches(pattern, n) for n, _ in model.named_parameters()):
+        hits = [path for path in modules if path_matches(pattern, path)]
+        if not hits and any(path_matches(pattern, n) for n, _ in model.named_parameters()):
             raise ValueError(
                 f"tensor parallel plan {plan.family!r}: pattern {pattern!r} names parameters, not modules; "
                 "Tessera applies styles to modules"
@@ -218,7 +218,7 @@ def _resolve(model: nn.Module, plan: TPPlan, degree: int) -> dict[str, Style]:
 def _head_modules(model: nn.Module, plan: TPPlan, degree: int) -> list[tuple[nn.Module, str]]:
     found = []
     for pattern, attribute in plan.head_counts.items():
-        hits = [(path, m) for path, m in model.named_modules() if _matches(pattern, path)]
+        hits = [(path, m) for path, m in model.named_modules() if path_matches(pattern, path)]
         if not hits:
             raise ValueError(f"tensor parallel plan {plan.family!r}: pattern {pattern!r} matches no module")
         for path, module in hits:
@@ -299,7 +299,7 @@ def gather_tp(model: nn.Module, plan: TPPlan, degree: int) -> nn.Module:
         setattr(model.get_submodule(parent), attr, _whole(path, model.get_submodule(path)))
     for pattern, attribute in plan.head_counts.items():
         for path, module in model.named_modules():
-            if _matches(pattern, path):
+            if path_matches(pattern, path):
                 setattr(module, attribute, getattr(module, attribute) * degree)
     return model
 
