@@ -43,6 +43,7 @@ LAYOUTS: dict[str, ParallelConfig] = {
     "pipefusion": ParallelConfig(pipefusion=2, patches=4, warmup_steps=1),
     "distrifusion": ParallelConfig(distrifusion=2, warmup_steps=1),
     "cfg_parallel": ParallelConfig(cfg_parallel=True),
+    "tensor_parallel": ParallelConfig(tp=2),
 }
 
 
@@ -63,7 +64,7 @@ FULL = VideoBenchPlan(frames=5, latent=16, layers=8, steps=8, repeats=3, vae_lat
 QUICK = VideoBenchPlan(
     frames=3, latent=12, layers=4, steps=3, repeats=3, vae_latent=24, wan_vae_latent=16, link_steps=2
 )
-HIDDEN, HEADS, CHANNELS, TEXT = 256, 4, 16, 64
+HIDDEN, HEADS, CHANNELS, TEXT, TEXT_TOKENS = 256, 4, 16, 64, 32
 
 
 def video_model(layers: int):
@@ -89,8 +90,8 @@ def _inputs(plan: VideoBenchPlan) -> dict:
     frames = torch.tensor([plan.frames])
     noise = torch.randn(1, CHANNELS, plan.frames * plan.latent, plan.latent, generator=g)
     return {
-        "cond": {"prompt_embeds": torch.randn(1, 32, TEXT, generator=g), "latent_frames": frames},
-        "uncond": {"prompt_embeds": torch.randn(1, 32, TEXT, generator=g), "latent_frames": frames},
+        "cond": {"prompt_embeds": torch.randn(1, TEXT_TOKENS, TEXT, generator=g), "latent_frames": frames},
+        "uncond": {"prompt_embeds": torch.randn(1, TEXT_TOKENS, TEXT, generator=g), "latent_frames": frames},
         "noise": noise,
     }
 
@@ -133,6 +134,11 @@ def _video_runs(plan: VideoBenchPlan, configs: dict[str, ParallelConfig], links:
         model, mesh = video_model(plan.layers), config.build_mesh()
         if config.method == "pipefusion":
             release_other_stages(model, config, mesh)
+        elif config.method == "tp":  # split once, as a user's run does, not inside every timed run
+            from tessera.diffusion.tensor_parallel import inference_plan
+            from tessera.parallel.tp_plans import apply_tp
+
+            apply_tp(model, inference_plan(model), mesh.device_mesh["tp"], config.tp, src_data_rank=None)
         _sample(model, plan, config, mesh, 1)  # start-up costs out of the figure
         times = []
         for _ in range(plan.repeats):
@@ -233,14 +239,17 @@ def _rank(plan: VideoBenchPlan, links: dict[str, Link]) -> dict:
 
 
 def _video_dims(plan: VideoBenchPlan, steps: int) -> Dims:
+    tokens = plan.frames * (plan.latent // 2) ** 2
     return Dims(
         steps=steps,
         layers=plan.layers,
-        tokens=plan.frames * (plan.latent // 2) ** 2,
+        tokens=tokens,
         hidden=HIDDEN,
         batch=1,
         latent_elems=CHANNELS * plan.frames * plan.latent * plan.latent,
         guidance=True,
+        tp_all_reduces=3,  # Wan's self- and cross-attention and MLP outputs
+        tp_norm_rows=3 * tokens + TEXT_TOKENS,  # its q/k norms across heads (comm_bytes.Dims)
     )
 
 

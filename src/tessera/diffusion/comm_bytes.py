@@ -37,6 +37,12 @@ class Dims:
     latent_elems: int  # C*H*W of one image
     guidance: bool
     element_bytes: int = 4
+    # tensor parallel: the tokens x hidden all-reduces of a layer (Tessera's DiT: attention and
+    # MLP outputs, 2; diffusers' Wan/LTX/PixArt: self- and cross-attention and MLP, 3) and the
+    # per-token scalars a layer all-reduces for query/key norms across heads (Wan, LTX: each
+    # token's sum of squares for self q and k and cross q, plus cross k over the text tokens)
+    tp_all_reduces: int = 2
+    tp_norm_rows: int = 0
 
 
 def formula_bytes(config: ParallelConfig, d: Dims) -> int:
@@ -52,7 +58,8 @@ def formula_bytes(config: ParallelConfig, d: Dims) -> int:
     elif method == "distrifusion":
         group = d.steps * d.layers * 2 * act + lat
     elif method == "tp":
-        group = d.steps * d.layers * 2 * config.tp * act
+        norms = model_batch * d.tp_norm_rows * d.element_bytes
+        group = d.steps * d.layers * config.tp * (d.tp_all_reduces * act + norms)
     elif method == "sequence":
         u, r = config.ulysses, config.ring
         # inside a Ulysses group the ring moves the group's 1/u of the heads for u x the tokens
