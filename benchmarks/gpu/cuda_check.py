@@ -1,5 +1,7 @@
 """One prepared run for a lent GPU: every Tessera path on CUDA over NCCL, checked against
-its single-device reference, plus PixArt-size timings.
+its single-device reference (DiT methods, ZeRO stages with and without overlap, DAP,
+AutoChunk, diffusers pipelines, a tiny Wan 2.1 video pipeline incl. tensor parallel), plus
+PixArt-size timings.
 
 At world size 1 the process group is NCCL with one rank: `runtime.comm` checks every
 tensor handed to a collective against the mesh's device even along axes of size 1, so a
@@ -206,6 +208,38 @@ def pipelines_path(config: ParallelConfig) -> dict:
     return out
 
 
+def video_path(configs: dict[str, ParallelConfig]) -> dict:
+    """A tiny saved Wan 2.1 pipeline: WanPipeline's own frames vs tessera's generate under
+    each layout (the text encoder on rank 0, the VAE decode as the pipeline does it)."""
+    import os
+    import shutil
+    import tempfile
+
+    from tiny_wan import build_wan_pipeline
+
+    from tessera.diffusion.pipelines import generate, load_pipeline
+    from tessera.runtime.mesh import global_rank
+
+    folder = Path(tempfile.gettempdir()) / f"tessera-cuda-check-wan-{os.getppid()}"
+    if global_rank() == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+        build_wan_pipeline(folder)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    pipe = load_pipeline(folder).to(device())
+    pipe.set_progress_bar_config(disable=True)
+    video = dict(prompt="a red cat", guidance_scale=5.0, height=32, width=16, num_frames=5)
+    own = pipe(
+        **video, num_inference_steps=2, generator=torch.Generator().manual_seed(3), output_type="pt"
+    ).frames[0]
+
+    def run(config):
+        frames = generate(pipe, **video, num_steps=2, seed=3, config=config, output_type="pt")
+        return None if frames is None else rel(frames, own)
+
+    return {name: guarded(run, config) for name, config in configs.items()}
+
+
 def group_checks(world: int) -> dict:
     import tessera
 
@@ -216,9 +250,11 @@ def group_checks(world: int) -> dict:
             "patches4_warmup1 (stale: not 0)": ParallelConfig(num_patches=4, warmup_steps=1),
         }
         plans = {f"zero{z}": tessera.Plan(zero=z) for z in range(4)} | {
-            "zero3_bf16": tessera.Plan(zero=3, precision="bf16")
+            "zero3_bf16": tessera.Plan(zero=3, precision="bf16"),
+            "zero3_prefetch0": tessera.Plan(zero=3, prefetch=0),
         }
         pipeline_layout = ParallelConfig(num_patches=2, warmup_steps=2)
+        video = {"serial": ParallelConfig()}
     else:
         dit = {
             "pipefusion2_warmup_all": ParallelConfig(pipefusion_degree=2, num_patches=4, warmup_steps=4),
@@ -228,14 +264,24 @@ def group_checks(world: int) -> dict:
             "tp2": ParallelConfig(tp_degree=2),
             "cfg2": ParallelConfig(cfg_parallel=True),
         }
-        plans = {f"dp2_zero{z}": tessera.Plan(dp=2, zero=z) for z in range(4)} | {"tp2": tessera.Plan(tp=2)}
+        plans = {f"dp2_zero{z}": tessera.Plan(dp=2, zero=z) for z in range(4)} | {
+            "tp2": tessera.Plan(tp=2),
+            "dp2_zero3_prefetch0": tessera.Plan(dp=2, zero=3, prefetch=0),
+            "dp2_zero3_prefetch2": tessera.Plan(dp=2, zero=3, prefetch=2),
+        }
         pipeline_layout = ParallelConfig(pipefusion_degree=2, num_patches=2, warmup_steps=2)
+        video = {
+            "ulysses2": ParallelConfig(ulysses=2),
+            "tp2": ParallelConfig(tp=2),
+            "cfg2": ParallelConfig(cfg_parallel=True),
+        }
     return {
         "dit_methods_rel_vs_serial": guarded(dit_methods, dit),
         "boost_vs_torch": guarded(boost_paths, plans),
         "dap_rel": guarded(dap_path, world),
         "autochunk_rel": guarded(autochunk_path),
         "pipelines_rel_vs_serial": guarded(pipelines_path, pipeline_layout),
+        "wan_video_rel_vs_pipeline": guarded(video_path, video),
     }
 
 
