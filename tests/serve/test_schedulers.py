@@ -62,3 +62,25 @@ def test_one_by_one_and_validation():
         make_scheduler("lifo", BatchLimits())
     with pytest.raises(ValueError, match="needs a cost table"):
         make_scheduler("dp", BatchLimits())
+
+
+def test_every_name_the_command_line_takes_builds_that_scheduler():
+    """`tessera serve --scheduler` offers the names the factory builds (derived from the
+    classes, not a second list): each builds a scheduler of that name, and an unknown one's
+    error lists exactly them."""
+    import argparse
+
+    from tessera.serve.commands import add_serve_parser
+    from tessera.serve.cost import CostTable
+    from tessera.serve.scheduler import NAMES
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_serve_parser(sub, int)
+    serve = sub.choices["serve"]
+    offered = next(a.choices for a in serve._actions if a.dest == "scheduler")
+    assert tuple(offered) == NAMES
+    table = CostTable([8, 16], [1, 2], [[1.0, 1.5], [2.0, 3.0]])
+    for name in offered:
+        assert make_scheduler(name, BatchLimits(), table).name == name
+    with pytest.raises(ValueError, match=f"choose one of {', '.join(NAMES)}$"):
+        make_scheduler("lifo", BatchLimits())

@@ -5,19 +5,19 @@ from __future__ import annotations
 from tessera.serve.dp_scheduler import DPScheduler
 from tessera.serve.model import ServedModel
 from tessera.serve.runner import PaddedRunner, Runner
-from tessera.serve.scheduler import BatchLimits, FifoPadded, OneByOne, Scheduler, SortWindow
+from tessera.serve.scheduler import BASELINES, DP, NAMES, BatchLimits, Scheduler
 from tessera.serve.unpadded import UnpaddedRunner
 
 
 def make_scheduler(name: str, limits: BatchLimits, cost=None) -> Scheduler:
     """A scheduler by name; ``dp`` needs the measured ``cost`` table."""
-    if name == "dp":
+    if name == DP:
         if cost is None:
-            raise ValueError("scheduler 'dp' needs a cost table (measure one with CostTable.measure)")
+            raise ValueError(f"scheduler {DP!r} needs a cost table (measure one with CostTable.measure)")
         return DPScheduler(limits, cost)
-    known = {cls.name: cls for cls in (OneByOne, FifoPadded, SortWindow)}
+    known = {cls.name: cls for cls in BASELINES}
     if name not in known:
-        raise ValueError(f"unknown scheduler {name!r}; choose one of dp, {', '.join(known)}")
+        raise ValueError(f"unknown scheduler {name!r}; choose one of {', '.join(NAMES)}")
     return known[name](limits)
 
 

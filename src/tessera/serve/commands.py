@@ -99,6 +99,8 @@ def make_example_model(directory: str) -> None:
 
 
 def add_serve_parser(sub, positive_int) -> None:
+    from tessera.serve.scheduler import NAMES as SCHEDULER_NAMES  # no torch, no numpy
+
     p = sub.add_parser(
         "serve",
         help="serve a transformers encoder (TEI- and OpenAI-compatible) or a DiT's image generation over HTTP",
@@ -126,7 +128,7 @@ def add_serve_parser(sub, positive_int) -> None:
     p.add_argument(
         "--scheduler",
         default="dp",
-        choices=["dp", "fifo_padded", "sort_window", "one_by_one"],
+        choices=list(SCHEDULER_NAMES),
         help="dp: TurboTransformers' DP over the length-sorted queue; the others are the baselines",
     )
     p.add_argument(

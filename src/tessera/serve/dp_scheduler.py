@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 from tessera.serve.cost import CostTable
 from tessera.serve.request import Request
-from tessera.serve.scheduler import BatchLimits, Scheduler
+from tessera.serve.scheduler import DP, BatchLimits, Scheduler
 
 
 def plan_batches(
@@ -56,8 +56,7 @@ class DPScheduler(Scheduler):
     again next time: arrivals during a batch join the next plan (planning 256 requests
     takes a few milliseconds)."""
 
-    name = "dp"
-    padded = False
+    name = DP
 
     def __init__(self, limits: BatchLimits, cost: CostTable, *, plan_window: int = 512):
         super().__init__(limits)

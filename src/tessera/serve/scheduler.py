@@ -48,11 +48,10 @@ class BatchLimits:
 
 
 class Scheduler(ABC):
-    """Chooses the next batch. ``padded`` says whether the runner it is paired with pads
-    the batch to its longest input (so the metrics can count padding)."""
+    """Chooses the next batch (whether a batch is padded is the runner's to say: its
+    ``padded``, which the engine reads)."""
 
     name: str = "scheduler"
-    padded: bool = True
 
     def __init__(self, limits: BatchLimits):
         self.limits = limits
@@ -72,7 +71,6 @@ class Scheduler(ABC):
 
 class OneByOne(Scheduler):
     name = "one_by_one"
-    padded = False
 
     def schedule(self, waiting: Sequence[Request]) -> list[Request]:
         return [waiting[0]]
@@ -133,3 +131,8 @@ class SortWindow(Scheduler):
         if keep < len(batch):
             self._pending.appendleft(batch[keep:])
         return batch[:keep]
+
+
+DP = "dp"  # tessera.serve.dp_scheduler.DPScheduler's name (that module imports numpy; this one does not)
+BASELINES: tuple[type[Scheduler], ...] = (OneByOne, FifoPadded, SortWindow)
+NAMES = (DP, *(cls.name for cls in BASELINES))  # what --scheduler takes, from the classes

@@ -25,11 +25,11 @@ from tessera.serve.cost import CostTable
 from tessera.serve.engine import Engine
 from tessera.serve.metrics import ServerMetrics
 from tessera.serve.model import check_choice, load_model
-from tessera.serve.scheduler import BatchLimits
+from tessera.serve.scheduler import NAMES, BatchLimits
 from tessera.serve.service import LocalBackend, Service
 
 log = logging.getLogger(__name__)
-SCHEDULERS = ("dp", "fifo_padded", "sort_window", "one_by_one")
+SCHEDULERS = NAMES  # from the scheduler classes
 RUNNERS = ("auto", "unpadded", "padded")
 
 
