@@ -1,22 +1,32 @@
 """Plan before running: the bytes each tier holds, the bytes moved per step and the
 predicted peak of an offloaded ZeRO-3 rank, without touching data.
 
-The model's parameters (a model on the ``meta`` device is enough) are packed into the
-same chunks training makes; the very ``TieredStore`` and policy training uses then run
-over data-less chunks (meta tensors, a disk tier that counts instead of writing) through
-one step's sequence of uses as ``tessera.parallel.zero`` makes them: forward (each master
-shard fetched for its all-gather, with room for the whole chunk), backward (again, then
-its gradient shard made), clipping (every gradient read, then scaled), the step (master,
-gradient, each optimizer state; the gradient dropped). Three steps run: the last one's
-moves are the steady state (the first is the warm-up that records the trace). If a chunk
-cannot be placed, the dry run refuses with the tier, the request and the budget.
+A dry run replays a log of store uses (``TieredStore.record``: register, use, done, the
+compute tier's room for whole chunks, end of step) through the very ``TieredStore`` and
+policy training uses, over data-less chunks (meta tensors, a disk tier that counts instead
+of writing), under the budgets asked about. The log is the engine's own:
+
+- once training has run its warm-up step, the uses that step (and the next) recorded;
+- before training, the uses ``ShardOffload`` makes (the code training runs, over meta
+  tensors, every collective a no-op) when driven in the order ZeRO-3's hooks drive it
+  before they have learned one: forward in chunk order, backward in reverse, each chunk
+  gathered whole, the next ``prefetch`` gathered ahead, its gradient shard made and the
+  chunk freed, then the clipped step chunk by chunk (``ShardOffload.step``; clipping
+  assumed to scale, the case that writes).
+
+Three steps run (the log's steps, its last one repeated): the last one's moves are the
+steady state (the first is the warm-up that records the trace). If a chunk cannot be
+placed, the dry run refuses with the tier, the request and the budget.
 """
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from tessera.memory.chunk import ChunkKind, ChunkState
 from tessera.memory.chunk_manager import ChunkManager
@@ -84,6 +94,7 @@ def dry_run(
     state_tensors: int = 2,
     nonmodel: int = 0,
     segment_of=None,
+    prefetch: int = 0,
 ) -> MemoryReport:
     """One rank's plan (ranks hold equal shards). ``state_tensors``: per-element optimizer
     states per parameter (Adam 2, SGD with momentum 1); ``nonmodel``: bytes of activations
@@ -91,26 +102,26 @@ def dry_run(
     meta_groups = [{"params": [p for p in g["params"] if p.requires_grad]} for g in param_groups]
     manager = ChunkManager(meta_groups, chunk_elems=chunk_elems, align=dp, segment_of=segment_of)
     shard_numels = [cg.chunk.capacity // dp for cg in manager.chunks]
+    whole = [cg.chunk.capacity * 4 for cg in manager.chunks]
     if offload_dir is not None:  # refuses an unwritable or too small directory
         check_dir(offload_dir, (2 + state_tensors) * 4 * sum(shard_numels))
-    return simulate_step(
+    log = engine_log(whole, shard_numels, state_tensors=state_tensors, clip=clip, prefetch=prefetch)
+    return replay(
         manager,
-        [cg.chunk.capacity * 4 for cg in manager.chunks],
+        log,
         shard_numels,
         policy=policy,
         device=device,
         device_memory=device_memory,
         host_memory=host_memory,
         disk=offload_dir is not None,
-        clip=clip,
-        state_tensors=state_tensors,
         nonmodel=nonmodel,
     )
 
 
-def simulate_step(
+def replay(
     manager,
-    whole: list[int],
+    log: list[tuple],
     shard_numels: list[int],
     *,
     policy: str,
@@ -118,15 +129,18 @@ def simulate_step(
     device_memory: int | None,
     host_memory: int | None,
     disk: bool,
-    clip: bool = False,
-    state_tensors: int = 2,
     nonmodel: int = 0,
 ) -> MemoryReport:
-    """Three steps of one rank's uses (``whole``: bytes of each whole chunk; its fp32 shard
-    of ``shard_numels``) through the store and policy training uses, over meta tensors;
-    ``disk``: a disk tier below (counting only). ValueError with the numbers if a use
-    cannot be placed. ``tessera.memory.offload.check_offload`` runs it before set-up."""
-    shards = [torch.empty(n, device="meta") for n in shard_numels]
+    """Run ``log`` (its whole steps, the last one repeated up to three) through a store of
+    these budgets over meta tensors, after registering the fp32 master shards of
+    ``shard_numels`` as training does before its first step; ``disk``: a disk tier below
+    (counting only). A chunk the log registers again in a later step (an optimizer state,
+    a bf16 copy) is used and written instead. ValueError with the numbers if a use cannot
+    be placed. ``tessera.memory.offload.check_offload`` runs it before set-up."""
+    steps = whole_steps(log)
+    if not steps:
+        raise ValueError("the log holds no whole step to replay")
+    steps += [steps[-1]] * (3 - len(steps))
     store = build_store(
         manager,
         policy=policy,
@@ -141,14 +155,14 @@ def simulate_step(
         counting = _CountingDisk.__new__(_CountingDisk)
         Tier.__init__(counting, "disk", None, torch.device("cpu"))  # the space is checked apart
         store.tiers.append(counting)
+    before = {}
     try:
-        for i, s in enumerate(shards):
-            store.register(f"p{i}", ChunkKind.PARAM, s)
+        for i, n in enumerate(shard_numels):
+            store.register(f"p{i}", ChunkKind.PARAM, torch.empty(n, device="meta"))
             store.done(f"p{i}", ChunkState.HOLD)
-        before = {}
-        for step in range(3):
+        for step in steps:
             before = store.moves.snapshot()
-            _step(store, whole, shards, clip, state_tensors, first=step == 0)
+            _run(store, step)
     except TierFull as e:
         raise ValueError(f"nothing fits: {e}") from None
     finally:
@@ -168,46 +182,139 @@ def simulate_step(
         written=moves["written"] - before["written"],
         chunk_peak=store.tiers[0].peak,
         nonmodel=nonmodel,
-        chunks=len(shards),
+        chunks=len(shard_numels),
     )
 
 
-def _step(store, whole, shards, clip, state_tensors, *, first):
-    n = len(shards)
+def whole_steps(log: list[tuple]) -> list[list[tuple]]:
+    """The log cut after each end of step (a step still being recorded is left out)."""
+    steps, current = [], []
+    for entry in log:
+        current.append(entry)
+        if entry[0] == "end_step":
+            steps.append(current)
+            current = []
+    return steps
 
-    def gathered(i, after):
-        store.reserve_compute(whole[i], f"whole chunk {i} for compute")
-        store.use(f"p{i}")
-        store.done(f"p{i}", after)
-        store.release_compute(whole[i])
 
-    for i in range(n):
-        gathered(i, ChunkState.HOLD_AFTER_FWD)
-    for i in reversed(range(n)):
-        store.reserve_compute(whole[i], f"whole chunk {i} for compute")
-        store.use(f"p{i}")
-        store.done(f"p{i}", ChunkState.HOLD_AFTER_BWD)
-        store.register(f"g{i}", ChunkKind.GRAD, torch.empty_like(shards[i]))
-        store.done(f"g{i}", ChunkState.HOLD_AFTER_BWD)
-        store.release_compute(whole[i])
-    for rounds in range(2 if clip else 0):
-        for i in range(n):
-            store.use(f"g{i}", write=rounds == 1)
-            store.done(f"g{i}", ChunkState.HOLD_AFTER_BWD)
-    for i in range(n):
-        store.use(f"p{i}", write=True)
-        store.use(f"g{i}")
-        keys = [f"s{i}.{k}" for k in range(state_tensors)]
-        for key in keys:
-            if first:
-                store.register(key, ChunkKind.OPTIM, torch.empty_like(shards[i]))
-            else:
+def _run(store, step: list[tuple]) -> None:
+    reserved: Counter[int] = Counter()  # room the log asked for: a release without one is left out
+    for op, *args in step:
+        if op == "register":
+            key, kind, numel, dtype = args
+            if key in store.chunks:
                 store.use(key, write=True)
-        store.done(f"p{i}", ChunkState.HOLD)
-        store.done(f"g{i}", ChunkState.RELEASED)
-        for key in keys:
-            store.done(key, ChunkState.HOLD)
-    store.end_step()
+            else:
+                store.register(key, kind, torch.empty(numel, dtype=dtype, device="meta"))
+        elif op == "use":
+            key, write, fresh = args
+            store.use(key, write=write, fresh=fresh)
+        elif op == "done":
+            store.done(*args)
+        elif op == "reserve":
+            store.reserve_compute(*args)
+            reserved[args[0]] += 1
+        elif op == "release":
+            if reserved[args[0]]:  # a chunk left whole before the log began (gather_all) is not
+                reserved[args[0]] -= 1
+                store.release_compute(args[0])
+        else:
+            store.end_step()
+
+
+def engine_log(
+    whole: list[int],
+    shard_numels: list[int],
+    *,
+    state_tensors: int,
+    clip: bool,
+    prefetch: int,
+    steps: int = 2,
+) -> list[tuple]:
+    """The store uses of ``steps`` training steps of one rank's offloaded ZeRO-3 chunks
+    (``whole``: bytes of each whole fp32 chunk, ``shard_numels``: its shard), made by
+    ``ShardOffload`` itself over meta tensors in the order the module doc gives."""
+    from tessera.memory.offload import ShardOffload
+
+    class DryOffload(ShardOffload):
+        def _norm(self, total):  # a meta tensor has no value: clipping assumed to scale
+            return math.inf
+
+    shards = [nn.Parameter(torch.empty(n, device="meta")) for n in shard_numels]
+    store = build_store(
+        ChunkManager([], chunk_elems=1, align=1),
+        policy="static",
+        device=torch.device("cpu"),
+        device_memory=None,
+        host_memory=None,  # unbounded: the uses do not depend on the budgets
+        offload_dir=None,
+        rank=0,
+        disk_need=0,
+    )
+    offload = DryOffload(store, _StatesOnly(shards, state_tensors), shards)
+    offload.whole = list(whole)
+    buffers = [torch.empty(w // 4, device="meta") for w in whole]
+    store.record(steps)
+    try:
+        for step in range(steps):
+            n = len(shards)
+            # the first forward gathers each chunk where it is used (no order learned yet)
+            _drive(offload, buffers, list(range(n)), ChunkState.HOLD_AFTER_FWD, prefetch if step else 0)
+            _drive(offload, buffers, list(reversed(range(n))), ChunkState.HOLD_AFTER_BWD, prefetch)
+            offload.step(_NoComm(), "dp", 1.0 if clip else None, torch.device("meta"))
+    finally:
+        store.pool.shutdown(wait=True)
+    return store.log
+
+
+def _drive(offload, buffers, order: list[int], after: ChunkState, ahead: int) -> None:
+    """One pass of ZeRO-3's hooks over the chunks in ``order``: each gathered whole (unless
+    prefetched), the next ``ahead`` gathered meanwhile, freed after use; in backward (after
+    HOLD_AFTER_BWD) its gradient shard made first."""
+    comm, in_flight = _NoComm(), {}
+    for k, i in enumerate(order):
+        finish = in_flight.pop(i, None)
+        if finish is not None:
+            finish()
+        else:
+            offload.reserve(i)
+            offload.gather_into(buffers[i], i, after, comm, "dp")
+        for j in order[k + 1 : k + 1 + ahead]:
+            if j not in in_flight:
+                offload.reserve(j)
+                in_flight[j] = offload.gather_into(buffers[j], j, after, comm, "dp", async_op=True)
+        if after is ChunkState.HOLD_AFTER_BWD:
+            offload.reduced_into(i, lambda out: None)
+        offload.release(i)
+
+
+class _NoComm:
+    """Collectives that move nothing (the dry run's chunks have no data)."""
+
+    def all_gather_into(self, out, shard, axis, async_op=False):
+        return _Done() if async_op else None
+
+    def all_reduce(self, tensor, axis, op="sum"):
+        pass
+
+
+class _Done:
+    def wait(self):
+        pass
+
+
+class _StatesOnly:
+    """What the dry run needs of an elementwise optimizer: per stepped parameter,
+    ``state_tensors`` states of its shape, made by its first step."""
+
+    def __init__(self, params: list[nn.Parameter], state_tensors: int):
+        self.params, self.state_tensors = params, state_tensors
+        self.state: dict = {}
+
+    def step(self):
+        for p in self.params:
+            if p.grad is not None and p not in self.state:
+                self.state[p] = {f"state{k}": torch.empty_like(p) for k in range(self.state_tensors)}
 
 
 def estimate_gpt2_activations(

@@ -51,6 +51,14 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> int:
     return 2
 
 
+def _bf16_autocast(kind: str) -> bool:
+    """Whether forward runs under bf16 autocast on this device type (never on ``meta``,
+    the dry run's, which autocast does not know)."""
+    if kind == "meta":
+        return False
+    return torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -79,13 +87,13 @@ def _check_in_flight(name: str, budget: int | None, whole: list[int], shard_byte
         )
 
 
-def _dry_run(manager, whole, numels, *, budget_name: str, **settings) -> None:
-    """``simulate_step`` (``tessera.memory.dry_run``) over meta tensors; a refusal names the
-    compute tier's budget."""
-    from tessera.memory.dry_run import simulate_step
+def _dry_run(manager, log, numels, *, budget_name: str, **settings) -> None:
+    """``replay`` (``tessera.memory.dry_run``) of the store uses ``log`` over meta tensors; a
+    refusal names the compute tier's budget."""
+    from tessera.memory.dry_run import replay
 
     try:
-        simulate_step(manager, whole, numels, **settings)
+        replay(manager, log, numels, **settings)
     except ValueError as e:
         budget = settings[budget_name]
         raise ValueError(f"Plan.{budget_name}={budget} refused before training (dry run): {e}") from None
@@ -117,10 +125,12 @@ def check_offload(
     _check_need(name, budget, _need(whole, shard_bytes))
     _check_in_flight(name, budget, whole, shard_bytes, prefetch)
     check_device_memory(device, device_memory)
+    from tessera.memory.dry_run import engine_log
+
+    log = engine_log(whole, numels, state_tensors=_state_tensors(optimizer), clip=False, prefetch=prefetch)
     _dry_run(
-        manager, whole, numels, policy=policy, device=device, device_memory=device_memory,
-        host_memory=host_memory, disk=offload_dir is not None, state_tensors=_state_tensors(optimizer),
-        budget_name=name,
+        manager, log, numels, policy=policy, device=device, device_memory=device_memory,
+        host_memory=host_memory, disk=offload_dir is not None, budget_name=name,
     )  # fmt: skip
     if offload_dir is not None:  # last: a refused budget leaves no directory behind
         check_dir(Path(offload_dir) / f"rank{rank}", 4 * sum(shard_bytes))
@@ -129,6 +139,7 @@ def check_offload(
 class ShardOffload:
     def __init__(self, store: TieredStore, optimizer: torch.optim.Optimizer, shards: list):
         self.store, self.optimizer, self.shards = store, optimizer, shards
+        self.whole: list[int] = []  # bytes of each whole chunk (set by create())
         self.state_keys: list[dict[str, str]] = [{} for _ in shards]
         self.need, self.budget_name = 0, "host_memory"  # set by create(), with layout and policy
         self.in_flight: tuple[list[int], list[int], int] = ([], [], 0)  # whole, shard bytes, prefetch
@@ -138,6 +149,14 @@ class ShardOffload:
             store.done(f"p{i}", ChunkState.HOLD)
 
     # ---- forward and backward ---------------------------------------------------------------
+    def reserve(self, i: int) -> None:
+        """Room for whole chunk ``i`` on the compute tier (before it is gathered into)."""
+        self.store.reserve_compute(self.whole[i], f"whole chunk {i} for compute")
+
+    def release(self, i: int) -> None:
+        """Whole chunk ``i`` freed after its last use: its room back."""
+        self.store.release_compute(self.whole[i])
+
     @contextlib.contextmanager
     def master(self, i: int, after: ChunkState):
         """Chunk ``i``'s master shard on the compute tier for an all-gather."""
@@ -159,8 +178,7 @@ class ShardOffload:
         it (the shard, or its copy, stays in use on the compute tier until then, and the bf16
         staging is widened into ``buffer`` then); None otherwise."""
         if after is ChunkState.HOLD_AFTER_FWD:  # gather_all (export, saving) is never autocast
-            kind = buffer.device.type
-            self.low = torch.is_autocast_enabled(kind) and torch.get_autocast_dtype(kind) == torch.bfloat16
+            self.low = _bf16_autocast(buffer.device.type)
         if not self.low:
             shard = self.store.use(f"p{i}")
             work = comm.all_gather_into(buffer, shard, axis, async_op=async_op)
@@ -295,24 +313,34 @@ class ShardOffload:
         shard_bytes = [_nbytes(s) for s in shards]
         store = build_store(manager, device=device, rank=rank, disk_need=4 * sum(shard_bytes), **settings)
         offload = cls(store, optimizer, shards)
-        offload.need = _need([_nbytes(w) for w in whole], shard_bytes)
+        offload.whole = [_nbytes(w) for w in whole]
+        offload.need = _need(offload.whole, shard_bytes)
         offload.in_flight = [_nbytes(w) for w in whole], shard_bytes, prefetch
         offload.budget_name = name
         offload.layout = [_nbytes(w) for w in whole], [s.numel() for s in shards], _state_tensors(optimizer)
         offload.policy = settings["policy"]
         store.measure(True)  # the warm-up step: checked by check_warmup before its optimizer step
+        store.record(2)  # the warm-up step and the next: the uses the dry run replays from then on
         return offload
 
     def check_plan(self, budget: int | None) -> None:
-        """The dry run of one step over this rank's real chunks under ``budget`` on the
-        compute tier (the other tiers as they are)."""
+        """The dry run over this rank's real chunks under ``budget`` on the compute tier
+        (the other tiers as they are): a replay of the uses the steps so far recorded
+        (``TieredStore.record``), or, before the first step has ended, of the uses
+        ``engine_log`` makes in chunk order."""
+        from tessera.memory.dry_run import engine_log, whole_steps
+
         whole, numels, states = self.layout
+        log = self.store.log
+        if not whole_steps(log):
+            _, _, prefetch = self.in_flight
+            log = engine_log(whole, numels, state_tensors=states, clip=False, prefetch=prefetch)
         tiers = {t.name: t.budget for t in self.store.tiers}
         tiers[self.store.tiers[0].name] = budget
         _dry_run(
-            self.store.manager, whole, numels, policy=self.policy, device=self.store.tiers[0].device,
+            self.store.manager, log, numels, policy=self.policy, device=self.store.tiers[0].device,
             device_memory=tiers.get("device"), host_memory=tiers.get("host"),
-            disk=self.store.disk is not None, state_tensors=states, budget_name=self.budget_name,
+            disk=self.store.disk is not None, budget_name=self.budget_name,
         )  # fmt: skip
 
     def check_warmup(self) -> None:
@@ -355,7 +383,7 @@ class ShardOffload:
             for i in range(n):
                 total += self.grad_sq_sum(i)
             comm.all_reduce(total, axis)
-            norm = float(total.sqrt())
+            norm = self._norm(total)
             scale = clip_coefficient(norm, max_grad_norm)
             if scale is not None:
                 for i in range(n):
@@ -364,6 +392,10 @@ class ShardOffload:
             self.step_chunk(i)
         self.store.end_step()
         return norm
+
+    @staticmethod
+    def _norm(total: torch.Tensor) -> float:
+        return float(total.sqrt())
 
     def moved(self) -> dict:
         return self.store.moves.snapshot()

@@ -73,6 +73,17 @@ class TieredStore:
     def __post_init__(self):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tessera-prefetch")
         self.compute_bytes = 0  # whole chunks gathered for compute (reserved, not movable)
+        self.log: list[tuple] = []  # the uses of the steps recorded (``record``), in order
+        self.recording = 0  # steps still to record
+
+    def record(self, steps: int) -> None:
+        """Log every use of the next ``steps`` steps (the engine's own order of uses, which
+        ``tessera.memory.dry_run.replay`` runs again under other budgets)."""
+        self.log, self.recording = [], steps
+
+    def _note(self, *entry) -> None:
+        if self.recording:
+            self.log.append(entry)
 
     @property
     def disk(self) -> DiskTier | None:
@@ -83,6 +94,7 @@ class TieredStore:
         """A new chunk whose data ``tensor`` holds now, on the compute tier, in use."""
         assert key not in self.chunks, key
         nbytes = tensor.numel() * tensor.element_size()
+        self._note("register", key, kind, tensor.numel(), tensor.dtype)
         chunk = TieredChunk(key, kind, tensor, nbytes)
         self._make_room(0, nbytes, keep=chunk, what=repr(chunk))
         self.tiers[0].reserve(nbytes, repr(chunk))
@@ -94,6 +106,7 @@ class TieredStore:
     def use(self, key: str, *, write: bool = False, fresh: bool = False) -> torch.Tensor:
         """The chunk's tensor, on the compute tier; ``fresh``: the caller overwrites all of
         it, so a chunk off the tier gets its room back without being read."""
+        self._note("use", key, write, fresh)
         chunk = self.chunks[key]
         self.policy.on_use(key, self._nonmodel())
         self._fetch(chunk, read=not fresh)
@@ -105,6 +118,7 @@ class TieredStore:
         return chunk.tensor
 
     def done(self, key: str, state: ChunkState) -> None:
+        self._note("done", key, state)
         chunk = self.chunks[key]
         self.manager.transition(chunk, state)
         if state is ChunkState.RELEASED:
@@ -114,15 +128,19 @@ class TieredStore:
 
     def reserve_compute(self, nbytes: int, what: str) -> None:
         """Room for a whole chunk gathered for compute (not movable until freed)."""
+        self._note("reserve", nbytes, what)
         self._make_room(0, nbytes, keep=None, what=what)
         self.tiers[0].reserve(nbytes, what)
         self.compute_bytes += nbytes
 
     def release_compute(self, nbytes: int) -> None:
+        self._note("release", nbytes)
         self.tiers[0].release(nbytes)
         self.compute_bytes -= nbytes
 
     def end_step(self) -> None:
+        self._note("end_step")
+        self.recording = max(0, self.recording - 1)
         self.policy.end_step()
 
     # ---- moving -----------------------------------------------------------------------------
@@ -322,12 +340,14 @@ class TieredStore:
 
     @contextlib.contextmanager
     def unbounded(self):
-        """The compute tier's budget suspended meanwhile (whole-model access)."""
+        """The compute tier's budget suspended meanwhile (whole-model access, not a step's
+        uses: not recorded)."""
         budget, self.tiers[0].budget = self.tiers[0].budget, None
+        recording, self.recording = self.recording, 0
         try:
             yield
         finally:
-            self.tiers[0].budget = budget
+            self.tiers[0].budget, self.recording = budget, recording
 
     def set_budget(self, nbytes: int) -> None:
         """A new budget for the compute tier (e.g. once the warm-up measured what else lives

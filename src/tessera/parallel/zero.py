@@ -68,6 +68,7 @@ from tessera.memory.chunk_manager import local as _local
 from tessera.memory.clip import clip_coefficient
 from tessera.memory.offload import ShardOffload, check_offload
 from tessera.parallel.zero_overlap import InFlight, install_stage3_hooks
+from tessera.parallel.zero_placement import InMemory, Offloaded
 from tessera.runtime import Mesh
 from tessera.runtime.comm import Comm
 
@@ -183,6 +184,7 @@ class ZeroEngine:
             optimizer.state.clear()  # any state it held is loaded again by tessera.boost
         self.optimizer = optimizer
         self.offload = None  # tessera.memory.offload.ShardOffload, when chunks are tiered
+        self.placement = InMemory(self)  # where chunks are kept (zero_placement): Offloaded when tiered
         if stage.parameters:
             for cg in self.groups:
                 cg.bind()
@@ -197,20 +199,10 @@ class ZeroEngine:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     # ---- gradients -------------------------------------------------------------------------
-    @contextlib.contextmanager
     def no_sync(self):
         """Backward passes inside accumulate gradients locally (earlier micro-batches);
         offloaded, each is reduced into the gradient chunks (whole ones would not fit)."""
-        if self.offload is not None:
-            yield
-            self.finish_backward()
-            self._new_round()
-            return
-        self.sync = False
-        try:
-            yield
-        finally:
-            self.sync = True
+        return self.placement.no_sync()
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         if not self.sync:
@@ -253,25 +245,8 @@ class ZeroEngine:
             flat.div_(self.dp)  # over dp, expert chunks too (see the module doc)
             cg.write_grads(flat, [bool(h) for h in had])
             self.grad_shard[cg] = flat[lo:hi].clone()
-        elif self.offload is not None:
-
-            def reduce(out):
-                self.comm.reduce_scatter_into(out, flat, self.axis)
-                out.div_(self.dp)
-
-            self.offload.reduced_into(self.groups.index(cg), reduce)
-            for p in cg.params:
-                p.grad = None
-            self._release(cg)
         else:
-            shard = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
-            self.grad_shard[cg] = shard  # averaged once the reduce-scatter is waited for
-            if self.inflight.prefetch:  # flat stays alive in the closure until the wait
-                work = span.comm.reduce_scatter_into(shard, flat, span.axis, async_op=True)
-                self.inflight.add_reduce(work, lambda shard=shard, flat=flat: shard.div_(self.dp))
-            else:
-                span.comm.reduce_scatter_into(shard, flat, span.axis)
-                shard.div_(self.dp)
+            self.placement.reduce_scatter(cg, flat)
             for p in cg.params:
                 p.grad = None
             if self.stage.parameters:
@@ -294,22 +269,14 @@ class ZeroEngine:
             if wait:
                 self.inflight.finish_gather(cg)  # a prefetched chunk: its all-gather done
             return
-        i = self.groups.index(cg)
-        if self.offload is not None:
-            self.offload.store.reserve_compute(cg.chunk.buffer.nbytes, f"whole chunk {i} for compute")
+        self.placement.reserve(cg)
         buffer = cg.restore()
         self.manager.transition(cg, ChunkState.COMPUTE)
         # the version counter as it is now, set back once the data has landed: gloo may write
         # an asynchronous result into ``buffer`` (an in-place copy) on its own thread, later
         keep = torch.autograd._unsafe_preserve_version_counter(buffer)
-        with torch.no_grad(), keep:
-            if self.offload is not None:  # from the master shards or, at bf16, their copies
-                finish = self.offload.gather_into(buffer, i, after, self.comm, self.axis, async_op=not wait)
-            else:
-                work = self.span[cg].comm.all_gather_into(
-                    buffer, shard, self.span[cg].axis, async_op=not wait
-                )
-                finish = None if wait else work.wait
+        with torch.no_grad(), keep:  # offloaded: from the master shards or, at bf16, their copies
+            finish = self.placement.gather(cg, buffer, shard, after, wait=wait)
         if not wait:
 
             def done():
@@ -324,8 +291,7 @@ class ZeroEngine:
         self.inflight.finish_gather(cg)  # a prefetched chunk's all-gather lands first
         cg.free()
         self.manager.transition(cg, ChunkState.RELEASED)
-        if self.offload is not None:
-            self.offload.store.release_compute(cg.chunk.buffer.nbytes)
+        self.placement.release(cg)
 
     def finish_backward(self) -> None:
         """Reduce chunks some of whose parameters got no gradient this step (unused ones),
@@ -382,35 +348,12 @@ class ZeroEngine:
         LossScaler``) unscale and agree on overflow, clip, and step unless skipped.
         Returns (gradient norm if clipping, whether the step was skipped)."""
         self.finish_backward()
-        if self.offload is not None:
-            return self._offloaded_step(), False
-        found_inf = None
-        if loss_scaler is not None:
-            found_inf = loss_scaler.unscale_(self.reduced_grads())
-            self.comm.all_reduce(found_inf, self.axis, op="max")  # shards differ over dp
-            if self.tp_axis is not None:
-                self.comm.all_reduce(found_inf, self.tp_axis, op="max")
-        skipped = found_inf is not None and bool(found_inf.item() > 0)
-        norm = None
-        if not skipped:
-            norm = self._clip()
-            self._optimizer_step()
-        self._new_round()
-        self.grad_shard.clear()
-        if loss_scaler is not None:
-            loss_scaler.update(found_inf)
-        return norm, skipped
+        return self.placement.step(loss_scaler)
 
-    def _new_round(self) -> None:
+    def new_round(self) -> None:
         for cg in self.groups:
             self.pending[cg], self.reduced[cg] = self.expected[cg], False
         self.seen.clear()
-
-    def _offloaded_step(self) -> float | None:
-        try:
-            return self.offload.step(self.comm, self.axis, self.max_grad_norm, self.mesh.device)
-        finally:
-            self._new_round()
 
     def _start_offload(self, settings: dict) -> None:
         whole = [cg.chunk.buffer for cg in self.groups]
@@ -419,14 +362,13 @@ class ZeroEngine:
             self.manager, self.optimizer, self.shards, whole, device=device, rank=rank,
             prefetch=self.inflight.prefetch, **settings,
         )  # fmt: skip
+        self.placement = Offloaded(self, self.offload)
 
-    @contextlib.contextmanager
     def resident(self):
         """Offloaded: every chunk in fast memory meanwhile (checkpoint save and load)."""
-        with self.offload.resident() if self.offload is not None else contextlib.nullcontext():
-            yield
+        return self.placement.resident()
 
-    def _clip(self) -> float | None:
+    def clip(self) -> float | None:
         if self.max_grad_norm is None:
             return None
         norm = float(self.grad_norm())
@@ -436,7 +378,7 @@ class ZeroEngine:
                 g.mul_(scale)
         return norm
 
-    def _optimizer_step(self) -> None:
+    def optimizer_step(self) -> None:
         if self.stage.states:
             for cg, shard in zip(self.groups, self.shards, strict=True):
                 shard.grad = self.grad_shard[cg]
@@ -502,7 +444,7 @@ class ZeroEngine:
     def gather_all(self) -> None:
         """Stage 3: every parameter whole (evaluation, saving); offloaded, past the budget
         until the next forward empties them (``start_of_forward``)."""
-        with self.offload.store.unbounded() if self.offload is not None else contextlib.nullcontext():
+        with self.placement.unbounded():
             for cg, shard in zip(self.groups, self.shards, strict=True):
                 self.gather(cg, shard.detach())
 
