@@ -60,8 +60,13 @@ def _add_fdia_parser(sub, positive_int, bench) -> None:
             q.add_argument("--audio-seconds", type=float, default=30.0, help="length of the WAV clip")
         else:
             q.add_argument(
-                "--listen-s", type=float, default=60.0, help="seconds recorded per 10-min night interval"
+                "--listen-s",
+                type=float,
+                default=600.0,
+                help="seconds recorded per 10-min night interval (default 600: all of it, as the bench; "
+                "at 60 the sound hears a tenth of the zaps and misses attacks that keep the counts' statistics)",
             )
+            q.add_argument("--workers", type=positive_int, default=2, help="processes listening to the audio")
             q.add_argument("--audio", help="a mono 16-bit 16 kHz WAV: count its zaps instead")
             q.add_argument("--plot", help="with --audio: write its spectrogram with the zaps marked here")
         q.set_defaults(handler=lambda args: cmd_fdia(args, bench))

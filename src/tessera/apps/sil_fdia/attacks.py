@@ -11,6 +11,14 @@ lamp's own per-slot means learned from the reports before the attack (the counts
 their statistics), with the grid's mean voltage and dips forged to agree with them using
 the relation the attacker fitted on the same history. Count attacks change only intervals
 in which the lamp reports itself on (``daytime``: off).
+
+One attacker also forges the sound: ``replay_audio`` switches the target lamp's grid off
+(it kills nothing: sabotage), forwards every field from ``source_days`` earlier as
+``replay`` does, and plays the zaps recorded at the lamp those days earlier, at the same
+clock time, from a loudspeaker beside it; the microphone hears those zaps over tonight's
+background and none of tonight's (``forged_zaps``). The loudspeaker is taken as perfect
+(the zaps themselves, without the recording's own background or a speaker's colouring):
+the attacker's best case.
 """
 
 from __future__ import annotations
@@ -21,9 +29,10 @@ import numpy as np
 
 from tessera.apps.sil_fdia.simulate import Deployment
 
-KINDS = ("scale", "additive", "replay", "constant", "zero", "daytime", "battery", "stealthy")
+KINDS = ("scale", "additive", "replay", "constant", "zero", "daytime", "battery", "stealthy", "replay_audio")
+AUDIO_KINDS = ("replay_audio",)  # the attacks that also change what the microphone hears
 DEFAULTS = {"scale": 1.5, "additive": 5.0, "replay": 1.0, "constant": None, "zero": None, "daytime": 5.0,
-            "battery": 12.7, "stealthy": None}  # fmt: skip
+            "battery": 12.7, "stealthy": None, "replay_audio": 1.0}  # fmt: skip
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,13 +112,32 @@ def _additive(dep, tel, lamp, window, attack, rng):
     tel["kills"][lamp, idx] = np.maximum(0.0, tel["kills"][lamp, idx] + np.rint(attack.value))
 
 
-def _replay(dep, tel, lamp, window, attack, rng):
+def _shift(dep: Deployment, attack: Attack, window: slice) -> int:
     shift = int(round(attack.value * dep.config.intervals_per_day))
     if not 0 < shift <= window.start:
         raise ValueError(
             f"replay of {attack.value:g} day(s) earlier needs the attack to start at least that long after 0 h "
             f"(it starts at {attack.start_h} h)"
         )
+    return shift
+
+
+def forged_zaps(dep: Deployment, attack: Attack) -> dict[tuple[int, int], np.ndarray]:
+    """(lamp, interval) -> the zap times (s into the interval) the microphone hears instead of
+    the lamp's own, for every interval of the window on every target; empty for an attack
+    that leaves the sound alone. ``replay_audio``: the lamp's own zaps of ``source_days``
+    earlier in the same slot (its grid is off: tonight it kills nothing)."""
+    if attack.kind not in AUDIO_KINDS:
+        return {}
+    check_lamps(dep, attack.lamps)
+    window = _window(dep, attack)
+    shift = _shift(dep, attack, window)
+    return {(lamp, k): dep.kill_times[lamp][k - shift].copy()
+            for lamp in attack.lamps for k in range(window.start, window.stop)}  # fmt: skip
+
+
+def _replay(dep, tel, lamp, window, attack, rng):
+    shift = _shift(dep, attack, window)
     for key in tel:
         tel[key][lamp, window] = dep.telemetry[key][lamp, window.start - shift : window.stop - shift]
 
@@ -158,4 +186,5 @@ def _stealthy(dep, tel, lamp, window, attack, rng):
 
 
 _ATTACKERS = {"scale": _scale, "additive": _additive, "replay": _replay, "constant": _constant, "zero": _zero,
-              "daytime": _daytime, "battery": _battery, "stealthy": _stealthy}  # fmt: skip
+              "daytime": _daytime, "battery": _battery, "stealthy": _stealthy,
+              "replay_audio": _replay}  # fmt: skip

@@ -102,45 +102,95 @@ def detect_audio(path: str, plot: str | None) -> str:
     )
 
 
+# the `tessera fdia detect` example docs/fdia.md shows (its --out aside): the bench runs it
+DOCUMENTED_DETECT = [
+    "fdia",
+    "detect",
+    "--attack",
+    "stealthy",
+    "--start-h",
+    "80",
+    "--end-h",
+    "86",
+    "--targets",
+    "1",
+]
+# the detector's day plan of `tessera fdia detect`: days 0-1 fit the telemetry's constants,
+# day 2 its clean scores, day 3 (hours 72-96) is the test day the attack must fall in
+DETECT_DAYS = {"train_days": 2, "calib_days": 1, "test_days": 1}
+TEST_HOURS = (72.0, 96.0)
+
+
+def detect_plan(args):
+    """The ExperimentPlan `tessera fdia detect` runs: the bench's listening and SNR unless
+    the flags say otherwise, two 1-lamp nights of other seeds for the sound's calibration."""
+    from tessera.apps.sil_fdia.experiment import ExperimentPlan
+
+    return ExperimentPlan(num_lamps=args.lamps, **DETECT_DAYS, seed=args.seed, snr_db=args.snr_db,
+                          listen_night_s=args.listen_s, listen_day_s=10.0, scenarios_per_kind=1, targets=1,
+                          workers=args.workers, sound_seeds=(args.seed + 101, args.seed + 102),
+                          sound_nights=1)  # fmt: skip
+
+
+def detect_attack(args) -> Attack:
+    if not args.attack:
+        raise ValueError("fdia detect needs --attack KIND (or --audio FILE.wav)")
+    if not (TEST_HOURS[0] <= args.start_h < args.end_h <= TEST_HOURS[1]):
+        raise ValueError(
+            f"attack window {args.start_h} h to {args.end_h} h is outside the test day {TEST_HOURS[0]:g} h to "
+            f"{TEST_HOURS[1]:g} h (days 0-1 fit the telemetry's constants, day 2 its clean scores)"
+        )
+    return Attack(kind=args.attack, start_h=args.start_h, end_h=args.end_h, lamps=parse_lamps(args.targets),
+                  magnitude=args.magnitude, seed=args.seed)  # fmt: skip
+
+
+def run_detect(plan, attack: Attack, ctx=None) -> dict:
+    """Fit the detectors on the plan's clean days, score ``attack`` on its test day:
+    {"context", "scenario", "scores", "thresholds", "auc": {detector: AUC},
+    "first_alarm_min": {detector: minutes, inf when none}}. ``ctx``: a context built for
+    ``plan`` already (the tests pass one with a synthetic recorder)."""
+    from tessera.apps.sil_fdia.detectors import DETECTORS, auc, delays_min, fit_detectors, scenario
+    from tessera.apps.sil_fdia.experiment import build_context
+
+    ctx = ctx or build_context(plan)
+    check_lamps(ctx.dep, attack.lamps)
+    per_day = ctx.dep.config.intervals_per_day
+    fit_end = plan.train_days + plan.calib_days
+    models = fit_detectors(ctx, slice(plan.train_days * per_day, fit_end * per_day), plan.false_alarm_rate)
+    sc = scenario(ctx, attack, slice(fit_end * per_day, (fit_end + plan.test_days) * per_day))
+    scores = models.score(sc["x"])
+    out = {"context": ctx, "scenario": sc, "scores": scores, "thresholds": models.thresholds, "auc": {},
+           "first_alarm_min": {}}  # fmt: skip
+    for n in DETECTORS:
+        delay = delays_min(sc, scores[n], models.thresholds[n], ctx.dep.config.interval_s)
+        out["auc"][n] = auc([scores[n]], [sc["y"]])
+        out["first_alarm_min"][n] = delay[0] if delay else float("nan")
+    return out
+
+
 def detect_command(args) -> str:
     """Fit the detectors on a small deployment's clean days and score the given attack on its test day."""
     if args.audio:
         return detect_audio(args.audio, args.plot)
-    from tessera.apps.sil_fdia.detectors import DETECTORS, auc, delays_min, fit_detectors, scenario
-    from tessera.apps.sil_fdia.experiment import ExperimentPlan, build_context
     from tessera.apps.sil_fdia.plots import plot_telemetry
 
-    if not args.attack:
-        raise ValueError("fdia detect needs --attack KIND (or --audio FILE.wav)")
-    plan = ExperimentPlan(num_lamps=args.lamps, train_days=2, calib_days=1, test_days=1, seed=args.seed,
-                          snr_db=args.snr_db, listen_night_s=args.listen_s, listen_day_s=10.0, scenarios_per_kind=1,
-                          targets=1, workers=1, sound_seeds=(args.seed + 101, args.seed + 102),
-                          sound_nights=1)  # fmt: skip
-    test_h = (24.0 * 3, 24.0 * 4)
-    if not (test_h[0] <= args.start_h < args.end_h <= test_h[1]):
-        raise ValueError(
-            f"attack window {args.start_h} h to {args.end_h} h is outside the test day {test_h[0]:g} h to {test_h[1]:g} h "
-            "(days 0-1 fit the telemetry's constants, day 2 its clean scores)"
-        )
-    attack = Attack(kind=args.attack, start_h=args.start_h, end_h=args.end_h, lamps=parse_lamps(args.targets),
-                    magnitude=args.magnitude, seed=args.seed)  # fmt: skip
-    ctx = build_context(plan)
-    check_lamps(ctx.dep, attack.lamps)
-    per_day = ctx.dep.config.intervals_per_day
-    models = fit_detectors(ctx, slice(2 * per_day, 3 * per_day), plan.false_alarm_rate)
-    test_span = slice(3 * per_day, 4 * per_day)
-    sc = scenario(ctx, attack, test_span)
-    scores = models.score(sc["x"])
+    attack = detect_attack(args)
+    res = run_detect(detect_plan(args), attack)
+    ctx = res["context"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tel, changed = apply_attack(ctx.dep, attack)
     plot_telemetry(
-        ctx.dep, tel, changed, attack.lamps[0], out / "detect.png", scores, (attack.start_h, attack.end_h)
+        ctx.dep,
+        tel,
+        changed,
+        attack.lamps[0],
+        out / "detect.png",
+        res["scores"],
+        (attack.start_h, attack.end_h),
     )
-    parts = []
-    for n in DETECTORS:
-        delay = delays_min(sc, scores[n], models.thresholds[n], ctx.dep.config.interval_s)
-        parts.append(
-            f"{n} AUC {auc([scores[n]], [sc['y']]):.3f}, first alarm after {delay[0] if delay else float('nan'):g} min"
-        )
+    parts = [
+        f"{n} AUC {res['auc'][n]:.3f}, first alarm after {res['first_alarm_min'][n]:g} min"
+        for n in res["auc"]
+    ]
     return f"{attack.kind} on lamps {attack.lamps}: " + "; ".join(parts) + f"; wrote {out / 'detect.png'}"

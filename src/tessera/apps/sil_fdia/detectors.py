@@ -27,12 +27,13 @@ pairing of the two (their clean evidence is independent).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 from sklearn.metrics import roc_auc_score
 
-from tessera.apps.sil_fdia.attacks import Attack, apply_attack
+from tessera.apps.sil_fdia.attacks import Attack, apply_attack, forged_zaps
 from tessera.apps.sil_fdia.simulate import Deployment
 from tessera.apps.sil_fdia.sound import Heard, Listening, SoundCalibration, sound_z
 from tessera.apps.sil_fdia.telemetry_detect import (
@@ -64,13 +65,17 @@ class Context:
     listen: Listening
     sound: SoundCalibration  # fitted on the calibration deployments' clean nights
     pool: list[tuple[Deployment, Heard]] = field(default_factory=list)  # those deployments
+    # (dep, heard, forged) -> heard with the forged intervals listened to again (an attack
+    # that forges the sound: attacks.forged_zaps); None: no attack may forge it
+    rehear: Callable[[Deployment, Heard, dict], Heard] | None = None
 
 
-def inputs(ctx: Context, tel: dict) -> dict[str, np.ndarray]:
-    """ "telemetry": (lamps, intervals, features); "sound": (lamps, intervals) z."""
+def inputs(ctx: Context, tel: dict, heard: Heard | None = None) -> dict[str, np.ndarray]:
+    """ "telemetry": (lamps, intervals, features); "sound": (lamps, intervals) z, from
+    ``heard`` (default: what the recorder heard with no attack on the sound)."""
     return {
         "telemetry": telemetry_features(ctx.dep, tel, ctx.calib),
-        "sound": sound_z(ctx.dep, tel, ctx.heard, ctx.listen, ctx.sound),
+        "sound": sound_z(ctx.dep, tel, ctx.heard if heard is None else heard, ctx.listen, ctx.sound),
     }
 
 
@@ -222,7 +227,7 @@ def eligible(kind: str, clean_tel: dict, night: np.ndarray) -> np.ndarray:
         return on
     if kind == "daytime":
         return ~on
-    # battery and replay attacks strike at night: compare with night intervals, so that a
+    # battery and replay attacks (replay_audio too) strike at night: compare with night intervals, so that a
     # score that merely knows night from day (the sound's recorder listens longer at night)
     # does not pass for a detector
     return np.broadcast_to(night, on.shape)
@@ -247,7 +252,24 @@ def scenario(ctx: Context, attack: Attack, span: slice) -> dict:
     y = np.where(eligible(attack.kind, ctx.dep.telemetry, ctx.dep.night_mask()), y, -1)
     inside = np.zeros(y.shape[1], dtype=bool)
     inside[span] = True
-    return {"attack": attack, "x": inputs(ctx, tel), "y": np.where(inside, y, -1), "span": span}
+    forged = forged_zaps(ctx.dep, attack)
+    if forged and ctx.rehear is None:
+        raise ValueError(f"the {attack.kind} attack forges the sound: this context cannot listen again")
+    heard = ctx.rehear(ctx.dep, ctx.heard, forged) if forged else None
+    return {"attack": attack, "x": inputs(ctx, tel, heard), "y": np.where(inside, y, -1), "span": span,
+            "neighbours": neighbours(attack, y, ctx.dep.config.interval_s)}  # fmt: skip
+
+
+def neighbours(attack: Attack, y: np.ndarray, interval_s: int) -> np.ndarray:
+    """(lamps, intervals) the clean intervals (y == 0) of the lamps the attack leaves alone,
+    from its start to the end of the guard after it: where a check across lamps (the field
+    share) can blame a neighbour for the attacked lamps' forged counts."""
+    start = int(np.floor(attack.start_h * 3600 / interval_s))
+    stop = int(np.ceil(attack.end_h * 3600 / interval_s)) + GUARD_INTERVALS
+    mask = np.zeros(y.shape, dtype=bool)
+    mask[:, start:stop] = True
+    mask[list(attack.lamps)] = False
+    return mask & (y == 0)
 
 
 def auc(scores: list[np.ndarray], ys: list[np.ndarray]) -> float:

@@ -44,9 +44,18 @@ def interval_weather(dep: Deployment, lamp: int, interval: int) -> Weather:
 
 
 def interval_audio(
-    dep: Deployment, lamp: int, interval: int, audio: AudioConfig, seconds: float, offset_s: float = 0.0
+    dep: Deployment,
+    lamp: int,
+    interval: int,
+    audio: AudioConfig,
+    seconds: float,
+    offset_s: float = 0.0,
+    zap_times: np.ndarray | None = None,
 ):
-    """(audio, true zap times) of ``seconds`` of one interval at one lamp, from ``offset_s`` into it."""
+    """(audio, true zap times) of ``seconds`` of one interval at one lamp, from ``offset_s`` into it.
+
+    ``zap_times`` (s into the interval): the zaps sounding at the lamp in place of its own
+    kills (an attacker's loudspeaker, ``attacks.forged_zaps``); the background is the same."""
     from tessera.apps.sil_fdia.attacks import check_lamps
 
     check_lamps(dep, [lamp])
@@ -58,7 +67,8 @@ def interval_audio(
         raise ValueError(
             f"audio window {offset_s} s + {seconds} s does not fit in a {dep.config.interval_s} s interval"
         )
-    times = dep.kill_times[lamp][interval] - offset_s
+    own = dep.kill_times[lamp][interval] if zap_times is None else np.asarray(zap_times, dtype=float)
+    times = own - offset_s
     times = times[
         (times >= 0) & (times < seconds - 0.03)
     ]  # a zap cut off by the recording's end is not counted
@@ -94,12 +104,20 @@ RAIN_REJECTED_PER_S = 5.0
 VAR_FLOOR = (0.25, 0.02)
 
 
-def _heard_lamp(dep: Deployment, lamp: int, intervals: np.ndarray, audio: AudioConfig, listen: Listening):
+def _heard_lamp(
+    dep: Deployment,
+    lamp: int,
+    intervals: np.ndarray,
+    audio: AudioConfig,
+    listen: Listening,
+    forged: dict | None = None,
+):
     night = dep.night_mask()
     out = np.full((3, intervals.size), np.nan)
     for i, k in enumerate(intervals):
         seconds = listen.night_s if night[k] else listen.day_s
-        clip, _ = interval_audio(dep, lamp, int(k), audio, seconds)
+        zap_times = (forged or {}).get((lamp, int(k)))
+        clip, _ = interval_audio(dep, lamp, int(k), audio, seconds, zap_times=zap_times)
         times, rejected, level = hear_clip(clip, audio.sample_rate)
         out[:, i] = times.size, rejected, level
     return out
@@ -129,6 +147,36 @@ def hear_many(
         for lamp in range(dep.config.num_lamps):
             heard[:, lamp, intervals] = next(results)
         out.append(Heard(*heard))
+    return out
+
+
+def hear_forged(
+    dep: Deployment,
+    heard: Heard,
+    forged: dict[tuple[int, int], np.ndarray],
+    audio: AudioConfig,
+    listen: Listening,
+    workers: int = 1,
+) -> Heard:
+    """``heard`` with every interval in ``forged`` ((lamp, interval) -> the zap times that
+    sound there instead of the lamp's own) listened to again; intervals not listened to
+    (NaN in ``heard``) stay so. The rest is ``heard``'s, unchanged."""
+    out = Heard(heard.counts.copy(), heard.rejected.copy(), heard.level.copy())
+    keys = sorted(key for key in forged if np.isfinite(heard.counts[key]))
+    jobs = [
+        (lamp, np.array([k for lmp, k in keys if lmp == lamp])) for lamp in sorted({lmp for lmp, _ in keys})
+    ]
+    # the window split in pieces, so that one target's intervals spread over the workers
+    pieces = [(lamp, part) for lamp, ks in jobs for part in np.array_split(ks, max(1, workers))
+              if part.size]  # fmt: skip
+    args = [(dep, lamp, part, audio, listen, forged) for lamp, part in pieces]
+    if workers > 1 and len(args) > 1:
+        with ProcessPoolExecutor(workers) as pool:
+            results = list(pool.map(_heard_lamp, *zip(*args, strict=True)))
+    else:
+        results = [_heard_lamp(*a) for a in args]
+    for (lamp, part), res in zip(pieces, results, strict=True):
+        out.counts[lamp, part], out.rejected[lamp, part], out.level[lamp, part] = res
     return out
 
 
