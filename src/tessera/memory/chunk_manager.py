@@ -7,6 +7,10 @@ order. Each ``ParamChunk`` knows its parameters' slots and can:
 
 - copy their gradients into one flat buffer, and a flat buffer back into their gradients;
 - ``bind`` the parameters to views of the chunk buffer, so the chunk is their storage;
+- ``materialize``: a chunk packed ``lazy`` (its layout only, no storage) gets its storage,
+  its parameters' values and becomes their storage, one chunk at a time (so a model is never
+  held twice; a parameter without data, from a model built on the meta device, is left zero
+  for ``tessera.memory.materialize`` to initialise);
 - ``free`` that storage (size 0, views kept) and ``restore`` it for refilling.
 
 Nothing here communicates or decides who owns what: sharding over ranks is
@@ -42,6 +46,7 @@ class ParamChunk:
     ):
         self.chunk, self.params, self.group_index, self.tp_sharded = chunk, params, group_index, tp_sharded
         self.expert = expert  # expert parameters (tessera.parallel.experts): their own ranks
+        self.device = chunk.buffer.device  # where the storage lives (a lazy chunk: once materialized)
         self.resident = True
         self.state = ChunkState.FREE  # stage 3 moves it (ZeroEngine.gather / _release)
 
@@ -83,6 +88,18 @@ class ParamChunk:
             else:
                 p.data = self.chunk.view(slot)
 
+    def materialize(self) -> None:
+        """A lazily packed chunk's storage on ``device``, each parameter's values copied in
+        (one without data, whose storage is empty, left zero), the parameters bound to it."""
+        buffer = torch.zeros(self.chunk.capacity, dtype=self.chunk.dtype, device=self.device)
+        for slot, p in zip(self.chunk.slots, self.params, strict=True):
+            data = local(p.detach())
+            if data.untyped_storage().nbytes():
+                buffer[slot.offset : slot.offset + slot.numel].copy_(data.reshape(-1))
+        self.chunk.buffer = buffer
+        self.resident = True
+        self.bind()
+
     def free(self) -> None:
         if self.resident:
             self.chunk.buffer.untyped_storage().resize_(0)
@@ -105,7 +122,11 @@ class ChunkManager:
     consecutive parameters of one segment starts a new chunk.
 
     ``expert`` (optional) names expert parameters: they go into chunks of their own, after
-    the group's others, padded to a multiple of ``expert_align`` (the ranks sharing them)."""
+    the group's others, padded to a multiple of ``expert_align`` (the ranks sharing them).
+
+    ``lazy``: only the layout is made (chunk buffers on the meta device, no values copied);
+    each ``ParamChunk.materialize`` then makes one chunk real on ``device`` (default: its
+    parameters' device)."""
 
     def __init__(
         self,
@@ -116,7 +137,10 @@ class ChunkManager:
         segment_of: dict[nn.Parameter, int] | None = None,
         expert: set[nn.Parameter] | None = None,
         expert_align: int = 1,
+        lazy: bool = False,
+        device: torch.device | None = None,
     ):
+        self.lazy, self.device = lazy, device
         self.chunks: list[ParamChunk] = []
         self.owner: dict[nn.Parameter, ParamChunk] = {}
         self.transitions = 0
@@ -141,9 +165,17 @@ class ChunkManager:
     def _add(
         self, params: list[nn.Parameter], gi: int, kind: bool, *, chunk_elems: int, align: int, expert=False
     ) -> None:
-        named = [(str(i), local(p.detach()).float()) for i, p in enumerate(params)]
-        for chunk in pack(named, chunk_elems=chunk_elems, align=align, device=local(params[0]).device):
+        device = local(params[0]).device
+        if self.lazy:  # the layout alone: fp32 chunks on the meta device
+            named = [(str(i), torch.empty(local(p).shape, device="meta")) for i, p in enumerate(params)]
+            where = "meta"
+        else:
+            named = [(str(i), local(p.detach()).float()) for i, p in enumerate(params)]
+            where = device
+        for chunk in pack(named, chunk_elems=chunk_elems, align=align, device=where):
             pc = ParamChunk(chunk, [params[int(slot.name)] for slot in chunk.slots], gi, kind, expert)
+            if self.lazy:
+                pc.device = torch.device(self.device or device)
             self.chunks.append(pc)
             for p in pc.params:
                 self.owner[p] = pc

@@ -66,6 +66,7 @@ from tessera.memory.chunk import ChunkState
 from tessera.memory.chunk_manager import ChunkManager, ParamChunk
 from tessera.memory.chunk_manager import local as _local
 from tessera.memory.clip import clip_coefficient
+from tessera.memory.materialize import materialized
 from tessera.memory.offload import ShardOffload, check_offload
 from tessera.parallel.zero_overlap import InFlight, install_stage3_hooks
 from tessera.parallel.zero_placement import InMemory, Offloaded
@@ -129,6 +130,7 @@ class ZeroEngine:
         expert_mesh: Mesh | None = None,
         expert_params: set[nn.Parameter] | None = None,
         prefetch: int = 1,
+        init=None,
     ):
         self.model, self.zero, self.mesh, self.axis = model, zero, mesh, axis
         self.stage = stage = STAGES[zero]
@@ -149,6 +151,8 @@ class ZeroEngine:
             segment_of=segment_of,
             expert=expert_params,
             expert_align=experts.size,
+            lazy=stage.states,  # each chunk made real below, one at a time (memory.materialize)
+            device=mesh.device,
         )
         self.groups: list[ParamChunk] = self.manager.chunks
         self.span = {cg: experts if cg.expert else dense for cg in self.groups}
@@ -171,11 +175,18 @@ class ZeroEngine:
         self.seen: set[nn.Parameter] = set()
         self.shards: list[nn.Parameter] = []
         if stage.states:
-            for cg in self.groups:
-                if not stage.parameters:  # the chunk becomes the parameters' storage, the shard a view of it
-                    cg.bind()
-                piece = cg.chunk.shard(self.span[cg].rank, self.span[cg].size)
-                self.shards.append(nn.Parameter(piece.clone() if stage.parameters else piece))
+            shard_of = {}
+            # the chunk becomes the parameters' storage (stage 1-2: the shard a view of it;
+            # 3: a copy, the chunk freed before the next is made)
+            for cg in materialized(self.manager, model, init):
+                span = self.span[cg]
+                if init is not None:  # initialised on every rank: dp-rank 0's values everywhere
+                    span.comm.broadcast(cg.chunk.buffer, span.axis, src=0)
+                piece = cg.chunk.shard(span.rank, span.size)
+                shard_of[cg] = nn.Parameter(piece.clone() if stage.parameters else piece)
+                if stage.parameters:
+                    cg.free()
+            self.shards = [shard_of[cg] for cg in self.groups]
             for gi, group in enumerate(optimizer.param_groups):
                 group["params"] = [
                     s for s, cg in zip(self.shards, self.groups, strict=True) if cg.group_index == gi
@@ -186,9 +197,6 @@ class ZeroEngine:
         self.offload = None  # tessera.memory.offload.ShardOffload, when chunks are tiered
         self.placement = InMemory(self)  # where chunks are kept (zero_placement): Offloaded when tiered
         if stage.parameters:
-            for cg in self.groups:
-                cg.bind()
-                cg.free()
             if offload is not None:
                 self._start_offload(offload)
             install_stage3_hooks(self)

@@ -43,6 +43,7 @@ from tessera.runtime import Mesh
 from tessera.runtime.mesh import world_size
 from tessera.train.blocks import blocks_or_error, checkpoint_blocks
 from tessera.train.boosted import BoostedOptimizer
+from tessera.train.meta_model import check_meta, empty_parameters
 from tessera.train.optimizer import TrainOptimizer
 from tessera.train.plan import Plan, check_chunk_size
 
@@ -99,9 +100,12 @@ def boost(
     mesh: Mesh | None = None,
     *,
     tp_plan: TPPlan | None = None,
+    init=None,
 ) -> tuple[nn.Module, TrainOptimizer]:
     """Spread ``model`` and ``optimizer`` over the processes by ``plan`` (see the module doc).
-    Every refusal comes before the model or the optimizer is changed (``_validate``)."""
+    Every refusal comes before the model or the optimizer is changed (``_validate``).
+    A model whose parameters are on the meta device is made chunk by chunk, ``init(module)``
+    (default: its own init) initialising each (``tessera.train.meta_model``)."""
     if not isinstance(plan, Plan):
         raise TypeError(f"boost needs a tessera.Plan, got {type(plan).__name__}")
     if _is_transformers_model(model) and (plan.tp > 1 or plan.pp > 1 or plan.sp > 1 or plan.ep > 1):
@@ -113,6 +117,7 @@ def boost(
     mesh = mesh or plan_mesh(plan)
     _check_mesh(mesh, plan)
     setup = _validate(model, optimizer, plan, mesh, tp_plan)
+    setup.init = check_meta(model, plan, init)
     # Nothing below refuses a plan: from here on the model and the optimizer change.
     if plan.pp > 1:
         return _boost_pipelined(model, optimizer, plan, mesh, setup)
@@ -128,6 +133,7 @@ class _Setup:
     blocks: list[nn.Module]  # transformer blocks (checkpointed or chunked by block), else []
     loaded: dict | None  # the state the optimizer held, loaded again after boost
     ep_plan: dict[str, str] | None = None  # expert parallel plan, one entry per name (ep > 1)
+    init: object = None  # a model on the meta device: what initialises its modules (meta_model)
 
 
 def _is_transformers_model(model) -> bool:
@@ -314,6 +320,7 @@ def _boost(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
         expert_mesh=expert_mesh,
         expert_params=expert_params,
         prefetch=plan.prefetch,
+        init=setup.init,
     )
     if plan.activation_checkpointing:
         checkpoint_blocks(
@@ -387,6 +394,8 @@ def _spread(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
     place: the optimizer's parameters stay the model's), the tensor parallel plan over ``tp``,
     every replica from dp-rank 0's weights, the experts over ``ep``, and the optimizer's groups
     holding the re-created (DTensor) parameters. The expert mesh and parameters, or (None, None)."""
+    if setup.init is not None:  # parameters with empty storage on the device, for the chunks to fill
+        empty_parameters(model, mesh.device)
     model.to(mesh.device)
     if setup.tp_plan is not None:
         # sequence_parallel_norms is refused under pp (Plan._check_sequence): False there
@@ -397,7 +406,8 @@ def _spread(model, optimizer, plan: Plan, mesh: Mesh, setup: _Setup):
             plan.tp,
             sequence_parallel=plan.sequence_parallel_norms,
         )
-    _same_start(model, mesh)
+    if setup.init is None:  # else each chunk is broadcast once initialised (ZeroEngine)
+        _same_start(model, mesh)
     expert_mesh, expert_params = _apply_experts(model, plan, mesh, setup)
     _regroup(model, optimizer, setup.group_names)
     return expert_mesh, expert_params
