@@ -7,11 +7,14 @@ fits: tokens/s and bytes moved per step.
 
 Each trial is a fresh process (``track.fresh_process_env``: freed blocks go back to the
 OS). The budget is checked by the measured resident high-water mark (VmHWM) of the
-training steps, warm-up step included: a trial passes only if its steps complete and the
-mark stays under the budget. The model is built whole in host memory before ``boost``
-packs it (initialisation is not offloaded): that setup peak is reported beside it, not
-held to the budget. Depth grows in steps at a fixed width; the ladder stops at its first
-miss. Tessera's offloaded variants get ``host_memory`` = the budget less the process's
+training steps, warm-up step included, and of set-up: a trial passes only if its steps
+complete and both marks stay under the budget (a hard limit too, where the machine allows:
+``memory_limit.HardLimit``). No variant builds the model whole: Tessera's are built on the meta
+device (accelerate's ``init_empty_weights``) and made chunk by chunk by ``boost``
+(``tessera.train.meta_model``); DeepSpeed's are partitioned as they are built
+(``deepspeed.zero.Init`` through transformers' ``HfDeepSpeedConfig``, the way transformers
+documents ZeRO-3 model creation). Depth climbs a ladder to the first miss, then is bisected
+between the last fit and that miss. Tessera's offloaded variants get ``host_memory`` = the budget less the process's
 resident memory before the model is built, less the activations (measured first: one
 forward at the ladder's two smallest depths gives bytes fixed + per layer; x1.1), less
 three chunks of slack; once ``boost`` is done, what setup left resident beside the chunks
@@ -74,16 +77,29 @@ QUICK = OffloadBenchConfig(
 # ---- one trial, in a fresh process ------------------------------------------------------------
 
 
-def _model(cfg: OffloadBenchConfig, depth: int):
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _config(cfg: OffloadBenchConfig, depth: int):
+    from transformers import GPT2Config
 
-    torch.manual_seed(0)
-    config = GPT2Config(
+    return GPT2Config(
         n_layer=depth, n_embd=cfg.width, n_head=cfg.heads, vocab_size=cfg.vocab, n_positions=cfg.seq,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
     )  # fmt: skip
-    return GPT2LMHeadModel(config)
+
+
+def _model(cfg: OffloadBenchConfig, depth: int, *, meta: bool = False):
+    """GPT-2 of ``depth`` layers; ``meta``: parameters on the meta device (buffers real), the
+    embeddings tied as transformers ties them after loading."""
+    import accelerate
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    if not meta:
+        return GPT2LMHeadModel(_config(cfg, depth))
+    with accelerate.init_empty_weights():
+        model = GPT2LMHeadModel(_config(cfg, depth))
+    model.tie_weights()
+    return model
 
 
 def _tessera_step(cfg, depth, variant, base_rss, workdir):
@@ -94,7 +110,7 @@ def _tessera_step(cfg, depth, variant, base_rss, workdir):
     from tessera.memory.track import resident_bytes
     from tessera.train.losses import causal_lm_loss
 
-    model = _model(cfg, depth)
+    model = _model(cfg, depth, meta=variant != "probe")  # made chunk by chunk by boost
     kwargs, host = {}, None
     if variant not in ("none", "probe"):
         if cfg.act_per_layer_mib is not None:
@@ -180,17 +196,24 @@ def _deepspeed_step(cfg, depth, workdir, *, bf16: bool = False):
     }  # fmt: skip
     # DeepSpeed 0.19's Init._set_dtype reads `dtype or fp16 if fp16_supported else bf16 ...`:
     # on a CPU without fp16 it casts the parameters to bf16 whatever dtype it is given. Saying
-    # fp16 is supported while initialize() runs makes it keep the fp32 it is passed.
-    # (zero.Init around the model build fails under torch 2.13: a Tensor.__new__ signature check.)
+    # fp16 is supported while the model is built and initialize() runs keeps the fp32 it is passed.
+    import torch
     from deepspeed.accelerator import get_accelerator
+    from transformers import GPT2LMHeadModel
+    from transformers.integrations import HfDeepSpeedConfig
 
     accel = get_accelerator()
-    model = _model(cfg, depth)
-    if cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     original = accel.is_fp16_supported
     accel.is_fp16_supported = lambda: True
+    # transformers' documented ZeRO-3 model creation: with an HfDeepSpeedConfig alive, building
+    # from a config runs under deepspeed.zero.Init (each module partitioned as it is made, its
+    # weights initialised gathered), so the model is never whole in memory
+    zero3 = HfDeepSpeedConfig(config)  # noqa: F841 (transformers keeps a weak reference)
     try:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel._from_config(_config(cfg, depth), torch_dtype=torch.float32)
+        if cfg.activation_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     finally:
         accel.is_fp16_supported = original
@@ -330,9 +353,11 @@ def _have_deepspeed() -> bool:
 
 def run_offload_bench(cfg: OffloadBenchConfig | None = None, *, quick: bool = False, progress: bool = True):
     cfg = cfg or (QUICK if quick else FULL)
+    variants = [v for v in VARIANTS if not v.startswith("deepspeed") or _have_deepspeed()]
+    if any(v.startswith("deepspeed") for v in variants):  # first: every trial imports DeepSpeed
+        _build_deepspeed_ops(progress)
     if cfg.act_per_layer_mib is None:
         cfg = _measure_activations(cfg)
-    variants = [v for v in VARIANTS if not v.startswith("deepspeed") or _have_deepspeed()]
     rows, largest = [], {}
     for variant in variants:
         fits = _ladder(cfg, variant, rows, progress)
@@ -386,6 +411,27 @@ def _ladder(cfg: OffloadBenchConfig, variant: str, rows: list, progress: bool) -
         else:
             high = mid
     return largest
+
+
+def _build_deepspeed_ops(progress: bool) -> None:
+    """DeepSpeed compiles its CPU ops (CPU Adam, the shared-memory collectives) on first use:
+    built once here, outside any trial, so no trial's budget or time pays for a compiler (a
+    build killed by the hard limit also leaves a lock every later trial waits on)."""
+    folder = os.path.abspath(os.environ.get("TORCH_EXTENSIONS_DIR", ".cache/torch_extensions"))
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": folder}
+    code = (
+        "from deepspeed.ops.op_builder.cpu import CPUAdamBuilder, ShareMemCommBuilder\n"
+        "CPUAdamBuilder().load(); ShareMemCommBuilder().load()"
+    )
+    began = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
+    if progress:
+        state = (
+            "ready" if out.returncode == 0 else "FAILED: " + (out.stderr.strip().splitlines() or ["?"])[-1]
+        )
+        print(
+            f"offload bench: DeepSpeed CPU ops {state} ({time.perf_counter() - began:.0f} s)", file=sys.stderr
+        )
 
 
 def _measure_activations(cfg: OffloadBenchConfig) -> OffloadBenchConfig:

@@ -101,8 +101,11 @@ def _notes(cfg, rows, variants, largest) -> list[str]:
         "The same rule for every variant: each trial imports torch, transformers and DeepSpeed (where installed) "
         "and joins a one-rank gloo process group before its baseline is taken, whether it uses them or not.",
         f"Budget: {cfg.budget_mib} MiB of resident memory for the whole trial, set-up included: the steps' "
-        "high-water mark (VmHWM after a reset once the model is set up) and set-up's (building the model whole, "
-        "packing chunks) must both stay under it. " + _limit_note(rows),
+        "high-water mark (VmHWM after a reset once the model is set up) and set-up's must both stay under it. "
+        + _limit_note(rows),
+        "No variant builds the model whole: Tessera's are built on the meta device (accelerate's "
+        "init_empty_weights) and made chunk by chunk by boost; DeepSpeed's are partitioned as they are built "
+        "(deepspeed.zero.Init through transformers' HfDeepSpeedConfig, as transformers documents for ZeRO-3).",
         "Depth: the ladder up to the first miss, then bisected between the last depth that fits and that miss.",
     ]
     if not any(v.startswith("deepspeed") for v in variants):

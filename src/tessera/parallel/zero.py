@@ -65,7 +65,6 @@ from torch import nn
 from tessera.memory.chunk import ChunkState
 from tessera.memory.chunk_manager import ChunkManager, ParamChunk
 from tessera.memory.chunk_manager import local as _local
-from tessera.memory.clip import clip_coefficient
 from tessera.memory.materialize import materialized
 from tessera.memory.offload import ShardOffload, check_offload
 from tessera.parallel.zero_overlap import InFlight, install_stage3_hooks
@@ -309,48 +308,7 @@ class ZeroEngine:
         self._reduce_ready()
         self.inflight.finish_reduces()
 
-    # ---- optimizer -------------------------------------------------------------------------
-    def grad_norm(self) -> torch.Tensor:
-        """The global gradient norm over every parameter once (after reduction)."""
-        total = self._squares([cg for cg in self.groups if not cg.expert])
-        if self.stage.states:  # each rank holds its shard of the reduced gradients
-            self.comm.all_reduce(total, self.axis)
-        if self.tp_axis is not None:
-            self.comm.all_reduce(total, self.tp_axis)
-        experts = [cg for cg in self.groups if cg.expert]
-        if experts:  # each rank holds its ep share of the experts, ZeRO-sharded over edp
-            part, span = self._squares(experts), self.span[experts[0]]
-            if self.stage.states:
-                span.comm.all_reduce(part, span.axis)
-            span.comm.all_reduce(part, "ep")
-            total += part
-        return total.sqrt()
-
-    def _squares(self, chunks: list[ParamChunk]) -> torch.Tensor:
-        """This rank's sum of squared reduced gradients of ``chunks``."""
-        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        for cg in chunks:
-            if not self.stage.states:
-                part = sum(
-                    (_local(p.grad).double().pow(2).sum() for p in cg.params if p.grad is not None),
-                    torch.zeros((), dtype=torch.float64, device=self.mesh.device),
-                )
-            else:
-                part = self.grad_shard[cg].double().pow(2).sum()
-            if self.tp_axis is not None and not cg.tp_sharded and not cg.expert:
-                # every tp rank holds the same copy (experts: summed over edp and ep only, which
-                # span one tp coordinate, after their reduction over tp; see grad_norm)
-                part = part / self.mesh.size(self.tp_axis)
-            total += part
-        return total
-
-    def reduced_grads(self) -> list[torch.Tensor]:
-        """The gradients the optimizer will step with (after reduction): p.grad at stage 0,
-        this rank's shards at 1-3 (local tensors: in-place changes reach the DTensors)."""
-        if not self.stage.states:
-            return [_local(p.grad) for p in self.owner if p.grad is not None]
-        return [self.grad_shard[cg] for cg in self.groups]
-
+    # ---- optimizer (the in-memory step: zero_placement.InMemory) ---------------------------
     def step(self, loss_scaler=None) -> tuple[float | None, bool]:
         """Reduce what is left, then (if ``loss_scaler``, a ``tessera.train.loss_scale.
         LossScaler``) unscale and agree on overflow, clip, and step unless skipped.
@@ -375,25 +333,6 @@ class ZeroEngine:
     def resident(self):
         """Offloaded: every chunk in fast memory meanwhile (checkpoint save and load)."""
         return self.placement.resident()
-
-    def clip(self) -> float | None:
-        if self.max_grad_norm is None:
-            return None
-        norm = float(self.grad_norm())
-        scale = clip_coefficient(norm, self.max_grad_norm)
-        if scale is not None:
-            for g in self.reduced_grads():
-                g.mul_(scale)
-        return norm
-
-    def optimizer_step(self) -> None:
-        if self.stage.states:
-            for cg, shard in zip(self.groups, self.shards, strict=True):
-                shard.grad = self.grad_shard[cg]
-        self.optimizer.step()
-        if self.stage.gathers_updates:  # the stepped shard is already in place; gather the others'
-            for cg, shard in zip(self.groups, self.shards, strict=True):
-                self.gather_shards(cg, cg.chunk.buffer, shard.detach().clone())
 
     def gather_shards(self, cg: ParamChunk, out: torch.Tensor, shard: torch.Tensor) -> None:
         """``out`` (the chunk's capacity) becomes every owner's ``shard`` of ``cg``, in order."""

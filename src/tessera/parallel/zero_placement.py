@@ -30,6 +30,8 @@ import torch
 
 from tessera.memory.chunk import ChunkState
 from tessera.memory.chunk_manager import ParamChunk
+from tessera.memory.chunk_manager import local as _local
+from tessera.memory.clip import clip_coefficient
 
 
 class InMemory:
@@ -71,20 +73,85 @@ class InMemory:
         engine = self.engine
         found_inf = None
         if loss_scaler is not None:
-            found_inf = loss_scaler.unscale_(engine.reduced_grads())
+            found_inf = loss_scaler.unscale_(self.reduced_grads())
             engine.comm.all_reduce(found_inf, engine.axis, op="max")  # shards differ over dp
             if engine.tp_axis is not None:
                 engine.comm.all_reduce(found_inf, engine.tp_axis, op="max")
         skipped = found_inf is not None and bool(found_inf.item() > 0)
         norm = None
         if not skipped:
-            norm = engine.clip()
-            engine.optimizer_step()
+            norm = self.clip()
+            self.optimizer_step()
         engine.new_round()
         engine.grad_shard.clear()
         if loss_scaler is not None:
             loss_scaler.update(found_inf)
         return norm, skipped
+
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm over every parameter once (after reduction)."""
+        e = self.engine
+        total = self._squares([cg for cg in e.groups if not cg.expert])
+        if e.stage.states:  # each rank holds its shard of the reduced gradients
+            e.comm.all_reduce(total, e.axis)
+        if e.tp_axis is not None:
+            e.comm.all_reduce(total, e.tp_axis)
+        experts = [cg for cg in e.groups if cg.expert]
+        if experts:  # each rank holds its ep share of the experts, ZeRO-sharded over edp
+            part, span = self._squares(experts), e.span[experts[0]]
+            if e.stage.states:
+                span.comm.all_reduce(part, span.axis)
+            span.comm.all_reduce(part, "ep")
+            total += part
+        return total.sqrt()
+
+    def _squares(self, chunks: list[ParamChunk]) -> torch.Tensor:
+        """This rank's sum of squared reduced gradients of ``chunks``."""
+        e = self.engine
+        total = torch.zeros((), dtype=torch.float64, device=e.mesh.device)
+        for cg in chunks:
+            if not e.stage.states:
+                part = sum(
+                    (_local(p.grad).double().pow(2).sum() for p in cg.params if p.grad is not None),
+                    torch.zeros((), dtype=torch.float64, device=e.mesh.device),
+                )
+            else:
+                part = e.grad_shard[cg].double().pow(2).sum()
+            if e.tp_axis is not None and not cg.tp_sharded and not cg.expert:
+                # every tp rank holds the same copy (experts: summed over edp and ep only, which
+                # span one tp coordinate, after their reduction over tp; see grad_norm)
+                part = part / e.mesh.size(e.tp_axis)
+            total += part
+        return total
+
+    def reduced_grads(self) -> list[torch.Tensor]:
+        """The gradients the optimizer will step with (after reduction): p.grad at stage 0,
+        this rank's shards at 1-3 (local tensors: in-place changes reach the DTensors)."""
+        e = self.engine
+        if not e.stage.states:
+            return [_local(p.grad) for p in e.owner if p.grad is not None]
+        return [e.grad_shard[cg] for cg in e.groups]
+
+    def clip(self) -> float | None:
+        e = self.engine
+        if e.max_grad_norm is None:
+            return None
+        norm = float(self.grad_norm())
+        scale = clip_coefficient(norm, e.max_grad_norm)
+        if scale is not None:
+            for g in self.reduced_grads():
+                g.mul_(scale)
+        return norm
+
+    def optimizer_step(self) -> None:
+        e = self.engine
+        if e.stage.states:
+            for cg, shard in zip(e.groups, e.shards, strict=True):
+                shard.grad = e.grad_shard[cg]
+        e.optimizer.step()
+        if e.stage.gathers_updates:  # the stepped shard is already in place; gather the others'
+            for cg, shard in zip(e.groups, e.shards, strict=True):
+                e.gather_shards(cg, cg.chunk.buffer, shard.detach().clone())
 
     def resident(self):
         return contextlib.nullcontext()

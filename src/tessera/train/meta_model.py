@@ -51,7 +51,9 @@ def check_meta(model: nn.Module, plan, init: Callable[[nn.Module], None] | None)
             "accelerate.init_empty_weights(), which keeps buffers real"
         )
     config = getattr(model, "config", None)
-    if getattr(config, "tie_word_embeddings", False) and callable(getattr(model, "get_output_embeddings", None)):
+    if getattr(config, "tie_word_embeddings", False) and callable(
+        getattr(model, "get_output_embeddings", None)
+    ):
         out, inp = model.get_output_embeddings(), model.get_input_embeddings()
         if out is not None and inp is not None and out.weight is not inp.weight:
             raise ValueError(
