@@ -123,6 +123,27 @@ def test_bad_requests_name_what_is_wrong(server, body, status, message):
     assert message in got.json()["error"]
 
 
+def test_openai_route_errors_name_its_own_field(server):
+    """OpenAI's embeddings API calls the texts ``input`` and has no ``truncate``: its errors say so."""
+    client, service = server
+    vocab = service.served.config.vocab_size
+    for body, message in (
+        ({"input": []}, "input must not be empty"),
+        (
+            {"input": ["w1", text(300, seed=3)]},
+            "input[1] has 300 tokens; the model takes at most 256: shorten it",
+        ),
+        ({"input": [[1, 2], [vocab]]}, f"input[1]: token id {vocab} is outside the vocabulary"),
+        ({"input": ["w1"] * 33}, "33 items in input in one request; at most 32"),
+    ):
+        got = client.post("/v1/embeddings", json=body)
+        assert got.status_code == 422, got.text
+        error = (
+            got.json()["error"]["message"] if isinstance(got.json()["error"], dict) else got.json()["error"]
+        )
+        assert message in error and "inputs" not in error and "truncate" not in error, error
+
+
 def test_payload_limit_without_content_length_and_openai_error_shape(server):
     client, _ = server
     chunks = (b'{"input": "' + b"w1 " * 5000 + b'"}' for _ in range(3))  # streamed: no Content-Length

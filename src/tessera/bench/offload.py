@@ -55,7 +55,7 @@ class OffloadBenchConfig:
     # default: a full ladder with it outlasts 15 minutes here (depth 64 offloaded: 110 s a trial)
     activation_checkpointing: bool = False
     trial_timeout_s: float = 240.0
-    variant_budget_s: float = 150.0  # a variant's ladder stops climbing past this (said so)
+    variant_budget_s: float = 300.0  # a variant's ladder stops climbing past this (said so)
     # activation bytes, measured by a probe before the ladder (None: the dry run's estimate)
     act_fixed_mib: float | None = None
     act_per_layer_mib: float | None = None

@@ -121,9 +121,13 @@ def create_app(service: Service, *, payload_limit: int = 2_000_000, overload_sta
             given = body.input
             if isinstance(given, str) or (given and all(isinstance(x, str) for x in given)):
                 texts = [given] if isinstance(given, str) else given
-                ids = service.tokenize(texts, truncate=False, direction="right", timings=timings)
+                ids = service.tokenize(
+                    texts, truncate=False, direction="right", timings=timings, field="input"
+                )
             else:
-                ids = service.check_ids([given] if given and isinstance(given[0], int) else list(given))
+                ids = service.check_ids(
+                    [given] if given and isinstance(given[0], int) else list(given), "input"
+                )
             rows = service.embeddings(await service.run(ids, gone, timings), normalize=True,
                                       dimensions=body.dimensions)  # fmt: skip
             data = [{"object": "embedding", "embedding": _encode(row, body.encoding_format), "index": i}

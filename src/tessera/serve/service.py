@@ -17,6 +17,11 @@ from tessera.serve.metrics import ServerMetrics
 from tessera.serve.model import ServedModel
 
 
+def _item(field: str, i: int) -> str:
+    """Item ``i`` of a request's field as the errors name it: TEI's ``input 1``, OpenAI's ``input[1]``."""
+    return f"input {i}" if field == "inputs" else f"{field}[{i}]"
+
+
 class InputError(ValueError):
     """A request's inputs cannot be served as sent (the HTTP layer answers 422)."""
 
@@ -89,9 +94,11 @@ class Service:
         self.backend.begin_drain()
 
     def tokenize(
-        self, texts: list[str], *, truncate: bool, direction: str, timings: Timings
+        self, texts: list[str], *, truncate: bool, direction: str, timings: Timings, field: str = "inputs"
     ) -> list[list[int]]:
-        self._check_count(len(texts))
+        """``field``: the request's field the texts came in (OpenAI's ``input``, TEI's
+        ``inputs``), which the errors name."""
+        self._check_count(len(texts), field)
         began = time.perf_counter()
         tok, limit = self.served.tokenizer, self.served.max_length
         ids = tok(texts, truncation=False)["input_ids"]
@@ -108,35 +115,43 @@ class Service:
             timings.truncated = too_long
         timings.tokenization_s = time.perf_counter() - began
         self.metrics.tokenization.observe(timings.tokenization_s)
-        self.check_lengths(ids)
+        self.check_lengths(ids, field)
         return ids
 
-    def check_ids(self, sequences: list[list[int]]) -> list[list[int]]:
-        """Token ids sent as they are (OpenAI's token-array input)."""
-        self._check_count(len(sequences))
+    def check_ids(self, sequences: list[list[int]], field: str = "input") -> list[list[int]]:
+        """Token ids sent as they are (OpenAI's token-array ``input``)."""
+        self._check_count(len(sequences), field)
         vocab = self.served.config.vocab_size
         for i, ids in enumerate(sequences):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
-                raise InputError(f"input {i}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
-        self.check_lengths(sequences)
+                raise InputError(
+                    f"{_item(field, i)}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})"
+                )
+        self.check_lengths(sequences, field)
         return sequences
 
-    def check_lengths(self, sequences: list[list[int]]) -> None:
+    def check_lengths(self, sequences: list[list[int]], field: str = "inputs") -> None:
         limit = self.served.max_length
+        # only TEI's routes have a truncate field (OpenAI's embeddings API has none)
+        fix = "shorten it or set truncate to true" if field == "inputs" else "shorten it"
         for i, ids in enumerate(sequences):
             if not ids:
-                raise InputError(f"input {i} is empty")
+                raise InputError(f"{_item(field, i)} is empty")
             if len(ids) > limit:
                 raise InputError(
-                    f"input {i} has {len(ids)} tokens; the model takes at most {limit}: shorten it or set truncate to true"
+                    f"{_item(field, i)} has {len(ids)} tokens; the model takes at most {limit}: {fix}"
                 )
 
-    def _check_count(self, n: int) -> None:
+    def _check_count(self, n: int, field: str = "inputs") -> None:
         if n == 0:
-            raise InputError("inputs must not be empty")
+            raise InputError(f"{field} must not be empty")
         if n > self.max_client_batch:
-            raise InputError(f"{n} inputs in one request; at most {self.max_client_batch} (max_client_batch)")
+            raise InputError(
+                f"{n} items in {field} in one request; at most {self.max_client_batch} (max_client_batch)"
+                if field != "inputs"
+                else f"{n} inputs in one request; at most {self.max_client_batch} (max_client_batch)"
+            )
 
     async def run(self, sequences, gone, timings: Timings) -> torch.Tensor:
         timings.tokens = sum(len(s) for s in sequences)
