@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tessera.apps.sil_fdia.commands import detect_attack, detect_plan, run_detect
+from tessera.apps.sil_fdia.commands import DOCUMENTED_DETECT, detect_attack, detect_plan, run_detect
 from tessera.bench.fdia import FULL
 from tessera.cli import build_parser, main
 
@@ -110,3 +110,12 @@ def test_the_documented_detect_command_detects(listen_s):
     else:
         # the thinned recording: measured 0.57 (the real audio: 0.55); 0.8 is far from 1.00
         assert res["auc"]["sound"] < 0.8, res["auc"]
+
+
+def test_the_bench_runs_the_documented_command():
+    # `tessera bench fdia` runs commands.DOCUMENTED_DETECT with real audio: it must be the
+    # docs' line (its --out aside), so the figure it commits is the command's
+    argv = _documented_detect()
+    if "--out" in argv:
+        del argv[argv.index("--out") : argv.index("--out") + 2]
+    assert argv == DOCUMENTED_DETECT
