@@ -2,6 +2,7 @@
 never worse than one-by-one, pad-everything or the baselines' batches under the same
 cost table, fast enough to plan a 256-request queue, and scheduling the oldest first."""
 
+import dataclasses
 import random
 import time
 
@@ -27,10 +28,9 @@ def set_partitions(items):
 def partition_cost(batches, lengths, table: CostTable, limits: BatchLimits) -> float:
     total = 0.0
     for batch in batches:
-        longest = max(lengths[i] for i in batch)
-        if not limits.fits(longest, len(batch)):
+        if not limits.fits([lengths[i] for i in batch]):
             return float("inf")
-        total += table.cost(longest, len(batch))
+        total += table.cost(max(lengths[i] for i in batch), len(batch))
     return total
 
 
@@ -68,6 +68,37 @@ def test_dp_equals_brute_force_over_all_partitions():
     assert cases >= 10
 
 
+def runs_of(n):
+    """Every cut of range(n) into consecutive runs."""
+    for mask in range(1 << max(0, n - 1)):
+        cuts = [0] + [i + 1 for i in range(n - 1) if mask >> i & 1] + [n]
+        yield [list(range(a, b)) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def test_under_an_unpadded_budget_the_dp_is_the_best_cut_into_runs():
+    """An unpadded runner's budget counts the sum of the lengths: the DP keeps every batch
+    within it and is the cheapest cut of the sorted queue into runs (brute force over all
+    2^(n-1) cuts); whether a non-contiguous partition could be cheaper is not claimed
+    (dp_scheduler's doc)."""
+    rng = random.Random(1)
+    binding = 0
+    for trial in range(120):
+        n = 1 + trial % 9
+        table = random_table(rng)
+        lengths = sorted(rng.randint(1, 64) for _ in range(n))
+        limits = BatchLimits(
+            max_batch_size=rng.randint(1, 8), max_batch_tokens=rng.randint(64, 300), padded=False
+        )
+        runs, total = plan_batches(lengths, table.dense(64, limits.max_batch_size), limits)
+        batches = [list(range(a, b)) for a, b in runs]
+        assert all(sum(lengths[i] for i in b) <= limits.max_batch_tokens for b in batches)
+        best = min(partition_cost(p, lengths, table, limits) for p in runs_of(n))
+        assert total == pytest.approx(best, rel=1e-12), (lengths, limits)  # same lookups, other order
+        padded = dataclasses.replace(limits, padded=True)
+        binding += partition_cost(batches, lengths, table, padded) == float("inf")  # over a padded budget
+    assert binding >= 5  # the sum budget admitted batches a padded count would refuse
+
+
 def requests(lengths):
     return [Request([1] * n, arrival=float(i)) for i, n in enumerate(lengths)]
 
@@ -94,7 +125,7 @@ def test_never_worse_than_one_by_one_pad_everything_or_baselines():
         # (1 + 1e-12) here and below: float64 sums of <= 96 costs in another order, rounding only
         assert total <= one_by_one * (1 + 1e-12)
         longest = max(r.length for r in queue)
-        if limits.fits(longest, len(queue)):
+        if limits.fits([r.length for r in queue]):
             assert total <= table.cost(longest, len(queue)) * (1 + 1e-12)  # rounding, as above
         for baseline in (FifoPadded(limits), SortWindow(limits)):
             assert total <= plan_cost(baseline, queue, table, limits) * (1 + 1e-12)  # as above

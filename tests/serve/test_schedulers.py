@@ -23,6 +23,30 @@ def test_fifo_padded_grows_in_arrival_order_within_the_padded_budget():
     assert FifoPadded(limits).schedule(queue) == queue[:1]  # 90 x 2 > 100
 
 
+def test_an_unpadded_budget_counts_the_sum_of_the_lengths():
+    """As the unpadded runner computes a batch (and TEI's queue counts for unpadded backends)."""
+    limits = BatchLimits(max_batch_size=4, max_batch_tokens=100, padded=False)
+    assert limits.tokens([90, 5]) == 95 and BatchLimits(max_batch_tokens=100).tokens([90, 5]) == 180
+    queue = requests([90, 5, 10])
+    assert FifoPadded(limits).schedule(queue) == queue[:2]  # 95 fits, 105 does not (padded: 90 alone)
+    window = SortWindow(BatchLimits(max_batch_size=4, max_batch_tokens=100, padded=False))
+    assert len(window.schedule(requests([40, 40, 40, 40]))) == 2  # 80 fits, 120 does not
+
+
+def test_an_engine_refuses_limits_that_count_tokens_unlike_its_runner():
+    from tessera.serve.engine import Engine
+
+    class Unpadded:
+        padded = False
+
+        def __call__(self, batch):
+            return [[0.0] for _ in batch]
+
+    with pytest.raises(ValueError, match=r"count padded tokens but the runner computes unpadded batches"):
+        Engine(Unpadded(), FifoPadded(BatchLimits()))
+    Engine(Unpadded(), FifoPadded(BatchLimits(padded=False)))
+
+
 def test_sort_window_sorts_whole_windows_and_runs_them_in_turn():
     limits = BatchLimits(max_batch_size=2, max_batch_tokens=10_000)
     queue = requests([50, 10, 40, 20, 30])  # 5 // 2 = 2 windows of 2 -> the first 4 sorted

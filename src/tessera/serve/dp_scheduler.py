@@ -12,8 +12,15 @@ runs of the sorted order that costs no more. So the best partition of the sorted
 runs is the best of all partitions (the test checks it against brute force).
 
 The recurrence: best[i] = min over b of best[i - b] + cost(len[i], b), where the run ending
-at the i-th shortest request holds b requests, b <= max_batch_size, b x len[i] <= the
-token budget. O(n x max_batch_size) lookups in a dense table.
+at the i-th shortest request holds b requests, b <= max_batch_size, and its tokens as the
+runner computes them within the token budget (padded: b x len[i]; unpadded: the run's sum).
+O(n x max_batch_size) lookups in a dense table.
+
+Under an unpadded runner's budget (the sum of the lengths) the swap above can raise B's sum
+past the budget, so the argument no longer covers the budget: the DP is then the best cut
+into runs of the sorted order (the test checks that against brute force over runs), not
+proved the best of all partitions. Where the budget does not bind (the defaults: 32 inputs
+of at most 512 tokens in 16,384), the two are the same.
 """
 
 from __future__ import annotations
@@ -33,12 +40,19 @@ def plan_batches(
     n = len(lengths)
     best = [0.0] + [float("inf")] * n
     cut = [0] * (n + 1)
+    prefix = [0]
+    for length in lengths:
+        prefix.append(prefix[-1] + length)
     for i in range(1, n + 1):
         longest = lengths[i - 1]
         row = rows[longest]
-        top = min(limits.max_batch_size, i, limits.max_batch_tokens // longest)
+        top = min(limits.max_batch_size, i)
+        if limits.padded:
+            top = min(top, limits.max_batch_tokens // longest)
         value, start = best[i - 1] + row[1], i - 1
         for b in range(2, top + 1):
+            if not limits.padded and prefix[i] - prefix[i - b] > limits.max_batch_tokens:
+                break  # longer runs only add tokens
             candidate = best[i - b] + row[b]
             if candidate < value:
                 value, start = candidate, i - b

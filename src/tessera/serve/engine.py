@@ -43,7 +43,15 @@ class Engine:
         if max_queue < 1:
             raise ValueError(f"max_queue must be a positive integer, got {max_queue!r}")
         self.runner, self.scheduler, self.max_queue, self.observer = runner, scheduler, max_queue, observer
-        self.padded = getattr(runner, "padded", False)
+        self.padded = getattr(
+            runner, "padded", scheduler.limits.padded
+        )  # a runner that does not say: as the limits count
+        if scheduler.limits.padded != self.padded:
+            raise ValueError(
+                f"the scheduler's batch limits count {'padded' if scheduler.limits.padded else 'unpadded'} tokens "
+                f"but the runner computes {'padded' if self.padded else 'unpadded'} batches: build BatchLimits("
+                f"padded={self.padded})"
+            )
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.draining = False
@@ -129,8 +137,8 @@ class Engine:
         waiting = {r.id for r in self.waiting}
         assert batch and all(r.id in waiting for r in batch), "scheduler chose a request that is not waiting"
         assert len({r.id for r in batch}) == len(batch), "scheduler chose a request twice"
-        longest = max(r.length for r in batch)
-        assert self.scheduler.limits.fits(longest, len(batch)), (longest, len(batch))
+        lengths = [r.length for r in batch]
+        assert self.scheduler.limits.fits(lengths), lengths
 
     def _run(self, batch: list[Request]) -> None:
         began = time.perf_counter()
@@ -153,10 +161,7 @@ class Engine:
             seconds if not self._batch_seconds else 0.8 * self._batch_seconds + 0.2 * seconds
         )
         if self.observer:
-            padded = (
-                max(r.length for r in batch) * len(batch) if self.padded else sum(r.length for r in batch)
-            )
-            self.observer.on_batch(batch, padded, seconds)
+            self.observer.on_batch(batch, self.scheduler.limits.tokens([r.length for r in batch]), seconds)
 
     def _notify_queue(self) -> None:
         if self.observer:

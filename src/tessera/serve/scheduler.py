@@ -7,9 +7,8 @@ its scheduler with fake runner outputs). Here are the baselines the TurboTransfo
 scheduler (`dp_scheduler.py`) is measured against, each as the serving system it stands
 for does it:
 
-- `FifoPadded`: text-embeddings-inference's queue for padded backends: arrival order,
-  a batch grows while (longest input x batch size) stays within the token budget and the
-  request count within its limit.
+- `FifoPadded`: text-embeddings-inference's queue: arrival order, a batch grows while its
+  tokens stay within the token budget and the request count within its limit.
 - `SortWindow`: infinity-emb's `pop_optimal_batches`: take a window of whole batches off
   the head of the queue (as many as the queue fills, at most ``max_windows``), sort the
   window by length, cut it into batches of ``max_batch_size``, run them in turn.
@@ -28,11 +27,14 @@ from tessera.serve.request import Request
 
 @dataclass(frozen=True, kw_only=True)
 class BatchLimits:
-    """What one batch may hold: ``max_batch_tokens`` counts padded tokens (longest input
-    x batch size), the memory a padded batch takes; ``max_batch_size`` counts requests."""
+    """What one batch may hold: ``max_batch_tokens`` counts its tokens as the runner computes
+    them (``padded``: longest input x batch size, the memory a padded batch takes; else the
+    sum of the lengths, an unpadded runner's: TEI's queue counts the same way for its padded
+    and unpadded backends); ``max_batch_size`` counts requests."""
 
     max_batch_tokens: int = 16384
     max_batch_size: int = 32
+    padded: bool = True
 
     def __post_init__(self) -> None:
         for name in ("max_batch_tokens", "max_batch_size"):
@@ -43,8 +45,12 @@ class BatchLimits:
     def admits(self, length: int) -> bool:
         return length <= self.max_batch_tokens
 
-    def fits(self, longest: int, size: int) -> bool:
-        return size <= self.max_batch_size and longest * size <= self.max_batch_tokens
+    def tokens(self, lengths: Sequence[int]) -> int:
+        """The tokens a batch of these input lengths computes."""
+        return max(lengths) * len(lengths) if self.padded else sum(lengths)
+
+    def fits(self, lengths: Sequence[int]) -> bool:
+        return len(lengths) <= self.max_batch_size and self.tokens(lengths) <= self.max_batch_tokens
 
 
 class Scheduler(ABC):
@@ -81,13 +87,12 @@ class FifoPadded(Scheduler):
 
     def schedule(self, waiting: Sequence[Request]) -> list[Request]:
         batch: list[Request] = []
-        longest = 0
+        lengths: list[int] = []
         for request in waiting:
-            grown = max(longest, request.length)
-            if batch and not self.limits.fits(grown, len(batch) + 1):
+            if batch and not self.limits.fits([*lengths, request.length]):
                 break
             batch.append(request)
-            longest = grown
+            lengths.append(request.length)
             if len(batch) == self.limits.max_batch_size:
                 break
         return batch
@@ -122,10 +127,9 @@ class SortWindow(Scheduler):
         return self._within_budget(self._pending.popleft())
 
     def _within_budget(self, batch: list[Request]) -> list[Request]:
-        longest, keep = 0, 0
-        for keep, request in enumerate(batch, start=1):
-            longest = max(longest, request.length)
-            if not self.limits.fits(longest, keep):
+        keep = 0
+        for keep in range(1, len(batch) + 1):
+            if not self.limits.fits([r.length for r in batch[:keep]]):
                 keep -= 1
                 break
         if keep < len(batch):

@@ -88,7 +88,9 @@ def build_engine(config: ServeConfig, served, metrics=None) -> Engine:
         else {}
     )
     runner = make_runner(config.runner_name, served, **options)
-    limits = BatchLimits(max_batch_tokens=config.max_batch_tokens, max_batch_size=config.max_batch_size)
+    limits = BatchLimits(
+        max_batch_tokens=config.max_batch_tokens, max_batch_size=config.max_batch_size, padded=runner.padded
+    )
     cost = _cost_table(config, runner, served, limits) if config.scheduler == "dp" else None
     scheduler = make_scheduler(config.scheduler, limits, cost)
     return Engine(runner, scheduler, max_queue=config.max_queue, observer=metrics)
