@@ -83,14 +83,19 @@ def test_served_model_loader_refuses_an_unknown_transformers(fake_versions, tmp_
 def test_boost_refuses_an_unknown_transformers_for_plans_that_read_it(fake_versions):
     """tp/pp/sp/ep read transformers' plans, mask functions and attention interface: boost
     refuses an untested release by name before it changes anything."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from tessera import Plan, boost
 
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     model = LlamaForCausalLM(config)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     fake_versions["transformers"] = "5.30.0"
@@ -102,6 +107,9 @@ def test_boost_refuses_an_unknown_transformers_for_plans_that_read_it(fake_versi
 def test_constraints_file_pins_the_same_ranges():
     """constraints.txt (what make install and CI resolve against) says the same ranges."""
     lines = (PYPROJECT.parent / "constraints.txt").read_text().splitlines()
-    reqs = {r.name: r.specifier for r in (Requirement(l) for l in lines if l.strip() and not l.startswith("#"))}
+    reqs = {
+        r.name: r.specifier
+        for r in (Requirement(line) for line in lines if line.strip() and not line.startswith("#"))
+    }
     for package, wanted in compat.KNOWN_GOOD.items():
         assert reqs.get(package) == SpecifierSet(wanted), (package, str(reqs.get(package)), wanted)

@@ -15,7 +15,6 @@ rounding of up to ~1e-6 absolute; measured: OLMo-2's embedding row 42 (gradient 
 step 3) ended 3.4e-5 from one process under tp2 on one machine and within 1e-5 on another.
 1e-4 is still 100 x below one lr-sized step, so a wrong gradient cannot pass.
 """
-PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-4  # see the module docstring
 
 import torch
 from tiny_families import FAMILIES, SEQ, VOCAB, tiny_family
@@ -26,6 +25,7 @@ from tessera.runtime import spawn
 from tessera.train.export import full_state_dict
 from tessera.train.losses import causal_lm_loss
 
+PARAM_RTOL, PARAM_ATOL = 1e-4, 1e-4  # see the module docstring
 STEPS, GLOBAL_BATCH = 3, 8
 PLANS = {
     "dp2_zero3": dict(dp=2, zero=3, chunk_mib=0.01),  # several chunks per rank
@@ -111,7 +111,11 @@ def _check(runs, rank_results):
             assert params.keys() == ref_params.keys(), what
             for name, ref in ref_params.items():
                 torch.testing.assert_close(
-                    params[name], ref, rtol=PARAM_RTOL, atol=PARAM_ATOL, msg=lambda m, n=name, w=what: f"{w} {n}: {m}"
+                    params[name],
+                    ref,
+                    rtol=PARAM_RTOL,
+                    atol=PARAM_ATOL,
+                    msg=lambda m, n=name, w=what: f"{w} {n}: {m}",
                 )
     for label, (_, trained) in references.items():  # each reference trained
         start = _params(_build(label)[0])
