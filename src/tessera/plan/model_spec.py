@@ -177,9 +177,12 @@ def gpt2_spec(
 FLUX_OPS = (19 * 158 + 38 * 83) / 76
 SANA_OPS = 99.0
 HUNYUAN_OPS = (20 * 162 + 40 * 98) / 80
+# CogVideoX's block with rotary embeddings (the 5B's): 116 aten ops (tests/plan recounts it).
+COGVIDEOX_OPS = 116.0
 # decode_flops: diffusers' decoders run under torch.utils.flop_counter on the meta device
 # (tessera.plan.host_ops.decode_flops): Flux's AutoencoderKL at 1024px 10.47 TFLOP, SANA's
-# DC-AE f32c32 at 4096px 133.9 TFLOP, HunyuanVideo's 3D VAE at 129 x 720 x 1280 2473.5 TFLOP.
+# DC-AE f32c32 at 4096px 133.9 TFLOP, HunyuanVideo's 3D VAE at 129 x 720 x 1280 2473.5 TFLOP,
+# AutoencoderKLCogVideoX (diffusers' default architecture) at 49 x 480 x 720 315.0 TFLOP.
 
 
 def _moe_spec_from_config(cfg: dict, file: Path, hidden, layers, heads, experts, tokens) -> TransformerSpec:
@@ -340,6 +343,24 @@ PRESETS: dict[str, TransformerSpec] = {
             host_ops_per_layer=HUNYUAN_OPS,
             decode_flops=2473.5e12,
             source="HunyuanVideo paper (13B), 720p x 129 frames (960x960 has the same 118,800 tokens)",
+        ),
+        # CogVideoX-5B (the transformer ConsisID fine-tunes: its README) at 720x480, 49 frames:
+        # latent 13 x 60 x 90, 2x2 patches -> 17,550 tokens + 226 text tokens of joint
+        # attention; 42 layers of 48 heads x 64; adaLN-zero from a 512-wide time embedding
+        # (two 512 x 6h modulations per layer, on the conditioning vector only). Not counted:
+        # ConsisID's face extractor and its perceiver cross-attention every second layer, the
+        # T5 text encoder, and the host time outside the transformer.
+        TransformerSpec(
+            name="cogvideox-5b-480p-49f",
+            layers=42,
+            hidden=3072,
+            heads=48,
+            ffn=4 * 3072,
+            tokens=13 * 30 * 45 + 226,
+            extra_layer_params=2 * 512 * 6 * 3072,
+            host_ops_per_layer=COGVIDEOX_OPS,
+            decode_flops=315.0e12,
+            source="CogVideoX-5B transformer (42 layers, 48 heads x 64, rotary), 49 frames of 480x720",
         ),
         *(_moe_preset(name) for name in MOE_CONFIGS),
     )
