@@ -44,7 +44,7 @@ from tessera.train.plan import Plan
 
 # The commit whose model files these rows were first predicted with (set when the rows were
 # added; the planner's terms were committed before the rows were evaluated).
-FROZEN_AT = "FROZEN_COMMIT"
+FROZEN_AT = "2eda919fe94f458bab2ab7392278bcaf8fc8e886"
 MODEL_FILES = (
     "src/tessera/plan/check.py",
     "src/tessera/plan/devices.py",
@@ -156,22 +156,26 @@ TRAIN_SERIES = tuple(
 )
 
 
-def _train_tps(spec: TransformerSpec, hw: Hardware, gpus: int, series: TrainSeries) -> float:
+def _train_tps(spec: TransformerSpec, hw: Hardware, gpus: int, series: TrainSeries, overlap: bool) -> float:
     batch = series.local_batch * gpus
-    pred = predict_train(spec, Plan(dp=gpus, zero=3), hw, global_batch=batch, seq=series.seq)
+    pred = predict_train(spec, Plan(dp=gpus, zero=3), hw, global_batch=batch, seq=series.seq, overlap=overlap)
     return batch * series.seq / pred.seconds / gpus
 
 
-def check_train_series(series: TrainSeries) -> dict:
-    """Calibrate on the first GPU count, predict the others (tokens/s per GPU)."""
+def check_train_series(series: TrainSeries, overlap: bool = False) -> dict:
+    """Calibrate on the first GPU count, predict the others (tokens/s per GPU). ``overlap``:
+    the gradient reduces overlap the backward (the frozen evaluation ran without it: the
+    planner's default)."""
     spec = LLAMA31_8B.with_tokens(series.seq)
     hw = Hardware(device=device_named(series.device), link=link_named("nvlink4"), inter_node=RDMA_400G)
     gpus0, tps0 = series.rows[0]
     step0 = series.local_batch * series.seq / tps0  # seconds per step at the first count
-    hw = calibrate(lambda h: series.local_batch * series.seq / _train_tps(spec, h, gpus0, series), hw, step0)
+    hw = calibrate(
+        lambda h: series.local_batch * series.seq / _train_tps(spec, h, gpus0, series, overlap), hw, step0
+    )
     rows = []
     for gpus, tps in series.rows:
-        pred = _train_tps(spec, hw, gpus, series)
+        pred = _train_tps(spec, hw, gpus, series, overlap)
         rows.append({
             "layout": f"FSDP dp={gpus}", "ranks": gpus, "published": tps, "predicted": round(pred, 1),
             # seconds per step, so that the within-20% test is on time as for the other tables
@@ -184,6 +188,12 @@ def check_train_series(series: TrainSeries) -> dict:
         "note": series.note,
         "efficiency": round(hw.efficiency, 4),
     } | (table_stats(rows))
+
+
+def calibration_failed(rows: list[dict]) -> bool:
+    """The calibration row is not matched (1%: calibrate stops at 1e-6): no efficiency gives
+    its time, e.g. when the predicted communication alone takes longer than the published step."""
+    return abs(rows[0]["predicted_s"] / rows[0]["measured_s"] - 1) > 0.01
 
 
 def table_stats(rows: list[dict]) -> dict:
@@ -255,6 +265,12 @@ def evaluate(host_op_seconds: float) -> dict:
     groups = best_plan_groups(consisid["rows"])
     trains = [check_train_series(s) | {"kind": "train"} for s in TRAIN_SERIES]
     tables = [consisid, *trains]
+    for t in tables:
+        t["calibration_failed"] = calibration_failed(t["rows"])
+    # Looked at after the frozen run, so in sample and not counted: torchtitan's FSDP2
+    # prefetches its all-gathers and overlaps its reduce-scatters, which the planner's default
+    # (overlap=False, boost's synchronous per-block reduces) does not describe.
+    after = [check_train_series(s, overlap=True) for s in TRAIN_SERIES]
     predicted = sum(t["predicted"] for t in tables)
     within = sum(t["within_20pct"] for t in tables)
     # best plan: ConsisID per GPU count (each training series has one predicted row: no choice)
@@ -270,7 +286,21 @@ def evaluate(host_op_seconds: float) -> dict:
             "consisid_spearman": consisid["spearman"],
             "best_plan_per_gpu_count": f"{matched}/{len(groups)}",
             "best_plan_whole_table": f"{int(consisid['best_measured'] == consisid['best_predicted'])}/1",
+            "tables_whose_calibration_failed": [t["table"] for t in tables if t["calibration_failed"]],
             "aim": ">= 80% of new rows within 20%, best plan in >= 80% of the tables",
+        },
+        "after_looking_not_counted": {
+            "change": "training series with overlap=True (chosen after the frozen run: in sample)",
+            "within_20pct": f"{sum(t['within_20pct'] for t in after)}/{sum(t['predicted'] for t in after)}",
+            "tables": [
+                {
+                    "table": t["table"],
+                    "efficiency": t["efficiency"],
+                    "calibration_failed": calibration_failed(t["rows"]),
+                    "rows": t["rows"],
+                }
+                for t in after
+            ],
         },
         "best_plan_groups": groups,
         "tables": [
@@ -287,6 +317,7 @@ def evaluate(host_op_seconds: float) -> dict:
                     "spearman",
                     "best_measured",
                     "best_predicted",
+                    "calibration_failed",
                     "rows",
                 )
             }
@@ -318,13 +349,24 @@ def markdown(result: dict) -> str:
     ]
     for t in result["tables"]:
         for i, r in enumerate(t["rows"]):
-            err = "calibration" if i == 0 else f"{r['rel_error']:+.0%}"
+            err = (
+                f"{r['rel_error']:+.0%}"
+                if i
+                else ("calibration FAILED" if t["calibration_failed"] else "calibration")
+            )
             lines.append(f"| {t['table']} | {r['layout']} | {r['measured_s']} | {r['predicted_s']} | {err} |")
     lines += ["", "| GPUs | layouts | best published | best predicted | match |", "|---|---|---|---|---|"]
     for g in result["best_plan_groups"]:
         lines.append(
             f"| {g['ranks']} | {g['layouts']} | {g['best_measured']} | {g['best_predicted']} | {g['match']} |"
         )
+    a = result["after_looking_not_counted"]
+    lines += ["", f"After looking (in sample, not counted): {a['change']}: {a['within_20pct']} within 20%."]
+    lines += ["", "| table | layout | published s | predicted s | error |", "|---|---|---|---|---|"]
+    for t in a["tables"]:
+        for i, r in enumerate(t["rows"]):
+            err = "calibration" if i == 0 else f"{r['rel_error']:+.0%}"
+            lines.append(f"| {t['table']} | {r['layout']} | {r['measured_s']} | {r['predicted_s']} | {err} |")
     lines += ["", "Sources:", *(f"- {t['table']}: {t['source']}" for t in result["tables"])]
     lines += ["", "Not predicted:", *(f"- {n}" for n in result["not_predicted"])]
     return "\n".join(lines) + "\n"
