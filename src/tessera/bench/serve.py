@@ -278,6 +278,8 @@ def _result(plan, rows, systems, absent, folder, memory) -> BenchResult:
         ]  # batches of several 2 MiB chunks, where the plan's packing shows
         headline["memory_plan_max_footprint_over_peak_live_16mib_up"] = round(big, 3) if big else None
         headline["memory_plan_steady_state_allocations"] = memory["second_pass"]["allocations"]
+        headline["memory_plan_held_over_largest_peak_live"] = round(memory["held_over_largest_peak"], 3)
+        headline["memory_plan_second_pass_chunk_allocations"] = memory["second_pass"]["chunk_allocations"]
     for system in plan.systems:
         at75 = _find(rows, system, "75%")
         headline[f"{system}_p99_at_75pct_s"] = round(at75["p99_s"], 4) if at75 else None

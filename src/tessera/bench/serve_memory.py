@@ -62,8 +62,9 @@ def measure_memory_plan(folder: Path, lengths: list[int], *, run: int = 8, fifo:
         "mean_ratio": sum(ratios) / len(ratios),
         "held_mib": arena.held_bytes() / 2**20,
         "largest_peak_live_mib": max(r["peak_live_mib"] for r in rows),
+        "held_over_largest_peak": arena.held_bytes() / 2**20 / max(r["peak_live_mib"] for r in rows),
         "second_pass": {k: after[k] - before[k] for k in ("plans", "chunk_allocations", "allocations")},
-        "first_pass": {k: before[k] for k in ("plans", "plans_apart", "chunk_allocations", "allocations")},
+        "first_pass": {k: before[k] for k in ("plans", "plans_anew", "chunk_allocations", "allocations")},
         "planned_over_default_seconds": seconds["planned"] / seconds["default"],
     }
 
@@ -76,7 +77,8 @@ def memory_table(memory: dict) -> tuple[str, list[str], list[dict]]:
 def memory_note(memory: dict) -> str:
     return (
         f"memory plan: footprint / peak live at most {memory['max_ratio']:.3f} (mean {memory['mean_ratio']:.3f}); "
-        f"held {memory['held_mib']:.1f} MiB after all batches (largest peak {memory['largest_peak_live_mib']:.1f} MiB); "
+        f"held {memory['held_mib']:.1f} MiB after all batches, {memory['held_over_largest_peak']:.2f}x the largest "
+        f"peak ({memory['largest_peak_live_mib']:.1f} MiB); "
         f"second pass over the same batches: {memory['second_pass']}; planned forward time / the default "
         f"runner's {memory['planned_over_default_seconds']:.2f}"
     )

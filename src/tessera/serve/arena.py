@@ -17,6 +17,7 @@ of that forward runs on the allocator, correct but unplanned.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -26,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tessera.serve.memory_plan import MemoryPlan, Usage, plan_apart, plan_memory
+from tessera.serve.memory_plan import MemoryPlan, Usage, peak_live_bytes, plan_memory
 
 PROBES = ([3, 8], [5, 6, 12], [2, 9, 4, 14, 7])  # T, B, L, BxL affinely independent over these
 VARIABLES = ("T", "B", "L", "BL")
@@ -241,6 +242,7 @@ class Arena:
         *,
         keep_plans: int = 8,
         target: float = FOOTPRINT_TARGET,
+        window: int = 256,
     ):
         self.prepare, self.compute, self.target = prepare, compute, target
         self.trace = derive_trace(prepare, compute)
@@ -248,10 +250,11 @@ class Arena:
         self._last_use: list[int] = []
         self._plans: dict[tuple, MemoryPlan] = {}
         self.keep_plans = keep_plans
+        self._peaks: deque[int] = deque(maxlen=window)  # peak live bytes of the last batches
         counters = (
             "batches",
             "plans",
-            "plans_apart",
+            "plans_anew",
             "chunk_allocations",
             "chunk_releases",
             "diverged",
@@ -265,18 +268,26 @@ class Arena:
     def usages(self, sig: dict[str, int]) -> list[Usage]:
         return [Usage(s.nbytes(sig), s.first, s.last) for s in self.trace.sites]
 
+    def usages_peak(self, lengths: list[int]) -> int:
+        """The peak of live bytes a batch of these input lengths needs (the bound on any plan)."""
+        return peak_live_bytes(self.usages(signature(lengths)))
+
     def plan(self, lengths: list[int]) -> MemoryPlan:
+        if self._peaks:
+            self._release_idle()  # the last batch's forward is done with its chunks
         sig = signature(lengths)
         key = tuple(sig.values())
         plan = self._plans.get(key)
         if plan is None:
+            # into the chunks held (they cost nothing more), new ones only for what does not fit
             usages = self.usages(sig)
             plan = plan_memory(usages, [c.numel() for c in self.chunks])
-            if plan.footprint > self.target * plan.peak_live:
-                # The held chunks were cut for other shapes and fit this one badly: a set of
-                # its own (kept while used, released when idle) keeps each batch within target.
-                plan = plan_apart(usages, [c.numel() for c in self.chunks])
-                self.stats["plans_apart"] += 1
+            if plan.new_chunks and plan.peak_live >= max(self._peaks, default=0):
+                # the largest batch yet does not fit what is held: the held set is cut again
+                # from nothing, for it (smaller batches then mostly fit inside)
+                self._release([*range(len(self.chunks))])
+                plan = plan_memory(usages)
+                self.stats["plans_anew"] += 1
             for size in plan.chunk_sizes[len(self.chunks) :]:
                 self.chunks.append(torch.empty(size, dtype=torch.uint8))
                 self._last_use.append(0)
@@ -284,6 +295,7 @@ class Arena:
             self._plans[key] = plan
             self.stats["plans"] += 1
         self.stats["batches"] += 1
+        self._peaks.append(plan.peak_live)
         for c in plan.used_chunks:
             self._last_use[c] = self.stats["batches"]
         self.last_plan = plan
@@ -302,21 +314,37 @@ class Arena:
         inputs = self.prepare(sequences)
         with _Replay(self.trace, views, self.stats):
             out = self.compute(inputs)
-        result = out.clone()  # the batch's answer must outlive the chunks' next use
-        self._release_idle()
-        return result
+        return out.clone()  # the batch's answer must outlive the chunks' next use
 
     def _release_idle(self) -> None:
-        """Chunks no plan used in the last ``keep_plans`` batches go back (and every cached
-        plan with them: plans index chunks by position)."""
-        idle = [c for c, used in enumerate(self._last_use) if self.stats["batches"] - used >= self.keep_plans]
-        if not idle:
+        """While the chunks held exceed ``target`` x the largest peak of live bytes among the
+        last ``window`` batches, the least recently used chunk idle for ``keep_plans``
+        batches goes back (and every cached plan with them: plans index chunks by position)."""
+        limit = self.target * max(self._peaks)
+        held = self.held_bytes()
+        if held <= limit:
             return
-        keep = [c for c in range(len(self.chunks)) if c not in idle]
+        now = self.stats["batches"]
+        idle = sorted(
+            (c for c, used in enumerate(self._last_use) if now - used >= self.keep_plans),
+            key=lambda c: self._last_use[c],
+        )
+        drop = set()
+        for c in idle:
+            if held <= limit:
+                break
+            drop.add(c)
+            held -= self.chunks[c].numel()
+        self._release(drop)
+
+    def _release(self, chunks) -> None:
+        if not chunks:
+            return
+        keep = [c for c in range(len(self.chunks)) if c not in set(chunks)]
         self.chunks = [self.chunks[c] for c in keep]
         self._last_use = [self._last_use[c] for c in keep]
         self._plans.clear()
-        self.stats["chunk_releases"] += len(idle)
+        self.stats["chunk_releases"] += len(chunks)
 
     def held_bytes(self) -> int:
         return sum(c.numel() for c in self.chunks)
