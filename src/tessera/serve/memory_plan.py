@@ -113,19 +113,3 @@ def plan_memory(
     used = sorted({c for c, _ in placements})
     return MemoryPlan(placements, [c.size for c in chunks], used, len(chunks) - held, peak_live_bytes(usages))
 
-
-def plan_apart(usages: list[Usage], held: list[int]) -> MemoryPlan:
-    """Plan ``usages`` from nothing into chunks of their own, appended after the ``held``
-    ones (which this plan leaves alone). These chunks are cut to fit (no 1.2x room to
-    grow): the plan exists because chunks cut for other shapes fit this one badly, and
-    growth room would be the same waste again (measured on MiniLM batches: footprint / peak
-    live 1.26 on average with the room, 1.13 without)."""
-    alone = plan_memory(usages, new_chunk_scale=1.0)
-    shift = len(held)
-    return MemoryPlan(
-        [(c + shift, offset) for c, offset in alone.placements],
-        list(held) + alone.chunk_sizes,
-        [c + shift for c in alone.used_chunks],
-        alone.new_chunks,
-        alone.peak_live,
-    )
