@@ -47,17 +47,23 @@ def random_table(rng: random.Random) -> CostTable:
     return CostTable.from_function(cost, [1, 4, 8, 16, 32, 64], [1, 2, 3, 4, 6, 8])
 
 
+def random_case(rng, n, *, padded=True):
+    """A random cost table, n sorted lengths, random limits, and the DP's plan of them."""
+    table = random_table(rng)
+    lengths = sorted(rng.randint(1, 64) for _ in range(n))
+    limits = BatchLimits(
+        max_batch_size=rng.randint(1, 8), max_batch_tokens=rng.randint(64, 300), padded=padded
+    )
+    runs, total = plan_batches(lengths, table.dense(64, limits.max_batch_size), limits)
+    return table, lengths, limits, [list(range(a, b)) for a, b in runs], total
+
+
 def test_dp_equals_brute_force_over_all_partitions():
     rng = random.Random(0)
     cases = 0
     for trial in range(120):
         n = 1 + trial % 8
-        table = random_table(rng)
-        lengths = sorted(rng.randint(1, 64) for _ in range(n))
-        limits = BatchLimits(max_batch_size=rng.randint(1, 8), max_batch_tokens=rng.randint(64, 300))
-        rows = table.dense(64, limits.max_batch_size)
-        runs, total = plan_batches(lengths, rows, limits)
-        batches = [list(range(a, b)) for a, b in runs]
+        table, lengths, limits, batches, total = random_case(rng, n)
         assert [i for batch in batches for i in batch] == list(range(n))  # contiguous runs, in order
         # rel=1e-12: <= 8 float64 costs summed in another order (rounding ~1e-16 each)
         assert partition_cost(batches, lengths, table, limits) == pytest.approx(total, rel=1e-12)
@@ -84,13 +90,7 @@ def test_under_an_unpadded_budget_the_dp_is_the_best_cut_into_runs():
     binding = 0
     for trial in range(120):
         n = 1 + trial % 9
-        table = random_table(rng)
-        lengths = sorted(rng.randint(1, 64) for _ in range(n))
-        limits = BatchLimits(
-            max_batch_size=rng.randint(1, 8), max_batch_tokens=rng.randint(64, 300), padded=False
-        )
-        runs, total = plan_batches(lengths, table.dense(64, limits.max_batch_size), limits)
-        batches = [list(range(a, b)) for a, b in runs]
+        table, lengths, limits, batches, total = random_case(rng, n, padded=False)
         assert all(sum(lengths[i] for i in b) <= limits.max_batch_tokens for b in batches)
         best = min(partition_cost(p, lengths, table, limits) for p in runs_of(n))
         assert total == pytest.approx(best, rel=1e-12), (lengths, limits)  # same lookups, other order
