@@ -113,3 +113,52 @@ def test_cogvideox_preset_counts_are_the_diffusers_model_counts():
         spec.decode_flops, rel=1e-3
     )
     assert spec.tokens == 13 * 30 * 45 + 226
+
+
+def test_every_link_profile_states_its_topology_and_source():
+    from tessera.plan.hardware import LINK_TOPOLOGY
+    from tessera.runtime.link import LINKS
+
+    assert set(LINK_TOPOLOGY) == set(LINKS)
+    assert all(topology and source for topology, source in LINK_TOPOLOGY.values())
+
+
+def test_an_all_to_all_across_pcie_switches_shares_the_uplink():
+    """8 GPUs, 4 per switch: each GPU sends 4/8 of its bytes to the other switch, and the 4
+    GPUs below a switch push them through its one x16 uplink: 4 * 4 / 7 = 2.29x the time of
+    independent sends. A ring pass crosses each uplink once per direction: unchanged; so is
+    a group inside one switch, and NVSwitch (pcie_group 0)."""
+    import dataclasses
+
+    from tessera.plan.devices import device_named
+    from tessera.plan.hardware import Hardware
+    from tessera.runtime.link import link_named
+
+    flat = Hardware(device=device_named("l40"), link=link_named("pcie4"))
+    shared = dataclasses.replace(flat, pcie_group=4)
+    b, eight = 64 * 2**20, range(8)
+    # approx's default 1e-6 relative: the factor is a float ratio of the same link time
+    assert shared.comm_seconds("all_to_all", b, eight) == pytest.approx(
+        flat.comm_seconds("all_to_all", b, eight) * 16 / 7
+    )
+    for op, ranks in (("send", range(8)), ("all_gather", range(8)), ("all_to_all", range(4))):
+        assert shared.comm_seconds(op, b, ranks) == flat.comm_seconds(op, b, ranks)
+    # 2 of a 4-rank group on each switch: 2 * 2 / 3 = 1.33x
+    assert shared.comm_seconds("all_to_all", b, [2, 3, 4, 5]) == pytest.approx(
+        flat.comm_seconds("all_to_all", b, [2, 3, 4, 5]) * 4 / 3
+    )
+    with pytest.raises(ValueError, match="pcie_group must be an integer >= 0"):
+        Hardware(device=device_named("l40"), link=link_named("pcie4"), pcie_group=-1)
+
+
+def test_every_generation_preset_says_what_of_its_pipeline_it_counts():
+    from tessera.plan.model_spec import PIPELINE_COUNTS
+
+    generation = {n for n, s in PRESETS.items() if s.vocab == 0 and not s.experts}
+    assert generation == set(PIPELINE_COUNTS)
+    for name, counts in PIPELINE_COUNTS.items():
+        spec = PRESETS[name]
+        # a decode or host term in the spec is said to be counted, and its absence is said too
+        assert ("decode" in counts["counted"]) == (spec.decode_flops > 0) or name == "bench-dit"
+        assert ("host time" in counts["counted"]) == (spec.host_ops_per_layer > 0)
+        assert counts["not counted"]

@@ -12,8 +12,8 @@ from pathlib import Path
 # so the planners load in the handlers.
 from tessera.cli_flags import LAYOUT, PLAN, add_fields, add_renamed, as_flags, given, warn_renamed
 from tessera.plan.devices import DEVICES, device_named
-from tessera.plan.hardware import Hardware
-from tessera.plan.model_spec import PRESETS, model_spec
+from tessera.plan.hardware import LINK_TOPOLOGY, Hardware
+from tessera.plan.model_spec import PIPELINE_COUNTS, PRESETS, model_spec
 from tessera.plan.training_plan import OFFLOADS, PRECISIONS
 from tessera.runtime.link import LINKS, link_named
 
@@ -41,6 +41,13 @@ def add_hardware_args(p: argparse.ArgumentParser) -> None:
         help="host microseconds per eager op: a layer takes at least its op count times this "
         "(tessera bench plan fits it on xDiT's FLUX table; 0: not modelled)",
     )
+    p.add_argument(
+        "--pcie-group",
+        type=int,
+        default=0,
+        help="GPUs behind one PCIe switch sharing its x16 uplink (a PCIe --link; 0: not modelled): "
+        "all-to-alls leaving a switch share it",
+    )
     p.add_argument("--top", type=int, default=10, help="rows of the table")
 
 
@@ -55,6 +62,7 @@ def _hardware(args) -> Hardware:
         precision=args.precision,
         efficiency=args.efficiency,
         host_op_seconds=args.host_op_us * 1e-6,
+        pcie_group=args.pcie_group,
     )
 
 
@@ -181,6 +189,13 @@ def cmd_plan_generate(args) -> None:
     ]
     what = video.shape.describe() if video else f"{spec.tokens} tokens"
     print(f"{spec.name}: {what}, {args.steps} steps on {args.devices} x {hw.device.name} ({hw.link.name})")
+    if args.model in PIPELINE_COUNTS:
+        counts = PIPELINE_COUNTS[args.model]
+        print(f"counts: {counts['counted']}; not counted: {counts['not counted']}")
+    if hw.link.name in LINK_TOPOLOGY:
+        topology, source = LINK_TOPOLOGY[hw.link.name]
+        shared = f"; {hw.pcie_group} GPUs per PCIe switch" if hw.pcie_group else ""
+        print(f"link: {hw.link.name}: {topology}{shared} ({source})")
     print(_table(["rank", "plan", "seconds", "GiB/rank", "GiB moved"], rows))
     _check_fits(ranked, hw, args.devices)
     best = ranked.fits[0].config

@@ -367,6 +367,36 @@ PRESETS: dict[str, TransformerSpec] = {
 }
 
 
+# What each generation preset's estimate counts of the real pipeline, and what it does not
+# (the text encoders run once per prompt before sampling; none is counted yet).
+PIPELINE_COUNTS: dict[str, dict[str, str]] = {
+    "bench-dit": {
+        "counted": "the DiT's sampling steps, as tessera bench dit times them",
+        "not counted": "nothing else runs in that benchmark's timed loop",
+    },
+    "pixart-alpha": {
+        "counted": "the transformer's steps",
+        "not counted": "T5-XXL text encoder, VAE decode, host time per eager op",
+    },
+    "flux-dev": {
+        "counted": "the transformer's steps, VAE decode (10.47 TFLOP), host time (158/83 ops per block)",
+        "not counted": "T5-XXL and CLIP text encoders",
+    },
+    "sana-1600m-4k": {
+        "counted": "the transformer's steps, DC-AE decode (133.9 TFLOP), host time (99 ops per block)",
+        "not counted": "Gemma-2 text encoder",
+    },
+    "hunyuanvideo-720p": {
+        "counted": "the transformer's steps, 3D VAE decode (2473.5 TFLOP), host time (162/98 ops per block)",
+        "not counted": "LLaVA-Llama and CLIP text encoders",
+    },
+    "cogvideox-5b-480p-49f": {
+        "counted": "the transformer's steps, VAE decode (315.0 TFLOP), host time (116 ops per block)",
+        "not counted": "T5-XXL text encoder; for ConsisID its face extractor and perceiver cross-attention",
+    },
+}
+
+
 def spec_from_config(path: str | Path, tokens: int | None = None) -> TransformerSpec:
     """A spec from a transformers ``config.json`` (GPT-2 or Llama-style keys)."""
     path = Path(path)
