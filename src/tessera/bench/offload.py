@@ -151,7 +151,7 @@ def _tessera_step(cfg, depth, variant, base_rss, workdir):
     return step, moved, host
 
 
-def _deepspeed_step(cfg, depth, workdir, *, bf16: bool = False):
+def _deepspeed_step(cfg, depth, workdir, *, bf16: bool = False, whole: bool = False):
     import deepspeed
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
@@ -208,7 +208,10 @@ def _deepspeed_step(cfg, depth, workdir, *, bf16: bool = False):
     # transformers' documented ZeRO-3 model creation: with an HfDeepSpeedConfig alive, building
     # from a config runs under deepspeed.zero.Init (each module partitioned as it is made, its
     # weights initialised gathered), so the model is never whole in memory
-    zero3 = HfDeepSpeedConfig(config)  # noqa: F841 (transformers keeps a weak reference)
+    # (``whole``: the model built whole in memory first, DeepSpeed's other way; the bench keeps
+    # whichever fits the larger model: in the first run with zero.Init, the zero.Init build
+    # peaked higher in the steps, 1352 MiB at 8 layers against 1035 MiB built whole before)
+    zero3 = None if whole else HfDeepSpeedConfig(config)  # noqa: F841 (transformers keeps a weak reference)
     try:
         torch.manual_seed(0)
         model = GPT2LMHeadModel._from_config(_config(cfg, depth), torch_dtype=torch.float32)
@@ -244,7 +247,9 @@ def trial(cfg: OffloadBenchConfig, depth: int, variant: str) -> dict:
         prefix="tessera-offload-", dir=os.environ.get("TESSERA_OFFLOAD_DIR")
     ) as work:
         if variant.startswith("deepspeed"):
-            step, moved, where = _deepspeed_step(cfg, depth, work, bf16=variant.endswith("_bf16"))
+            step, moved, where = _deepspeed_step(
+                cfg, depth, work, bf16=variant.endswith("_bf16"), whole=variant.endswith("_whole")
+            )
             host = None
         else:
             step, moved, host = _tessera_step(cfg, depth, variant, base, work)
