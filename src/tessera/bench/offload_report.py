@@ -38,7 +38,8 @@ def result(cfg, rows, largest, variants, timed=None) -> BenchResult:
     at = {v: _common(timed or rows, v, cfg.common_depth) for v in variants}
     tps = {v: at[v]["tokens_per_s"] if at[v] else None for v in variants}
     moved = {v: at[v]["moved_mib_per_step"] if at[v] else None for v in variants}
-    best_ds = max(("deepspeed", "deepspeed_whole"), key=lambda v: size.get(v) or 0)
+    # the larger model, then (a tie: the committed run's 8 layers both ways) the faster build
+    best_ds = max(("deepspeed", "deepspeed_whole"), key=lambda v: (size.get(v) or 0, tps.get(v) or 0))
     headline = {
         "budget_mib": cfg.budget_mib,
         **{f"largest_params_m_{v}": None if size[v] is None else round(size[v], 1) for v in variants},
