@@ -78,3 +78,21 @@ def test_a_budget_the_recorded_steps_do_not_fit_is_refused_between_steps(tmp_pat
     loss = opt.train_step(batches(seed=5, n=1)[0], causal_lm_loss)["loss"]  # the next step fits
     assert torch.isfinite(torch.tensor(loss))
     assert offload.store.tiers[0].peak <= HOST_MEMORY
+
+
+def test_the_plan_memory_dry_run_counts_the_chunks_gathered_ahead(tmp_path):
+    """memory_report drives ShardOffload as the engine will, prefetch included: each chunk
+    gathered ahead holds its whole chunk (and the shard it comes from) at the same time."""
+    from offload_lm import model as tiny_model
+
+    from tessera.train.plan import memory_report
+
+    peaks = {}
+    for prefetch in (0, 2):
+        plan = tessera.Plan(
+            zero=3, chunk_mib=CHUNK_MIB, offload="static", host_memory=10**9, offload_dir=str(tmp_path),
+            prefetch=prefetch,
+        )  # fmt: skip
+        peaks[prefetch] = memory_report(tiny_model(), plan).chunk_peak
+    # 11 chunks of ~16.8 kB whole: two more in flight hold at least two more whole chunks
+    assert peaks[2] >= peaks[0] + 2 * 4000 * 4, peaks

@@ -60,6 +60,7 @@ def memory_report(model, plan: Plan, *, state_tensors: int = 2, nonmodel: int = 
         state_tensors=state_tensors,
         nonmodel=nonmodel,
         segment_of=segment_of,
+        prefetch=plan.prefetch,  # the whole chunks gathered ahead, as the engine will
     )
 
 
