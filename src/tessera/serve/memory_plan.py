@@ -112,4 +112,3 @@ def plan_memory(
             placements[i] = (len(chunks) - 1, 0)
     used = sorted({c for c, _ in placements})
     return MemoryPlan(placements, [c.size for c in chunks], used, len(chunks) - held, peak_live_bytes(usages))
-
