@@ -245,9 +245,15 @@ def _headline(by: dict[str, dict], balance: list[dict]) -> dict:
             ("tokens_per_s", "speeds", "tokens_per_s"),
             ("peak_mem", "mems", "peak_mib_per_rank"),
         ):
-            ratios = [a / b for a, b in zip(by[variant][key], by[BASELINE][key], strict=True)]
-            out[f"{variant}_{metric}_vs_{BASELINE}"] = round(by[variant][column] / by[BASELINE][column], 3)
-            out[f"{variant}_{metric}_vs_{BASELINE}_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+            # A tiny quick model can stay under the baseline's resident set (0 MiB above it):
+            # no ratio is defined then, and the headline says None rather than dividing by zero.
+            pairs = list(zip(by[variant][key], by[BASELINE][key], strict=True))
+            ratios = [a / b for a, b in pairs if b > 0]
+            base = by[BASELINE][column]
+            out[f"{variant}_{metric}_vs_{BASELINE}"] = round(by[variant][column] / base, 3) if base > 0 else None
+            out[f"{variant}_{metric}_vs_{BASELINE}_range"] = (
+                [round(min(ratios), 3), round(max(ratios), 3)] if ratios else None
+            )
     if "ep2" in by:
         out["a2a_bytes_equal_formula"] = by["ep2"]["a2a_equals_formula"]
         out["a2a_mib_per_step"] = by["ep2"]["a2a_mib_per_step"]
