@@ -42,6 +42,9 @@ def tokens_for(lengths, vocab=200, seed=0):
 def test_packed_batches_equal_one_request_at_a_time(encoder_dirs, family, task, pooling):
     served = load_model(encoder_dirs[family, task], task=task, pooling=pooling)
     runners = [UnpaddedRunner(served, attention=mode) for mode in ATTENTION_MODES] + [PaddedRunner(served)]
+    # the dense layers on Tessera's kernels (residuals fused where the family allows): the same
+    # fp32 tolerance, the kernel's sums run in another (fixed) order than MKL's
+    runners.append(UnpaddedRunner(served, kernels="tessera"))
     worst = 0.0
     for seed, lengths in enumerate(compositions(served.max_length)):
         sequences = tokens_for(lengths, seed=seed)
@@ -52,6 +55,15 @@ def test_packed_batches_equal_one_request_at_a_time(encoder_dirs, family, task, 
             torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL, msg=f"{runner.name} {lengths}")
             worst = max(worst, (got - expected).abs().max().item())
     print(f"{family} {task}/{pooling}: max |packed - one by one| = {worst:.2e}")
+    on_kernels = runners[-1].describe()
+    # every Linear of the model ran on the kernels (none fell back to torch's) ...
+    linears = sum(isinstance(m, torch.nn.Linear) for m in served.model.modules())
+    assert on_kernels["dense_calls"] >= linears and on_kernels["kernels"] == "tessera"
+    # ... with the residual fused in BERT's and RoBERTa's two output blocks per layer
+    assert on_kernels["fused_residuals"] == (
+        2 * served.config.num_hidden_layers if family in ("bert", "roberta") else 0
+    )
+    assert not any("forward" in m.__dict__ for m in served.model.modules())  # the model is left as it was
     assert served.config._attn_implementation == "sdpa"  # the model's own choice is back
 
 

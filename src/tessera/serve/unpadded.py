@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from tessera.serve.dense_layers import KERNELS, DenseLayers
 from tessera.serve.model import ServedModel
 from tessera.serve.runner import Runner
 
@@ -207,11 +208,31 @@ class UnpaddedRunner(Runner):
     padded = False
     name = "unpadded"
 
-    def __init__(self, served: ServedModel, *, attention: str = "per_request", memory_plan: bool = False):
+    def __init__(
+        self,
+        served: ServedModel,
+        *,
+        attention: str = "per_request",
+        memory_plan: bool = False,
+        kernels: str = "torch",
+        tuning: str = "model",
+    ):
         super().__init__(served)
         check_served_model(served)
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_MODES)}, got {attention!r}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+        if memory_plan and kernels == "tessera":
+            raise ValueError(
+                "the memory plan traces ATen ops and Tessera's dense kernels run outside ATen: "
+                "use --kernels torch with --memory-plan"
+            )
+        self.dense = (
+            DenseLayers(served.model, mode=tuning, threads=torch.get_num_threads())
+            if kernels == "tessera"
+            else None
+        )
         if memory_plan and attention != "padded":
             raise ValueError(
                 f"the memory plan needs attention 'padded' (one op sequence for every batch), got {attention!r}"
@@ -226,7 +247,13 @@ class UnpaddedRunner(Runner):
             self.arena = Arena(self.prepare, self.compute)
 
     def describe(self) -> dict:
-        return {"name": self.name, "attention": self.attention, "memory_plan": self.arena is not None}
+        kernels = self.dense.describe() if self.dense is not None else {"kernels": "torch"}
+        return {
+            "name": self.name,
+            "attention": self.attention,
+            "memory_plan": self.arena is not None,
+            **kernels,
+        }
 
     def prepare(self, sequences: list[list[int]]) -> Packed:
         lengths = [len(s) for s in sequences]
@@ -245,6 +272,10 @@ class UnpaddedRunner(Runner):
         return out.last_hidden_state[0]
 
     def compute(self, packed: Packed) -> torch.Tensor:
+        with self.dense.on() if self.dense is not None else contextlib.nullcontext():
+            return self._compute(packed)
+
+    def _compute(self, packed: Packed) -> torch.Tensor:
         hidden = self.hidden_states(packed)
         first = hidden.index_select(0, packed.segments.starts)
         served = self.served

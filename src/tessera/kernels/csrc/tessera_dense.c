@@ -1,0 +1,128 @@
+/* A dense layer, Y[M, N] = X[M, K] W[N, K]^T + bias (+ R), for serving: N and K are fixed
+ * when it is compiled (a model's layer), M (the tokens of a batch) is given at each call.
+ *
+ * The weight is packed once, when the model is loaded (tk_pack_weight), into the layout the
+ * micro-kernel reads: for each KC block of K, the N columns as NR-wide panels, each k-major
+ * (NR floats per k), zero-padded past N. A call packs only X, an MC x KC block at a time,
+ * into MR-row panels, and walks BLIS's inner loops (panels of W outside, rows of X inside,
+ * so a W micro-panel stays in L1 while the rows stream past). The epilogue runs on the
+ * register tile on the last KC block, before the store: bias, and the residual R when given
+ * (Y = X W^T + bias + R, the sum that a post-LayerNorm encoder feeds its LayerNorm).
+ *
+ * Defined by the generator before this file: TK_VEC, TK_MR, TK_NR, TK_UNROLL (see
+ * tessera_primitives.h), TK_N, TK_K, TK_KC, TK_MC.
+ *
+ * Reductions run in one fixed order (k blocks in order, k in order inside), whatever the
+ * thread count: threads split W's panels, never K.
+ */
+#define TK_NG 0
+#include "tessera_primitives.h"
+
+#define TK_NP ((TK_N + TK_NR - 1) / TK_NR)
+
+void tk_init(void) {}
+
+long tk_packed_floats(void) { return (long)TK_NP * TK_NR * TK_K; }
+
+/* W: N x K row-major (torch's Linear.weight). Block pc starts at pc * NP * NR floats; panel
+ * p of it at p * NR * kc further. */
+void tk_pack_weight(const float *restrict W, float *restrict Wp) {
+    for (long pc = 0; pc < TK_K; pc += TK_KC) {
+        long kc = tk_min(TK_KC, TK_K - pc);
+        float *blk = Wp + pc * TK_NP * TK_NR;
+        for (long p = 0; p < TK_NP; ++p) {
+            float *dst = blk + p * TK_NR * kc;
+            for (long k = 0; k < kc; ++k)
+                for (long j = 0; j < TK_NR; ++j) {
+                    long n = p * TK_NR + j;
+                    dst[k * TK_NR + j] = n < TK_N ? W[n * TK_K + pc + k] : 0.0f;
+                }
+        }
+    }
+}
+
+/* Rows m0 .. m0 + mc of X, columns pc .. pc + kc, into MR-row panels (k-major, MR floats per
+ * k); rows past mc are zeros. */
+static void tk_pack_x(const float *restrict X, long m0, long mc, long pc, long kc, float *restrict Ap) {
+    for (long ir = 0; ir < mc; ir += TK_MR) {
+        long mr = tk_min(TK_MR, mc - ir);
+        float *dst = Ap + ir * kc;
+        const float *rows[TK_MR];
+        for (int i = 0; i < TK_MR; ++i) rows[i] = X + (m0 + ir + (i < mr ? i : 0)) * TK_K + pc;
+        for (long k = 0; k < kc; ++k)
+            for (int i = 0; i < TK_MR; ++i) dst[k * TK_MR + i] = i < mr ? rows[i][k] : 0.0f;
+    }
+}
+
+/* One MR x NR tile of Y (row stride N): accumulate over kc, then (first block) store or add;
+ * on the last block add bias and R. mr, nr: the valid part. */
+TK_INLINE void tk_dense_tile(long kc, const float *restrict a, const float *restrict b, float *restrict y,
+                             int first, int last, const float *restrict bias, const float *restrict r,
+                             long mr, long nr) {
+    tk_vf acc[TK_MR][TK_NV];
+    for (int i = 0; i < TK_MR; ++i)
+        for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_zero();
+    TK_UNROLL_LOOP(TK_UNROLL)
+    for (long k = 0; k < kc; ++k) {
+        tk_vf bv[TK_NV];
+        for (int j = 0; j < TK_NV; ++j) bv[j] = tk_load(b + k * TK_NR + j * TK_VL);
+        for (int i = 0; i < TK_MR; ++i) {
+            tk_vf ai = tk_set1(a[i + k * TK_MR]);
+            for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_fma(ai, bv[j], acc[i][j]);
+        }
+    }
+    if (mr == TK_MR && nr == TK_NR) {
+        for (int i = 0; i < TK_MR; ++i) {
+            float *yr = y + i * TK_N;
+            for (int j = 0; j < TK_NV; ++j) {
+                tk_vf v = first ? acc[i][j] : tk_add(tk_load(yr + j * TK_VL), acc[i][j]);
+                if (last) {
+                    v = tk_add(v, tk_load(bias + j * TK_VL));
+                    if (r) v = tk_add(v, tk_load(r + i * TK_N + j * TK_VL));
+                }
+                tk_store(yr + j * TK_VL, v);
+            }
+        }
+        return;
+    }
+    float tile[TK_MR * TK_NR] __attribute__((aligned(64)));
+    for (int i = 0; i < TK_MR; ++i)
+        for (int j = 0; j < TK_NV; ++j) tk_store(tile + i * TK_NR + j * TK_VL, acc[i][j]);
+    for (long i = 0; i < mr; ++i)
+        for (long j = 0; j < nr; ++j) {
+            float v = first ? tile[i * TK_NR + j] : y[i * TK_N + j] + tile[i * TK_NR + j];
+            if (last) {
+                v += bias[j];
+                if (r) v += r[i * TK_N + j];
+            }
+            y[i * TK_N + j] = v;
+        }
+}
+
+/* The packed X block of the calling thread, grown once and kept (no allocation per call). */
+static __thread float *tk_xbuf;
+
+/* Y = X W^T + bias (+ R when r is not NULL). X: M x K, Y and R: M x N, row-major. */
+void tk_dense(const float *restrict X, long M, const float *restrict Wp, const float *restrict bias,
+              const float *restrict R, float *restrict Y, int nthreads) {
+    if (!tk_xbuf) tk_xbuf = tk_alloc((long)TK_MC * TK_KC);
+    float *Ap = tk_xbuf;
+    for (long ic = 0; ic < M; ic += TK_MC) {
+        long mc = tk_min(TK_MC, M - ic);
+        for (long pc = 0; pc < TK_K; pc += TK_KC) {
+            long kc = tk_min(TK_KC, TK_K - pc);
+            int first = pc == 0, last = pc + kc == TK_K;
+            const float *blk = Wp + pc * TK_NP * TK_NR;
+            tk_pack_x(X, ic, mc, pc, kc, Ap);
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+            for (long p = 0; p < TK_NP; ++p) {
+                long n0 = p * TK_NR, nr = tk_min(TK_NR, TK_N - n0);
+                for (long ir = 0; ir < mc; ir += TK_MR) {
+                    long row = ic + ir;
+                    tk_dense_tile(kc, Ap + ir * kc, blk + p * TK_NR * kc, Y + row * TK_N + n0, first, last,
+                                  bias + n0, R ? R + row * TK_N + n0 : 0, tk_min(TK_MR, mc - ir), nr);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,203 @@
+"""Dense layers for serving: ``Y = X W^T + bias (+ R)`` on Tessera's micro-kernel, with the
+weight packed once and the row count ``M`` (a batch's tokens) given at each call.
+
+The operator compiler builds every other kernel for exact shapes; a server sees a new token
+count in nearly every batch, so this kernel fixes only what the model fixes (``N``, ``K``)
+and takes ``M`` at run time (``csrc/tessera_dense.c``). Its register tile and cache blocks
+come from the GEMM tuner's space: ``dense_kernel(..., mode="model")`` takes the analytic
+model's pick for an ``m_hint x N x K`` GEMM; ``mode="measure"`` compiles the model's
+shortlist as dense kernels, times them at ``m_hint`` rows and keeps the fastest, recorded on
+disk beside the GEMM tuner's choices (a restart does not re-tune).
+
+Results do not depend on ``M`` or on the thread count: each output is reduced over K in one
+fixed order (KC blocks in order), so a request computes the same bits alone or in a batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from dataclasses import dataclass, field
+from functools import cache
+
+import torch
+from torch import Tensor
+
+from tessera.kernels import ops
+from tessera.kernels.compiler import CSRC, Compiled, compile_source, load
+from tessera.kernels.machine import load_machine
+from tessera.kernels.schedule import GemmSchedule, schedule_from_dict
+from tessera.kernels.tuner import MODES, rank, save_choice, saved_choice, shortlist
+
+SOURCE = CSRC / "tessera_dense.c"
+
+
+@dataclass(frozen=True)
+class DenseOp:
+    """What the tuner's on-disk record is keyed by (``signature``), for a dense layer."""
+
+    n: int
+    k: int
+    m_hint: int
+
+    def signature(self) -> str:
+        return f"dense|n={self.n}|k={self.k}|m_hint={self.m_hint}"
+
+
+def source(n: int, k: int, s: GemmSchedule) -> str:
+    kc = min(s.kc, k)
+    defines = {
+        "TK_VEC": 512 if s.isa == "avx512" else 256,
+        "TK_MR": s.mr,
+        "TK_NR": s.nr,
+        "TK_UNROLL": s.unroll,
+        "TK_N": n,
+        "TK_K": k,
+        "TK_KC": kc,
+        "TK_MC": s.mc,
+    }
+    head = "".join(f"#define {name} {value}\n" for name, value in defines.items())
+    return head + SOURCE.read_text()
+
+
+@dataclass
+class DenseKernel:
+    n: int
+    k: int
+    schedule: GemmSchedule
+    compiled: Compiled
+    _lib: ctypes.CDLL = field(repr=False)
+
+    def __post_init__(self) -> None:
+        self._lib.tk_packed_floats.restype = ctypes.c_long
+        self._lib.tk_pack_weight.restype = None
+        self._lib.tk_dense.restype = None
+        self._lib.tk_dense.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_long,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int,
+        ]
+        self.packed_floats = int(self._lib.tk_packed_floats())
+
+    def pack(self, weight: Tensor) -> Tensor:
+        """``weight`` (N x K, torch Linear's layout) in the kernel's packed layout."""
+        w = _checked(weight, "weight", (self.n, self.k))
+        packed = torch.empty(self.packed_floats, dtype=torch.float32)
+        self._lib.tk_pack_weight(ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(packed.data_ptr()))
+        return packed
+
+    def __call__(
+        self,
+        x: Tensor,
+        packed: Tensor,
+        bias: Tensor,
+        residual: Tensor | None = None,
+        *,
+        out: Tensor | None = None,
+        threads: int = 1,
+    ) -> Tensor:
+        """``x`` (M x K) @ W^T + ``bias`` (+ ``residual``, M x N); ``packed`` from ``pack``."""
+        if x.dim() != 2:
+            raise ValueError(f"dense: x must be 2-D (tokens x {self.k}), got shape {tuple(x.shape)}")
+        m = x.shape[0]
+        x = _checked(x, "x", (m, self.k))
+        bias = _checked(bias, "bias", (self.n,))
+        if packed.numel() != self.packed_floats or packed.dtype != torch.float32:
+            raise ValueError(
+                f"dense: packed weight has {packed.numel()} {packed.dtype}; pack() gives "
+                f"{self.packed_floats} float32 for N={self.n}, K={self.k}"
+            )
+        r = None if residual is None else _checked(residual, "residual", (m, self.n))
+        if out is None:
+            out = torch.empty(m, self.n, dtype=torch.float32)
+        else:
+            out = _checked(out, "out", (m, self.n))
+        if not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"dense: threads must be an int >= 1, got {threads!r}")
+        if m:
+            self._lib.tk_dense(
+                x.data_ptr(),
+                m,
+                packed.data_ptr(),
+                bias.data_ptr(),
+                None if r is None else r.data_ptr(),
+                out.data_ptr(),
+                threads,
+            )
+        return out
+
+    def time(self, m: int, *, threads: int = 1, repeats: int = 5, seed: int = 0) -> list[float]:
+        """Seconds per call at ``m`` rows on random data (after one untimed call)."""
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(m, self.k, generator=g)
+        packed = self.pack(torch.randn(self.n, self.k, generator=g))
+        bias, out = torch.zeros(self.n), torch.empty(m, self.n)
+        self(x, packed, bias, out=out, threads=threads)
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            self(x, packed, bias, out=out, threads=threads)
+            times.append(time.perf_counter() - began)
+        return times
+
+
+def _checked(t: Tensor, name: str, shape: tuple[int, ...]) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"dense: {name} must be a torch.Tensor, not {type(t).__name__}")
+    if t.dtype != torch.float32 or t.device.type != "cpu":
+        raise ValueError(f"dense: {name} is {t.dtype} on {t.device}; the kernel takes float32 on the CPU")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"dense: {name} has shape {tuple(t.shape)}; expected {shape}")
+    return t.contiguous()
+
+
+@cache
+def _build(n: int, k: int, schedule: GemmSchedule) -> DenseKernel:
+    compiled = compile_source(source(n, k, schedule), isa=schedule.isa, name=f"dense_{n}x{k}")
+    return DenseKernel(n, k, schedule, compiled, load(compiled))
+
+
+def dense_kernel(
+    n: int, k: int, *, threads: int = 1, mode: str = "model", m_hint: int = 256, top_k: int = 4
+) -> DenseKernel:
+    """The dense kernel for an ``N x K`` weight: the recorded choice if there is one, else the
+    model's pick (``model``) or the fastest of the model's shortlist timed now (``measure``)."""
+    if mode not in MODES:
+        raise ValueError(f"tuning mode {mode!r}; choose one of {', '.join(MODES)}")
+    for name, value in (("n", n), ("k", k), ("m_hint", m_hint)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"dense_kernel: {name} must be a positive int, got {value!r}")
+    machine = load_machine()
+    key = DenseOp(n, k, m_hint)
+    entry = saved_choice(key, threads, machine)
+    if entry and (mode == "model" or entry["mode"] == "measure"):
+        return _build(n, k, schedule_from_dict(entry["schedule"]))
+    trials = [
+        t
+        for t in rank(ops.gemm(m_hint, n, k, trans_b=True), threads=threads, machine=machine)
+        if isinstance(t.schedule, GemmSchedule)
+    ]
+    if mode == "model":
+        best = trials[0].schedule
+    else:
+        timed = []
+        for t in shortlist(trials, top_k):
+            kernel = _build(n, k, t.schedule)
+            timed.append((statistics.median(kernel.time(m_hint, threads=threads, repeats=5)), t.schedule))
+        best = min(timed, key=lambda p: p[0])[1]
+    save_choice(key, threads, machine, best, mode)
+    return _build(n, k, best)
+
+
+def reference(x: Tensor, weight: Tensor, bias: Tensor, residual: Tensor | None = None) -> Tensor:
+    """The plain float64 semantics the kernel is tested against."""
+    y = x.double() @ weight.double().T + bias.double()
+    return y if residual is None else y + residual.double()
+
+
+__all__ = ["DenseKernel", "DenseOp", "dense_kernel", "reference"]

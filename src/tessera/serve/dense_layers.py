@@ -1,0 +1,135 @@
+"""An encoder's dense layers on Tessera's kernels (``tessera.kernels.dense``), swapped in from
+outside the HF model code for the duration of a forward, as the packed attention is.
+
+Every ``nn.Linear`` of the model runs ``Y = X W^T + b`` on a kernel compiled for its
+``N x K`` (the tuner's choice, recorded on disk) with its weight packed once, here; the
+token count is whatever the batch brings. Where a family's block ends in
+``LayerNorm(dense(h) + x)`` (BERT's and RoBERTa's ``*SelfOutput`` / ``*Output``), the
+residual is added in the kernel's epilogue, on the register tile before it is stored.
+GELU stays torch's (its vectorised erf): a fused one would need an erf approximation of
+our own, which the kernel does not carry.
+
+The model object itself is never changed: ``on()`` sets each module's ``forward`` and puts
+the old one back on exit, so a model shared with other runners (or a test's reference
+forward) runs torch's layers outside the context. Weights are packed when the runner is
+built; a model whose weights change afterwards needs a new runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tessera.kernels.dense import DenseKernel, dense_kernel
+
+KERNELS = ("tessera", "torch")
+
+
+@dataclass
+class _Layer:
+    kernel: DenseKernel
+    packed: torch.Tensor
+    bias: torch.Tensor
+    counts: dict[str, int]  # the owner's: calls and rows run on the kernels
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        lead, k, n = x.shape[:-1], self.kernel.k, self.kernel.n
+        self.counts["calls"] += 1
+        self.counts["rows"] += x.numel() // k
+        r = None if residual is None else residual.reshape(-1, n)
+        y = self.kernel(x.reshape(-1, k), self.packed, self.bias, r, threads=torch.get_num_threads())
+        return y.view(*lead, n)
+
+
+def _residual_block(module: nn.Module) -> bool:
+    """``dense -> dropout -> LayerNorm(. + input_tensor)``: BERT/RoBERTa's attention and
+    feed-forward outputs (their forward takes ``hidden_states, input_tensor``)."""
+    names = list(inspect.signature(type(module).forward).parameters)
+    return (
+        names[1:] == ["hidden_states", "input_tensor"]
+        and isinstance(getattr(module, "dense", None), nn.Linear)
+        and isinstance(getattr(module, "LayerNorm", None), nn.LayerNorm)
+        and isinstance(getattr(module, "dropout", None), nn.Dropout)
+    )
+
+
+@dataclass
+class DenseLayers:
+    """The swaps for one model: ``on()`` runs a forward on Tessera's dense kernels."""
+
+    model: nn.Module
+    mode: str = "model"  # the tuner's mode: "model" (predicted best) or "measure" (timed now)
+    m_hint: int = 256  # the token count a "measure" tuning times at
+    threads: int = 1  # the thread count tuned for (the kernel runs at torch's count when called)
+    swaps: list[tuple[nn.Module, object]] = field(default_factory=list, init=False)
+    packed_bytes: int = field(default=0, init=False)
+    shapes: set[tuple[int, int]] = field(default_factory=set, init=False)
+    fused_residuals: int = field(default=0, init=False)
+    counts: dict[str, int] = field(default_factory=lambda: {"calls": 0, "rows": 0}, init=False)
+
+    def __post_init__(self) -> None:
+        layers: dict[nn.Linear, _Layer] = {}
+        for module in self.model.modules():
+            if isinstance(module, nn.Linear):
+                layers[module] = self._layer(module)
+        for module in self.model.modules():
+            if _residual_block(module):
+                self.swaps.append((module, _fused_output(module, layers[module.dense])))
+                self.fused_residuals += 1
+        for module, layer in layers.items():
+            self.swaps.append((module, layer))
+
+    def _layer(self, linear: nn.Linear) -> _Layer:
+        w = linear.weight.detach()
+        if w.dtype != torch.float32 or w.device.type != "cpu":
+            raise ValueError(
+                f"--kernels tessera runs float32 CPU weights; a Linear here is {w.dtype} on "
+                f"{w.device}: use --kernels torch"
+            )
+        n, k = w.shape
+        kernel = dense_kernel(n, k, threads=self.threads, mode=self.mode, m_hint=self.m_hint)
+        bias = linear.bias.detach().contiguous() if linear.bias is not None else torch.zeros(n)
+        packed = kernel.pack(w.contiguous())
+        self.packed_bytes += packed.numel() * 4
+        self.shapes.add((n, k))
+        return _Layer(kernel, packed, bias, self.counts)
+
+    @contextlib.contextmanager
+    def on(self):
+        saved = [(m, m.__dict__.get("forward")) for m, _ in self.swaps]
+        for module, forward in self.swaps:
+            module.forward = forward
+        try:
+            yield
+        finally:
+            for module, previous in saved:
+                if previous is None:
+                    del module.forward
+                else:
+                    module.forward = previous
+
+    def describe(self) -> dict:
+        return {
+            "kernels": "tessera",
+            "dense_shapes": sorted(f"{n}x{k}" for n, k in self.shapes),
+            "fused_residuals": self.fused_residuals,
+            "packed_weights_mib": round(self.packed_bytes / 2**20, 1),
+            "tuning": self.mode,
+            "dense_calls": self.counts["calls"],
+            "dense_rows": self.counts["rows"],
+        }
+
+
+def _fused_output(module: nn.Module, layer: _Layer):
+    def forward(hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
+        # dropout is the identity in eval mode (the runner refuses a model in training mode)
+        return module.LayerNorm(layer(hidden_states, residual=input_tensor))
+
+    return forward
+
+
+__all__ = ["KERNELS", "DenseLayers"]
