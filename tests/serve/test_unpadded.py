@@ -63,7 +63,15 @@ def test_packed_batches_equal_one_request_at_a_time(encoder_dirs, family, task, 
     assert on_kernels["fused_residuals"] == (
         2 * served.config.num_hidden_layers if family in ("bert", "roberta") else 0
     )
+    assert on_kernels["gelus_in_place"] == (
+        served.config.num_hidden_layers if family in ("bert", "roberta") else 0
+    )
     assert not any("forward" in m.__dict__ for m in served.model.modules())  # the model is left as it was
+    # layers reuse their output buffers, yet an output still held is never written over
+    held = runners[-1](tokens_for([5, 9], seed=1))
+    kept = held.clone()
+    runners[-1](tokens_for([30, 2, 7], seed=2))
+    assert torch.equal(held, kept)
     assert served.config._attn_implementation == "sdpa"  # the model's own choice is back
 
 

@@ -6,8 +6,12 @@ Every ``nn.Linear`` of the model runs ``Y = X W^T + b`` on a kernel compiled for
 token count is whatever the batch brings. Where a family's block ends in
 ``LayerNorm(dense(h) + x)`` (BERT's and RoBERTa's ``*SelfOutput`` / ``*Output``), the
 residual is added in the kernel's epilogue, on the register tile before it is stored.
-GELU stays torch's (its vectorised erf): a fused one would need an erf approximation of
-our own, which the kernel does not carry.
+GELU stays torch's (its vectorised erf), run in place on the layer's output.
+
+Each layer writes into its own output buffer, reused from call to call while no tensor from
+an earlier call still holds it (checked on the storage's reference count, so an output that
+escapes, e.g. a classifier's logits, is never overwritten): on this VM a fresh tensor of a
+few MiB costs more in page faults than the GEMM that fills it.
 
 The model object itself is never changed: ``on()`` sets each module's ``forward`` and puts
 the old one back on exit, so a model shared with other runners (or a test's reference
@@ -36,13 +40,32 @@ class _Layer:
     bias: torch.Tensor
     counts: dict[str, int]  # the owner's: calls and rows run on the kernels
 
+    out: torch.Tensor | None = None  # the output buffer, reused while nothing else holds it
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         lead, k, n = x.shape[:-1], self.kernel.k, self.kernel.n
+        m = x.numel() // k
         self.counts["calls"] += 1
-        self.counts["rows"] += x.numel() // k
+        self.counts["rows"] += m
         r = None if residual is None else residual.reshape(-1, n)
-        y = self.kernel(x.reshape(-1, k), self.packed, self.bias, r, threads=torch.get_num_threads())
+        y = self.kernel(x.reshape(-1, k), self.packed, self.bias, r, out=self._buffer(m),
+                        threads=torch.get_num_threads())  # fmt: skip
         return y.view(*lead, n)
+
+    def _buffer(self, m: int) -> torch.Tensor:
+        """``m`` rows of the layer's own output buffer when no tensor from an earlier call is
+        still alive (a fresh multi-MiB tensor costs a page fault per 4 KiB: 1.7 us each here,
+        as much as the GEMM at a few hundred tokens); else a new buffer, which the layer keeps."""
+        if self.out is None or self.out.shape[0] < m or _held_elsewhere(self.out):
+            self.out = torch.empty(max(m, 0 if self.out is None else self.out.shape[0]), self.kernel.n)
+            self.counts["buffers"] += 1
+        return self.out[:m]
+
+
+def _held_elsewhere(buffer: torch.Tensor) -> bool:
+    """Whether a tensor other than ``buffer`` (a view it returned) shares its storage; the
+    query itself holds one reference (the storage object it is asked through)."""
+    return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) > 2
 
 
 def _residual_block(module: nn.Module) -> bool:
@@ -69,7 +92,8 @@ class DenseLayers:
     packed_bytes: int = field(default=0, init=False)
     shapes: set[tuple[int, int]] = field(default_factory=set, init=False)
     fused_residuals: int = field(default=0, init=False)
-    counts: dict[str, int] = field(default_factory=lambda: {"calls": 0, "rows": 0}, init=False)
+    gelus_in_place: int = field(default=0, init=False)
+    counts: dict[str, int] = field(default_factory=lambda: {"calls": 0, "rows": 0, "buffers": 0}, init=False)
 
     def __post_init__(self) -> None:
         layers: dict[nn.Linear, _Layer] = {}
@@ -80,6 +104,9 @@ class DenseLayers:
             if _residual_block(module):
                 self.swaps.append((module, _fused_output(module, layers[module.dense])))
                 self.fused_residuals += 1
+            elif _gelu_block(module):
+                self.swaps.append((module, _gelu_in_place(layers[module.dense])))
+                self.gelus_in_place += 1
         for module, layer in layers.items():
             self.swaps.append((module, layer))
 
@@ -117,11 +144,34 @@ class DenseLayers:
             "kernels": "tessera",
             "dense_shapes": sorted(f"{n}x{k}" for n, k in self.shapes),
             "fused_residuals": self.fused_residuals,
+            "gelus_in_place": self.gelus_in_place,
             "packed_weights_mib": round(self.packed_bytes / 2**20, 1),
             "tuning": self.mode,
             "dense_calls": self.counts["calls"],
             "dense_rows": self.counts["rows"],
+            "dense_buffers": self.counts["buffers"],
         }
+
+
+def _gelu_block(module: nn.Module) -> bool:
+    """``act(dense(h))`` with the exact (erf) GELU: BERT's and RoBERTa's ``*Intermediate``."""
+    from transformers.activations import GELUActivation
+
+    act = getattr(module, "intermediate_act_fn", None)
+    names = list(inspect.signature(type(module).forward).parameters)
+    return (
+        names[1:] == ["hidden_states"]
+        and isinstance(getattr(module, "dense", None), nn.Linear)
+        and type(act) is GELUActivation
+        and act.act is nn.functional.gelu
+    )
+
+
+def _gelu_in_place(layer: _Layer):
+    def forward(hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.gelu_(layer(hidden_states))  # on the layer's buffer: no new tensor
+
+    return forward
 
 
 def _fused_output(module: nn.Module, layer: _Layer):
