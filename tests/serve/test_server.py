@@ -86,6 +86,29 @@ def test_info_health_metrics_and_docs(server):
     assert client.get("/docs").status_code == 200
 
 
+def test_dense_layers_run_on_tessera_kernels_at_token_counts_never_tuned_for(server):
+    """The default server runs its dense layers on Tessera's kernels (a C compiler is here);
+    they were tuned at one token count (256) and take any: a batch of 1 token and one of the
+    longest input are served as the model alone computes them, and /info counts the rows."""
+    client, service = server
+    runner = client.get("/info").json()["tessera"]["runner"]
+    assert runner["kernels"] == "tessera" and runner["tuning"] == "model" and runner["dense_shapes"]
+    rows_before = runner["dense_rows"]
+    for texts in (["w1"], [text(254, seed=11)]):
+        got = torch.tensor(client.post("/embed", json={"inputs": texts}).json())
+        torch.testing.assert_close(got, expected(service, texts), atol=ATOL, rtol=ATOL)
+    after = client.get("/info").json()["tessera"]["runner"]
+    assert after["dense_rows"] > rows_before + 256  # the long input's rows went through the kernels
+
+
+def test_kernels_flag_is_checked_before_the_model_loads():
+    with pytest.raises(ValueError, match="kernels must be one of auto, tessera, torch, got 'cuda'"):
+        ServeConfig(model="unused", kernels="cuda")
+    with pytest.raises(ValueError, match="--kernels tessera is the unpadded runner's; runner is padded"):
+        ServeConfig(model="unused", kernels="tessera", scheduler="fifo_padded")
+    assert ServeConfig(model="unused", attention="padded", memory_plan=True).kernels_name == "torch"
+
+
 def test_too_long_inputs_are_refused_or_truncated_and_said(server):
     client, service = server
     long = text(300, seed=3)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 _SERVE_FIELDS = (
-    "model", "task", "pooling", "host", "port", "scheduler", "runner", "attention", "memory_plan", "max_batch_tokens",
-    "max_batch_size", "max_queue", "max_client_batch", "payload_limit", "overload_status", "threads",
-    "drain_timeout_s", "cost_table",
+    "model", "task", "pooling", "host", "port", "scheduler", "runner", "attention", "memory_plan", "kernels",
+    "tuning", "max_batch_tokens", "max_batch_size", "max_queue", "max_client_batch", "payload_limit",
+    "overload_status", "threads", "drain_timeout_s", "cost_table",
 )  # fmt: skip
 
 
@@ -46,8 +46,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 # flags (by dest) that only one task reads; given to the other they would be ignored
 ENCODER_ONLY = (
-    "pooling", "scheduler", "runner", "attention", "memory_plan", "max_batch_tokens", "max_batch_size",
-    "max_client_batch", "overload_status", "cost_table",
+    "pooling", "scheduler", "runner", "attention", "memory_plan", "kernels", "tuning", "max_batch_tokens",
+    "max_batch_size", "max_client_batch", "overload_status", "cost_table",
 )  # fmt: skip
 GENERATE_ONLY = (
     "nproc", "sizes", "max_steps", "max_images", "max_batch_images", "no_batching", "request_timeout",
@@ -137,6 +137,19 @@ def add_serve_parser(sub, positive_int) -> None:
     p.add_argument("--attention", default="per_request", choices=["per_request", "padded", "nested"])
     p.add_argument(
         "--memory-plan", action="store_true", help="activations in planned chunks (needs --attention padded)"
+    )
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "tessera", "torch"],
+        help="dense layers of the unpadded runner: Tessera's compiled kernels or torch's "
+        "(auto: tessera when a C compiler is found and no --memory-plan)",
+    )
+    p.add_argument(
+        "--tuning",
+        default="model",
+        choices=["model", "measure"],
+        help="Tessera kernels' schedules: the model's pick, or timed at start-up (kept on disk for restarts)",
     )
     p.add_argument("--max-batch-tokens", type=positive_int, default=16384, help="longest x batch size")
     p.add_argument("--max-batch-size", type=positive_int, default=32, help="inputs per batch")

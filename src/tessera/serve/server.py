@@ -44,6 +44,12 @@ class ServeConfig:
     runner: str = "auto"  # auto: unpadded for dp and one_by_one, padded for the baselines
     attention: str = "per_request"
     memory_plan: bool = False  # unpadded runner with attention "padded": TurboTransformers' memory plan
+    # the unpadded runner's dense layers: "tessera" (the compiled kernels; needs a C compiler),
+    # "torch" (its own), or "auto": tessera unless the memory plan is on or no compiler is found
+    kernels: str = "auto"
+    tuning: str = (
+        "model"  # the kernels' tuning: "model" (predicted) or "measure" (timed at start-up, kept on disk)
+    )
     max_batch_tokens: int = 16384
     max_batch_size: int = 32
     max_queue: int = 512
@@ -67,6 +73,26 @@ class ServeConfig:
         BatchLimits(max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size)
         if self.memory_plan and self.runner_name != "unpadded":
             raise ValueError(f"the memory plan is the unpadded runner's; runner is {self.runner_name}")
+        check_choice("kernels", self.kernels, ("auto", "tessera", "torch"))
+        check_choice("tuning", self.tuning, ("model", "measure"))
+        if self.kernels == "tessera" and self.runner_name != "unpadded":
+            raise ValueError(f"--kernels tessera is the unpadded runner's; runner is {self.runner_name}")
+
+    @property
+    def kernels_name(self) -> str:
+        """What the unpadded runner's dense layers run on, ``auto`` resolved."""
+        if self.kernels != "auto":
+            return self.kernels
+        if self.memory_plan or self.runner_name != "unpadded":
+            return "torch"
+        from tessera.kernels.compiler import CompilerError, find_compiler
+
+        try:
+            find_compiler()
+        except CompilerError:
+            log.warning("no C compiler: the dense layers run on torch's kernels (--kernels torch)")
+            return "torch"
+        return "tessera"
 
     @property
     def runner_name(self) -> str:
@@ -83,7 +109,12 @@ def build_engine(config: ServeConfig, served, metrics=None) -> Engine:
             f"one full-length input must fit a batch"
         )
     options = (
-        {"attention": config.attention, "memory_plan": config.memory_plan}
+        {
+            "attention": config.attention,
+            "memory_plan": config.memory_plan,
+            "kernels": config.kernels_name,
+            "tuning": config.tuning,
+        }  # fmt: skip
         if config.runner_name == "unpadded"
         else {}
     )
