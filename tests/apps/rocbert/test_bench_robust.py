@@ -1,4 +1,5 @@
 import json
+import statistics
 from types import SimpleNamespace
 
 import pytest
@@ -25,17 +26,22 @@ def test_bench_robust_writes_its_tables(features, tmp_path):
         ("rocbert", 0), ("rocbert", 1), ("plain_bert", 0), ("plain_bert", 1),
     ]  # fmt: skip
     for r in result.rows:
-        assert 0 <= r["greedy_accuracy"] <= 1 and 0 <= r["greedy_success_rate"] <= 1
-        assert r["greedy_mean_queries"] <= 20
+        for attack in ("greedy", "char", "word"):
+            assert 0 <= r[f"{attack}_accuracy"] <= 1 and 0 <= r[f"{attack}_success_rate"] <= 1
+            assert r[f"{attack}_mean_queries"] <= 20
     summary = {s["system"]: s for s in result.extra["summary"]}
     roc = [r["clean_accuracy"] for r in result.rows if r["system"] == "rocbert"]
+    plain = [r["clean_accuracy"] for r in result.rows if r["system"] == "plain_bert"]
     assert summary["rocbert"]["clean_accuracy_mean"] == sum(roc) / 2
-    gap = 100 * (summary["rocbert"]["clean_accuracy_mean"] - summary["plain_bert"]["clean_accuracy_mean"])
-    assert result.headline["clean_gap_points"] == round(gap, 2)
-    assert result.headline["plain_greedy_accuracy"] == round(summary["plain_bert"]["greedy_accuracy_mean"], 4)
+    # two seeds: the t-interval's half-width is t(0.975, 1) = 12.706 x std / sqrt(2)
+    half = 12.706 * statistics.stdev(roc) / 2**0.5
+    assert summary["rocbert"]["clean_accuracy_ci95"] == pytest.approx(half, rel=1e-4)  # t to 5 digits
+    gaps = [100 * (a - b) for a, b in zip(roc, plain, strict=True)]
+    assert result.headline["rocbert_minus_plain_clean_accuracy_points"] == round(statistics.mean(gaps), 2)
+    assert result.headline["plain_word_accuracy"] == round(summary["plain_bert"]["word_accuracy_mean"], 4)
     paths = write_results(result, tmp_path, plot_robust)
     assert json.loads(paths[0].read_text())["headline"] == result.headline
-    assert "Mean and spread over seeds" in paths[1].read_text() and paths[2].stat().st_size > 0
+    assert "95 % interval over seeds" in paths[1].read_text() and paths[2].stat().st_size > 0
 
 
 class KeywordModel(torch.nn.Module):
@@ -58,13 +64,13 @@ def test_accuracies_and_success_rates_of_a_known_model(features):
     from tessera.apps.rocbert.attacks import Synthesizer
     from tessera.apps.rocbert.batches import Encoder
     from tessera.apps.rocbert.recipe import EVAL_ATTACK_SEED, RocbertRecipe, evaluate
-    from tessera.bench.robust import greedy_metrics
+    from tessera.bench.robust import attack_metrics
 
     recipe = RocbertRecipe(eval_size=200)
     encoder, syn = Encoder(features.tokenizer(), recipe.size.max_len), Synthesizer(features)
     good = features.tokenizer().vocab["好"]
     model = KeywordModel(good)
-    _, test = corpus.sentiment_split(seed=0)
+    test = corpus.split_rows("validation")
     clips = [(encoder.clip(t), y) for t, y in test[:200]]
     says = lambda text: int(good in encoder([text])["input_ids"][0])  # noqa: E731 (after truncation)
     right = [says(t) == y for t, y in clips]
@@ -77,9 +83,12 @@ def test_accuracies_and_success_rates_of_a_known_model(features):
     turned = sum(r and not a for r, a in zip(right, attacked, strict=True))
     assert out["attack_success_rate"] == pytest.approx(turned / sum(right))  # as above: float32 count
 
-    greedy = greedy_metrics(model, features, encoder, recipe, size=40, budget=60)
+    greedy = attack_metrics(model, features, encoder, recipe, size=40, budget=60)
     rows = [(encoder.clip(t), y) for t, y in test if len(t) >= 6][:40]
     clean_right = sum(says(t) == y for t, y in rows)
-    flipped = round(greedy["greedy_success_rate"] * clean_right)
-    # approx's default 1e-6 relative: the same count over 40 in float64, only rounding apart
-    assert flipped > 0 and greedy["greedy_accuracy"] == pytest.approx((clean_right - flipped) / 40)
+    for attack in ("greedy", "char", "word"):
+        flipped = round(greedy[f"{attack}_success_rate"] * clean_right)
+        # approx's default 1e-6 relative: the same count over 40 in float64, only rounding apart
+        assert greedy[f"{attack}_accuracy"] == pytest.approx((clean_right - flipped) / 40)
+        # both character attacks can replace 好 (homophones, look-alikes); a thesaurus may not
+        assert flipped > 0 or attack == "word"

