@@ -1,8 +1,10 @@
-"""`tessera bench serve` end to end on a small plan: each system is started as a real
-server process and loaded by the load generator in its own process, every request is
-answered, each system serves the model's own embeddings, the padded baseline pads and
-Tessera does not, infinity-emb is either measured or said absent, and the results are
-written. (The other schedulers run the same code path; they have their own tests.)"""
+"""`tessera bench serve` end to end on a small plan: each configuration is started as a real
+server process and loaded by the load generator in its own process; the sweep measures every
+peer at every batch size on validation requests and keeps its best, the finals repeat the
+best configurations and Tessera on other requests, and one shared rate loads every finalist
+alike. Every request is answered, each system serves the model's own embeddings, the padded
+baseline pads and Tessera does not, infinity-emb is either measured or said absent, and the
+results are written."""
 
 import dataclasses
 import json
@@ -12,40 +14,54 @@ from tessera.bench.harness import write_results
 from tessera.bench.serve import QUICK, plot_serve, run_serve_bench
 
 PLAN = dataclasses.replace(
-    QUICK, systems=("fifo_padded", "tessera", "infinity"), saturation_requests=32, load_requests=(16, 16)
-)
+    QUICK, peers=("fifo_padded", "infinity_torch"), batch_sizes=(4, 32), sweep_extra=(), sweep_requests=16,
+    saturation_requests=16, repeats=2, shared_requests=12,
+)  # fmt: skip
 
 
 def test_small_serve_bench(tmp_path):
     result = run_serve_bench(progress=False, plan=PLAN, cache=tmp_path / "cache")
-    measured = {r["system"] for r in result.rows}
-    assert {"fifo_padded", "tessera"} <= measured
-    assert ("infinity" in measured) != ("infinity" in result.extra["absent"])  # measured, or said why not
-    loads = ["saturation"] + [f"{f:.0%}" for f in PLAN.fractions]
-    for system in measured:
-        assert [r["load"] for r in result.rows if r["system"] == system] == loads
-    for row in result.rows:
+    (model,) = result.headline.keys() - {"memory_plan", "dp_plan_us_per_request"}
+    absent = result.extra["absent"]
+    rows = result.rows
+    sweep = {(r["system"], r["batch"]) for r in rows if r["phase"] == "sweep"}
+    assert {("fifo_padded", 4), ("fifo_padded", 32)} <= sweep
+    infinity = ("infinity_torch", 4) in sweep
+    assert infinity != ("infinity_torch" in absent)  # measured, or said why not
+    facts = result.extra["models"][model]
+    finalists = [*facts["peers_ranked"], "one_by_one", "tessera"]
+    for system in finalists:
+        mine = [r for r in rows if r["phase"] == "final" and r["system"] == system]
+        assert [r["repeat"] for r in mine] == [0, 1]
+        if system in facts["best_batch"]:  # a peer's finals run at its best sweep batch size
+            assert {r["batch"] for r in mine} == {facts["best_batch"][system]}
+    shared = [r for r in rows if r["phase"] == "shared_rate"]
+    assert sorted(r["system"] for r in shared) == sorted(finalists)
+    assert len({r["offered_rps"] for r in shared}) == 1  # one rate for all
+    for row in rows:
         assert row["errors"] == 0 and row["ok"] == row["requests"], row
-        assert row["throughput_rps"] > 0 and 0 < row["p50_s"] <= row["p90_s"] <= row["p99_s"]
-    systems = result.extra["systems"]
+        assert row["throughput_rps"] > 0 and 0 < row["p50_s"] <= row["p99_s"]
+    systems = result.extra["systems"][model]
     # fp32 unit vectors, the packed batch against one input alone: see test_unpadded for 1e-5.
     assert systems["tessera"]["max_abs_diff_vs_model"] < 1e-5
-    assert systems["fifo_padded"]["max_abs_diff_vs_model"] < 1e-5
-    if "infinity" in systems:  # its own padded batches; CLS instead of mean pooling would be off by ~0.1
+    assert systems["fifo_padded@4"]["max_abs_diff_vs_model"] < 1e-5
+    if infinity:  # its own padded batches; CLS instead of mean pooling would be off by ~0.1
         # 1e-4: another server's fp32 forward (its own padding, kernels and pooling code), so 10x
         # the 1e-5 of our own batches, still 1000x below the ~0.1 of a wrong pooling
-        assert systems["infinity"]["max_abs_diff_vs_model"] < 1e-4
-    assert systems["fifo_padded"]["padding_overhead"] > 0.05  # padded to the longest of a batch
-    assert systems["tessera"]["padding_overhead"] == 0
-    assert systems["tessera"]["cost_table"]["seconds"]
+        assert systems["infinity_torch@4"]["max_abs_diff_vs_model"] < 1e-4
+    assert systems["fifo_padded@32"]["padding_overhead"] > 0.05  # padded to the longest of a batch
+    assert systems["tessera"]["padding_overhead"] == 0 and systems["tessera"]["cost_table"]["seconds"]
+    head = result.headline[model]
+    ratio, spread = head["tessera_over_best_peer"], head["tessera_over_best_peer_range"]
+    assert math.isfinite(ratio) and ratio > 0 and spread[0] <= spread[1]
+    assert head["best_peer"].split("@")[0] in facts["peers_ranked"]
+    assert "tessera_p99_at_shared_rate_s" in head
     # a generous wall-clock bound: "well under a millisecond"; measured ~10 us (test_dp_scheduler)
-    assert result.extra["dp_plan_us_per_request"] < 1000
+    assert result.headline["dp_plan_us_per_request"] < 1000
     memory = result.extra["memory_plan"]  # the plan on the workload's batches, in process
     assert memory["first_pass"]["allocations"] == memory["second_pass"]["allocations"] == 0
     assert memory["held_mib"] > 0 and memory["max_ratio"] >= 1  # a placement never beats the peak
-    ratio = result.headline["tessera_over_fifo_padded_throughput"]
-    assert ratio is not None and math.isfinite(ratio) and ratio > 0
     paths = write_results(result, tmp_path, plot_serve)
     data = json.loads(paths[0].read_text())
-    assert "tessera_p99_at_75pct_s" in data["headline"] and data["rows"]
+    assert data["headline"][model]["best_batch"] and data["rows"]
     assert paths[2].stat().st_size > 10_000

@@ -1,34 +1,40 @@
-"""`tessera bench serve`: variable-length serving under a real HTTP load.
+"""`tessera bench serve`: variable-length serving under a real HTTP load, against peers each
+at its best configuration.
 
 TurboTransformers' workload: request lengths uniform in [5, 500] tokens, one text per
-request, on a MiniLM-size encoder (6 layers, 384 wide, random weights, built here and saved
-with save_pretrained). Every system serves the same folder, each in a server process of
-its own pinned to core 0 with 1 torch thread; the load generator (`tessera.serve.loadgen`)
-runs in another process pinned to core 1, speaking OpenAI's ``/embeddings`` to all:
+request, on encoders built here from configs (random weights, saved with save_pretrained):
+a MiniLM-size one (6 layers, 384 wide) and a BERT-base-size one (12 layers, 768). Every
+system serves the same folder in a server process of its own pinned to core 0 with 1 torch
+thread; the load generator (`tessera.serve.loadgen`) runs in another process pinned to core
+1, speaking OpenAI's ``/embeddings`` to all.
 
-- ``one_by_one``: Tessera's server, one request per batch (unpadded: nothing to pad);
-- ``fifo_padded``: arrival-order batches under the padded token budget, padded runner
-  (text-embeddings-inference's path for padded backends);
-- ``sort_window``: infinity-emb's sorted windows, padded runner;
-- ``tessera``: the DP scheduler over the length-sorted queue + the unpadded runner;
-- ``tessera_memplan``: the same with the memory plan (attention padded, head by head;
-  in ``--quick`` only);
-- ``infinity``: infinity-emb itself (optional: installed into a virtual environment of
-  its own under ``.cache/``, telemetry off, offline; reported absent when it cannot be).
+Systems: ``tessera`` (the DP scheduler over the length-sorted queue, the unpadded runner, its
+dense layers on Tessera's kernels); peers: ``fifo_padded`` (arrival-order padded batches:
+text-embeddings-inference's path for padded backends), ``sort_window`` (infinity-emb's
+sorted windows, padded), ``infinity_torch`` and ``infinity_optimum`` (infinity-emb itself
+with each CPU engine it offers: torch, and ONNX Runtime through optimum, in a virtual
+environment of its own; said absent when it cannot be installed or started), and
+``one_by_one`` (the simplest server). ``tessera_torch_kernels`` (Tessera on torch's dense
+kernels) shows what the kernels add.
 
-Per system: saturation throughput (``concurrency`` closed-loop clients, so requests always
-wait), then open-loop Poisson arrivals at 25/50/75/90% of that system's own saturation:
-throughput (requests/s, tokens/s), p50/p90/p99 latency, goodput (requests answered within
-``slo_s`` per second). Headline: Tessera / FIFO padded and Tessera / infinity-emb
-saturation throughput, and p99 latency at 75% load.
+Three phases per model, each on its own requests (seeded apart):
 
-Full run on 2 cores: at most 12 minutes (infinity's first install a few more);
-``--quick``: a tiny encoder, two load points, infinity only if already installed, about 1.
+1. Sweep (the validation workload): every peer at each batch size in ``batch_sizes``; each
+   peer keeps its fastest (saturation from ``sweep_requests`` closed-loop requests).
+2. Finals (test workloads, never used in the sweep): each peer's best configuration,
+   ``one_by_one`` and ``tessera``; saturation from ``saturation_requests`` requests after a
+   warm-up, ``repeats`` times (repeat i uses the same requests for every system): median and
+   range; Tessera's ratio to the best peer per repeat.
+3. One shared rate: open-loop Poisson arrivals at ``shared_fraction`` of the best peer's
+   sweep saturation, the same for every finalist, so their p50/p99 compare.
+
+``--quick``: a tiny encoder, a small sweep and one repeat, infinity only if installed.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -38,52 +44,65 @@ from pathlib import Path
 from tessera.bench.harness import BenchResult
 from tessera.bench.serve_memory import measure_memory_plan, memory_note, memory_table
 from tessera.bench.serve_systems import (
+    INFINITY_ENGINES,
     bench_env,
     ensure_infinity,
-    infinity_server,
     pin_to,
     server_and_client_cores,
-    tessera_server,
+    start_server,
 )
-from tessera.serve.synthetic import MINILM, EncoderSpec, build_encoder, words
+from tessera.serve.synthetic import BERT_BASE, MINILM, EncoderSpec, build_encoder, words
 
 CACHE = Path(".cache/bench-serve")
+PEERS = ("fifo_padded", "sort_window", "infinity_torch", "infinity_optimum")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServeBenchPlan:
-    spec: EncoderSpec = MINILM
+    specs: tuple[EncoderSpec, ...] = (MINILM, BERT_BASE)
     min_tokens: int = 5
     max_tokens: int = 500
     warmup_requests: int = 16
-    saturation_requests: int = 96
+    peers: tuple[str, ...] = PEERS
+    batch_sizes: tuple[int, ...] = (1, 4, 8, 16, 32)  # each peer's batch-size knob, swept
+    sweep_requests: int = 150
+    sweep_extra: tuple[str, ...] = ("tessera", "tessera_torch_kernels")  # measured once in the sweep
+    saturation_requests: int = 1000
+    repeats: int = 3
     concurrency: int = 64
-    # Requests per load point: most at 75% (where the headline p99 is read), fewer at 25%
-    # where each takes 4x a saturated request's time; sized so the full run fits 12 minutes.
-    fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 0.9)
-    load_requests: tuple[int, ...] = (40, 48, 120, 80)
+    shared_fraction: float = 0.75
+    shared_requests: int = 300
+    # models after the first run their finals on the best peer and Tessera only (BERT-base
+    # takes about 4x MiniLM's time a request)
+    lean_after_first: bool = True
     check_texts: int = 6  # inputs each system embeds once, compared with the model run alone
-    # tessera_memplan (the memory plan under load) is in --quick only: the full run's 12
-    # minutes hold five systems; its memory figures come from tests/serve/test_memory_plan.py.
-    systems: tuple[str, ...] = ("one_by_one", "fifo_padded", "sort_window", "tessera", "infinity")
     slo_s: float = 2.0  # goodput counts answers within this
     install_infinity: bool = True
     memory_plan: bool = True  # measure the memory plan on the workload's batches, in process
     seed: int = 0
     extra_server_args: tuple[str, ...] = field(default_factory=tuple)
 
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown or not self.specs or self.repeats < 1 or not self.batch_sizes:
+            raise ValueError(
+                f"ServeBenchPlan: peers {self.peers} must come from {PEERS}; specs, repeats >= 1 and "
+                f"batch_sizes must not be empty"
+            )
+
 
 FULL = ServeBenchPlan()
 QUICK = ServeBenchPlan(
-    spec=EncoderSpec(layers=2, hidden=64, heads=4, vocab_size=1000, max_length=512),
+    specs=(EncoderSpec(layers=2, hidden=64, heads=4, vocab_size=1000, max_length=512),),
     warmup_requests=8,
-    saturation_requests=48,
+    batch_sizes=(4, 32),
+    sweep_requests=24,
+    saturation_requests=32,
+    repeats=1,
     concurrency=16,
-    fractions=(0.5, 0.75),
-    load_requests=(24, 24),
+    shared_requests=16,
     check_texts=3,
     slo_s=0.5,
-    systems=("one_by_one", "fifo_padded", "sort_window", "tessera", "tessera_memplan", "infinity"),
     install_infinity=False,
 )
 
@@ -91,14 +110,12 @@ QUICK = ServeBenchPlan(
 # ---- the workload and the model ---------------------------------------------------------
 
 
-def workload(plan: ServeBenchPlan, n: int, seed: int) -> tuple[list[str], list[int]]:
+def workload(plan: ServeBenchPlan, spec: EncoderSpec, n: int, seed: int) -> tuple[list[str], list[int]]:
     import random
 
     rng = random.Random(seed)
     lengths = [rng.randint(plan.min_tokens, plan.max_tokens) for _ in range(n)]
-    texts = [
-        words(k, seed=seed * 100_003 + i, vocab_size=plan.spec.vocab_size) for i, k in enumerate(lengths)
-    ]
+    texts = [words(k, seed=seed * 100_003 + i, vocab_size=spec.vocab_size) for i, k in enumerate(lengths)]
     return texts, lengths
 
 
@@ -140,20 +157,26 @@ def summarize(records: list[list], slo_s: float) -> dict:
     }
 
 
-def measure_system(url: str, path: str, plan: ServeBenchPlan, core, seed: int) -> list[dict]:
-    def job(mode: str, n: int, k: int, **extra) -> dict:
-        texts, tokens = workload(plan, n, seed * 1000 + k)
-        return {"url": url, "path": path, "mode": mode, "texts": texts, "tokens": tokens, "seed": k, **extra}
+def saturation(url: str, path: str, plan: ServeBenchPlan, spec: EncoderSpec, core, n: int, seed: int) -> dict:
+    job = _job(url, path, plan, spec, "closed", n, seed, concurrency=plan.concurrency)
+    return summarize(run_load(job, core), plan.slo_s)
 
-    run_load(job("closed", plan.warmup_requests, 0, concurrency=4), core)
-    sat = summarize(run_load(job("closed", plan.saturation_requests, 1, concurrency=plan.concurrency), core),
-                    plan.slo_s)  # fmt: skip
-    rows = [{"load": "saturation", "offered_rps": None, **sat}]
-    for k, (fraction, n) in enumerate(zip(plan.fractions, plan.load_requests, strict=True), start=2):
-        rate = fraction * sat["throughput_rps"]
-        stats = summarize(run_load(job("open", n, k, rate=rate), core), plan.slo_s)
-        rows.append({"load": f"{fraction:.0%}", "offered_rps": rate, **stats})
-    return rows
+
+def warm_up(url: str, path: str, plan: ServeBenchPlan, spec: EncoderSpec, core) -> None:
+    job = _job(url, path, plan, spec, "closed", plan.warmup_requests, _seed(plan, "warmup"), concurrency=4)
+    run_load(job, core)
+
+
+def _job(url: str, path: str, plan: ServeBenchPlan, spec: EncoderSpec, mode: str, n: int, seed: int,
+         **extra) -> dict:  # fmt: skip
+    texts, tokens = workload(plan, spec, n, seed)
+    return {"url": url, "path": path, "mode": mode, "texts": texts, "tokens": tokens, "seed": seed, **extra}
+
+
+def _seed(plan: ServeBenchPlan, phase: str, repeat: int = 0) -> int:
+    """Each phase's requests apart: the sweep's (validation) never reappear in the finals."""
+    offsets = {"warmup": 0, "sweep": 100, "final": 200, "shared": 300, "check": 400}
+    return plan.seed * 1000 + offsets[phase] + repeat
 
 
 def scrape(url: str) -> dict:
@@ -176,14 +199,14 @@ def scrape(url: str) -> dict:
     }
 
 
-def reference_embeddings(plan: ServeBenchPlan, folder: Path):
+def reference_embeddings(plan: ServeBenchPlan, spec: EncoderSpec, folder: Path):
     """A few workload texts and their unit embeddings from the model alone, one at a time
     (mean pooling, as every system here is configured)."""
     import torch.nn.functional as F
 
     from tessera.serve.model import load_model, reference_outputs
 
-    texts, _ = workload(plan, plan.check_texts, seed=99)
+    texts, _ = workload(plan, spec, plan.check_texts, seed=_seed(plan, "check"))
     served = load_model(folder)
     rows = reference_outputs(served, served.tokenizer(texts)["input_ids"])
     return texts, F.normalize(rows, dim=-1).numpy()
@@ -204,50 +227,123 @@ def agreement(url: str, path: str, texts: list[str], reference) -> float:
 # ---- the benchmark ------------------------------------------------------------------------
 
 
+class _Bench:
+    """One model's three phases; rows and per-system facts accumulate on the instance."""
+
+    def __init__(self, plan: ServeBenchPlan, spec: EncoderSpec, cache: Path, progress: bool, absent: dict):
+        self.plan, self.spec, self.progress, self.absent = plan, spec, progress, absent
+        self.model = f"{spec.layers}x{spec.hidden}"
+        self.folder = model_folder(spec, cache)
+        self.log_dir = cache / "logs" / self.model
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.server_core, self.client_core = server_and_client_cores()
+        self.check = reference_embeddings(plan, spec, self.folder)
+        self.rows: list[dict] = []
+        self.systems: dict[str, dict] = {}
+
+    def say(self, message: str) -> None:
+        _say(self.progress, f"{self.model} {message}")
+
+    def serve(self, system: str, batch: int | None, work) -> bool:
+        """Start ``system`` (at ``batch``), run ``work(url, path)``, stop it; False when absent."""
+        if system in INFINITY_ENGINES:
+            reason = ensure_infinity(self.plan.install_infinity)
+            if reason:
+                self.absent[system] = reason
+                return False
+        label = system if batch is None else f"{system}@{batch}"
+        self.say(f"{label}: starting")
+        try:
+            server = start_server(system, batch, self.folder, self.plan.extra_server_args, self.server_core,
+                                  self.log_dir)  # fmt: skip
+        except RuntimeError as exc:
+            self.absent[label] = f"server failed to start: {str(exc).strip().splitlines()[-1:]}"
+            self.say(f"{label}: {self.absent[label]}")
+            return False
+        try:
+            path = "/embeddings" if system in INFINITY_ENGINES else "/v1/embeddings"
+            facts = self.systems.setdefault(label, {})
+            facts["max_abs_diff_vs_model"] = agreement(server.url, path, *self.check)
+            warm_up(server.url, path, self.plan, self.spec, self.client_core)
+            work(server.url, path)
+            if system not in INFINITY_ENGINES:
+                facts |= scrape(server.url)
+        finally:
+            server.stop()
+        return True
+
+    def sweep(self) -> dict[str, int | None]:
+        """Each peer's fastest batch size on the validation requests (and Tessera's, once)."""
+        plan, best = self.plan, {}
+        knobs = [(p, b) for p in plan.peers for b in plan.batch_sizes] + [(s, None) for s in plan.sweep_extra]
+        for system, batch in knobs:
+
+            def work(url, path, system=system, batch=batch):
+                sat = saturation(url, path, plan, self.spec, self.client_core, plan.sweep_requests,
+                                 _seed(plan, "sweep"))  # fmt: skip
+                self.rows.append(
+                    {"model": self.model, "phase": "sweep", "system": system, "batch": batch, **sat}
+                )
+                self.say(f"sweep {system}@{batch}: {sat['throughput_rps']:.2f} req/s")
+
+            self.serve(system, batch, work)
+        for system in plan.peers:
+            mine = [r for r in self.rows if r["phase"] == "sweep" and r["system"] == system]
+            if mine:
+                best[system] = max(mine, key=lambda r: r["throughput_rps"])["batch"]
+        return best
+
+    def finals(self, configs: list[tuple[str, int | None]], shared_rate: float) -> None:
+        plan = self.plan
+        for system, batch in configs:
+
+            def work(url, path, system=system, batch=batch):
+                for repeat in range(plan.repeats):
+                    sat = saturation(url, path, plan, self.spec, self.client_core, plan.saturation_requests,
+                                     _seed(plan, "final", repeat))  # fmt: skip
+                    self.rows.append({"model": self.model, "phase": "final", "system": system, "batch": batch,
+                                      "repeat": repeat, **sat})  # fmt: skip
+                    self.say(f"final {system}@{batch} #{repeat}: {sat['throughput_rps']:.2f} req/s")
+                job = _job(url, path, plan, self.spec, "open", plan.shared_requests, _seed(plan, "shared"),
+                           rate=shared_rate)  # fmt: skip
+                stats = summarize(run_load(job, self.client_core), plan.slo_s)
+                self.rows.append({"model": self.model, "phase": "shared_rate", "system": system, "batch": batch,
+                                  "offered_rps": shared_rate, **stats})  # fmt: skip
+                self.say(f"shared rate {shared_rate:.2f}/s {system}: p99 {stats['p99_s']:.3f} s")
+
+            self.serve(system, batch, work)
+
+    def run(self, lean: bool) -> dict:
+        best = self.sweep()
+        sweep = {(r["system"], r["batch"]): r["throughput_rps"] for r in self.rows if r["phase"] == "sweep"}
+        ranked = sorted(best, key=lambda p: sweep[p, best[p]], reverse=True)
+        if not ranked:
+            raise RuntimeError(f"no peer ran on {self.model}: {self.absent}")
+        shared_rate = self.plan.shared_fraction * sweep[ranked[0], best[ranked[0]]]
+        peers = ranked[:1] if lean else ranked
+        configs = (
+            [(p, best[p]) for p in peers] + ([] if lean else [("one_by_one", None)]) + [("tessera", None)]
+        )
+        self.finals(configs, shared_rate)
+        return {"best_batch": best, "peers_ranked": ranked, "shared_rate_rps": shared_rate}
+
+
 def run_serve_bench(
     quick: bool = False, progress: bool = True, plan: ServeBenchPlan | None = None, cache: Path = CACHE
 ) -> BenchResult:
     plan = plan or (QUICK if quick else FULL)
-    folder = model_folder(plan.spec, cache)
-    log_dir = cache / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    server_core, client_core = server_and_client_cores()
-    rows, systems, absent = [], {}, {}
-    check = reference_embeddings(plan, folder)
-    for system in plan.systems:
-        if system == "infinity":
-            reason = ensure_infinity(plan.install_infinity)
-            if reason:
-                absent[system] = reason
-                _say(progress, f"infinity-emb absent: {reason}")
-                continue
-        _say(progress, f"{system}: starting")
-        try:
-            server = (infinity_server(folder, server_core, log_dir) if system == "infinity"
-                      else tessera_server(system, folder, plan.extra_server_args, server_core, log_dir))  # fmt: skip
-        except RuntimeError as exc:
-            absent[system] = f"server failed to start: {exc}"
-            _say(progress, f"{system}: {absent[system]}")
-            continue
-        try:
-            path = "/embeddings" if system == "infinity" else "/v1/embeddings"
-            agrees = {"max_abs_diff_vs_model": agreement(server.url, path, *check)}
-            measured = measure_system(server.url, path, plan, client_core, plan.seed)
-            systems[system] = agrees | (scrape(server.url) if system != "infinity" else {})
-        finally:
-            server.stop()
-        for row in measured:
-            rows.append({"system": system, **row})
-            _say(
-                progress,
-                f"{system} {row['load']}: {row['throughput_rps']:.2f} req/s, p99 {row['p99_s']:.3f} s",
-            )
+    rows, systems, absent, models = [], {}, {}, {}
     memory = None
-    if plan.memory_plan:
-        _say(progress, "memory plan on the saturation workload's batches (in process)")
-        lengths = workload(plan, plan.saturation_requests, plan.seed * 1000 + 1)[1]
-        memory = measure_memory_plan(folder, lengths)
-    return _result(plan, rows, systems, absent, folder, memory)
+    for i, spec in enumerate(plan.specs):
+        bench = _Bench(plan, spec, cache, progress, absent)
+        models[bench.model] = bench.run(lean=plan.lean_after_first and i > 0)
+        rows += bench.rows
+        systems[bench.model] = bench.systems
+        if plan.memory_plan and i == 0:
+            _say(progress, "memory plan on the first model's final workload batches (in process)")
+            lengths = workload(plan, spec, plan.saturation_requests, _seed(plan, "final"))[1]
+            memory = measure_memory_plan(bench.folder, lengths)
+    return _result(plan, rows, systems, absent, models, memory)
 
 
 def _say(progress: bool, message: str) -> None:
@@ -255,54 +351,82 @@ def _say(progress: bool, message: str) -> None:
         print(f"bench serve: {message}", flush=True)
 
 
-def _find(rows, system, load):
-    return next((r for r in rows if r["system"] == system and r["load"] == load), None)
-
-
-def _ratio(rows, a, b):
-    ra, rb = _find(rows, a, "saturation"), _find(rows, b, "saturation")
-    return round(ra["throughput_rps"] / rb["throughput_rps"], 3) if ra and rb else None
-
-
-def _result(plan, rows, systems, absent, folder, memory) -> BenchResult:
-    headline = {
-        "tessera_over_fifo_padded_throughput": _ratio(rows, "tessera", "fifo_padded"),
-        "tessera_over_infinity_throughput": _ratio(rows, "tessera", "infinity"),
-        "tessera_over_sort_window_throughput": _ratio(rows, "tessera", "sort_window"),
-        "tessera_over_one_by_one_throughput": _ratio(rows, "tessera", "one_by_one"),
+def _spread(values: list[float]) -> dict:
+    return {
+        "median": round(statistics.median(values), 3),
+        "range": [round(min(values), 3), round(max(values), 3)],
     }
+
+
+def _model_headline(model: str, rows: list[dict], facts: dict) -> dict:
+    """Tessera against the best peer in the finals: the ratio of median saturations and the
+    range of per-repeat ratios (repeat i of both served the same requests), and the p99 of
+    each at the one shared rate."""
+    finals = [r for r in rows if r["model"] == model and r["phase"] == "final"]
+    by = {}
+    for r in finals:
+        by.setdefault(r["system"], []).append(r)
+    out = {"best_batch": facts["best_batch"], "shared_rate_rps": round(facts["shared_rate_rps"], 3)}
+    for system, mine in by.items():
+        out[f"{system}_saturation_rps"] = _spread([r["throughput_rps"] for r in mine])
+    peers = [p for p in facts["peers_ranked"] if p in by]
+    if "tessera" in by and peers:
+        # the best peer in the finals (the sweep ranked them on other requests)
+        best = max(peers, key=lambda p: statistics.median(r["throughput_rps"] for r in by[p]))
+        ours = sorted(by["tessera"], key=lambda r: r["repeat"])
+        theirs = sorted(by[best], key=lambda r: r["repeat"])
+        ratios = [a["throughput_rps"] / b["throughput_rps"] for a, b in zip(ours, theirs, strict=True)]
+        med = statistics.median(r["throughput_rps"] for r in ours) / statistics.median(
+            r["throughput_rps"] for r in theirs
+        )
+        out |= {"best_peer": f"{best}@{facts['best_batch'][best]}", "tessera_over_best_peer": round(med, 3),
+                "tessera_over_best_peer_range": [round(min(ratios), 3), round(max(ratios), 3)]}  # fmt: skip
+    for r in rows:
+        if r["model"] == model and r["phase"] == "shared_rate":
+            out[f"{r['system']}_p99_at_shared_rate_s"] = round(r["p99_s"], 4)
+    return out
+
+
+def _result(plan, rows, systems, absent, models, memory) -> BenchResult:
+    headline = {model: _model_headline(model, rows, facts) for model, facts in models.items()}
     if memory:
-        headline["memory_plan_max_footprint_over_peak_live"] = round(memory["max_ratio"], 3)
-        big = memory[
-            "max_ratio_over_16_mib"
-        ]  # batches of several 2 MiB chunks, where the plan's packing shows
-        headline["memory_plan_max_footprint_over_peak_live_16mib_up"] = round(big, 3) if big else None
-        headline["memory_plan_steady_state_allocations"] = memory["second_pass"]["allocations"]
-        headline["memory_plan_held_over_largest_peak_live"] = round(memory["held_over_largest_peak"], 3)
-        headline["memory_plan_second_pass_chunk_allocations"] = memory["second_pass"]["chunk_allocations"]
-    for system in plan.systems:
-        at75 = _find(rows, system, "75%")
-        headline[f"{system}_p99_at_75pct_s"] = round(at75["p99_s"], 4) if at75 else None
+        headline["memory_plan"] = {
+            "max_footprint_over_peak_live": round(memory["max_ratio"], 3),
+            "steady_state_allocations": memory["second_pass"]["allocations"],
+            "held_over_largest_peak_live": round(memory["held_over_largest_peak"], 3),
+            "second_pass_chunk_allocations": memory["second_pass"]["chunk_allocations"],
+        }
+    tessera_facts = {m: s.get("tessera", {}) for m, s in systems.items()}
+    headline["dp_plan_us_per_request"] = _dp_speed(next(iter(tessera_facts.values()), {}))
     notes = [
-        f"encoder: {plan.spec.family} {plan.spec.layers} layers x {plan.spec.hidden} wide, random weights ({folder})",
-        f"requests: one text each, uniform in [{plan.min_tokens}, {plan.max_tokens}] tokens; "
-        f"saturation: {plan.saturation_requests} requests from {plan.concurrency} closed-loop clients; loads: "
-        f"{'/'.join(map(str, plan.load_requests))} open-loop Poisson requests at "
-        f"{'/'.join(f'{f:.0%}' for f in plan.fractions)} of the system's own saturation",
+        *(f"encoder {s.layers}x{s.hidden}: {s.family}, {s.heads} heads, random weights" for s in plan.specs),
+        f"requests: one text each, uniform in [{plan.min_tokens}, {plan.max_tokens}] tokens; sweep: "
+        f"{plan.sweep_requests} validation requests per configuration, batch sizes {plan.batch_sizes}; finals: "
+        f"{plan.saturation_requests} requests x {plan.repeats} repeats from {plan.concurrency} closed-loop "
+        f"clients after {plan.warmup_requests} warm-up; shared rate: {plan.shared_requests} open-loop Poisson "
+        f"requests at {plan.shared_fraction:.0%} of the best peer's sweep saturation",
         "servers pinned to one core with 1 torch thread, the load generator to another core",
-        f"goodput: answers within {plan.slo_s} s per second",
         *[f"{name} absent: {why}" for name, why in absent.items()],
     ]
-    extra = {"plan": {k: v for k, v in asdict(plan).items() if k != "spec"} | {"spec": asdict(plan.spec)},
-             "systems": systems, "absent": absent, "dp_plan_us_per_request": _dp_speed(systems)}  # fmt: skip
-    columns = ["system", "load", "offered_rps", "throughput_rps", "tokens_per_s", "p50_s", "p90_s", "p99_s",
-               "goodput_rps", "ok", "errors"]  # fmt: skip
+    extra = {"plan": {k: v for k, v in asdict(plan).items() if k != "specs"} | {"specs": [asdict(s) for s in plan.specs]},
+             "systems": systems, "absent": absent, "models": models}  # fmt: skip
+    columns = ["model", "phase", "system", "batch", "repeat", "offered_rps", "throughput_rps", "tokens_per_s",
+               "p50_s", "p99_s", "goodput_rps", "ok", "errors"]  # fmt: skip
     batch_rows = [
-        {"system": k, **{m: v for m, v in s.items() if m != "cost_table"}} for k, s in systems.items()
+        {"model": m, "system": k, **{f: v for f, v in s.items() if f != "cost_table"}}
+        for m, by in systems.items()
+        for k, s in by.items()
     ]
-    batch_columns = ["system", "batches", "mean_batch_size", "padding_overhead", "max_abs_diff_vs_model"]
-    title = "Batches, padding, and each system's embeddings against the model run alone"
-    tables = [(title, batch_columns, batch_rows)]
+    batch_columns = [
+        "model",
+        "system",
+        "batches",
+        "mean_batch_size",
+        "padding_overhead",
+        "max_abs_diff_vs_model",
+    ]
+    tables = [("Batches, padding, and each system's embeddings against the model run alone", batch_columns,
+               batch_rows)]  # fmt: skip
     if memory:
         tables.append(memory_table(memory))
         notes.append(memory_note(memory))
@@ -310,7 +434,7 @@ def _result(plan, rows, systems, absent, folder, memory) -> BenchResult:
     return BenchResult("serve", headline, rows, columns, notes=notes, extra=extra, tables=tables)
 
 
-def _dp_speed(systems: dict) -> float | None:
+def _dp_speed(tessera: dict) -> float | None:
     """The DP's planning time for a 256-request queue, on the measured cost table."""
     import random
 
@@ -319,7 +443,7 @@ def _dp_speed(systems: dict) -> float | None:
     from tessera.serve.request import Request
     from tessera.serve.scheduler import BatchLimits
 
-    table = (systems.get("tessera") or {}).get("cost_table")
+    table = tessera.get("cost_table")
     if not table:
         return None
     scheduler = DPScheduler(BatchLimits(), CostTable.from_dict(table))
@@ -333,25 +457,43 @@ def _dp_speed(systems: dict) -> float | None:
 
 
 def plot_serve(result: BenchResult, path: Path) -> None:
+    """Per model: the sweep (each peer's saturation against its batch size, Tessera's as a
+    line) and the finals (median saturation with the repeats' range)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
-    for system in dict.fromkeys(r["system"] for r in result.rows):
-        mine = [r for r in result.rows if r["system"] == system and r["load"] != "saturation"]
-        mine.sort(key=lambda r: r["throughput_rps"])
-        for ax, key in zip(axes, ("p50_s", "p99_s"), strict=True):
-            ax.plot([r["throughput_rps"] for r in mine], [r[key] for r in mine], marker="o", label=system)
-    for ax, title in zip(axes, ("p50 latency", "p99 latency"), strict=True):
-        ax.set_xlabel("throughput (requests/s)")
-        ax.set_ylabel("seconds")
-        ax.set_yscale("log")
-        ax.set_title(f"{title} vs throughput")
-        ax.grid(alpha=0.3)
-    axes[0].legend()
-    fig.suptitle("open-loop Poisson load at 25/50/75/90% of each system's own saturation")
+    models = list(dict.fromkeys(r["model"] for r in result.rows))
+    fig, axes = plt.subplots(len(models), 2, figsize=(11, 4 * len(models)), squeeze=False)
+    for (ax_sweep, ax_final), model in zip(axes, models, strict=True):
+        sweep = [r for r in result.rows if r["model"] == model and r["phase"] == "sweep"]
+        for system in dict.fromkeys(r["system"] for r in sweep):
+            mine = sorted((r for r in sweep if r["system"] == system), key=lambda r: r["batch"] or 0)
+            if mine[0]["batch"] is None:
+                ax_sweep.axhline(mine[0]["throughput_rps"], linestyle="--", label=system)
+            else:
+                ax_sweep.plot([r["batch"] for r in mine], [r["throughput_rps"] for r in mine], marker="o",
+                              label=system)  # fmt: skip
+        ax_sweep.set_xscale("log", base=2)
+        ax_sweep.set_xlabel("batch size (requests)")
+        ax_sweep.set_ylabel("saturation (requests/s)")
+        ax_sweep.set_title(f"{model}: sweep (validation requests)")
+        ax_sweep.legend(fontsize=7)
+        ax_sweep.grid(alpha=0.3)
+        finals = [r for r in result.rows if r["model"] == model and r["phase"] == "final"]
+        names = list(dict.fromkeys(r["system"] for r in finals))
+        values = [[r["throughput_rps"] for r in finals if r["system"] == n] for n in names]
+        med = [statistics.median(v) for v in values]
+        err = [
+            [m - min(v) for m, v in zip(med, values, strict=True)],
+            [max(v) - m for m, v in zip(med, values, strict=True)],
+        ]
+        ax_final.bar(names, med, yerr=err, capsize=4)
+        ax_final.set_ylabel("saturation (requests/s)")
+        ax_final.set_title(f"{model}: finals (median, range of repeats)")
+        ax_final.tick_params(axis="x", labelrotation=20, labelsize=8)
+        ax_final.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, format="png", dpi=110)
     plt.close(fig)

@@ -14,14 +14,21 @@ import time
 from pathlib import Path
 
 INFINITY_VENV = Path(".cache/infinity-venv")
-INFINITY_PIN = "infinity-emb[server,torch]==0.0.78"
+INFINITY_PIN = "infinity-emb[server,torch,optimum]==0.0.78"
+# what pip resolves beside it and the export needs: optimum 2.1 with its ONNX half, numpy < 2
+# (infinity's own pin), and the pyarrow and datasets releases that still take numpy 1
+INFINITY_EXTRAS = ("optimum==2.1.0", "optimum-onnx==0.1.0", "numpy<2", "pyarrow<20", "datasets<4")
 TESSERA_SYSTEMS = {
     "one_by_one": ["--scheduler", "one_by_one"],
     "fifo_padded": ["--scheduler", "fifo_padded"],
     "sort_window": ["--scheduler", "sort_window"],
-    "tessera": ["--scheduler", "dp"],
+    "tessera": ["--scheduler", "dp", "--kernels", "tessera"],
+    "tessera_torch_kernels": ["--scheduler", "dp", "--kernels", "torch"],
     "tessera_memplan": ["--scheduler", "dp", "--attention", "padded", "--memory-plan"],
 }
+# infinity-emb's CPU engines: torch (its own padded batches on torch's kernels) and optimum
+# (the model exported to ONNX and run by ONNX Runtime, what its docs recommend on CPU)
+INFINITY_ENGINES = {"infinity_torch": "torch", "infinity_optimum": "optimum"}
 
 
 # ---- servers ----------------------------------------------------------------------------
@@ -47,10 +54,10 @@ def bench_env() -> dict:
 class Server:
     """A server process; ``url`` once it answers."""
 
-    def __init__(self, cmd: list[str], core: int | None, ready, log: Path):
+    def __init__(self, cmd: list[str], core: int | None, ready, log: Path, cwd: Path | None = None):
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=bench_env(),
-                                     preexec_fn=pin_to(core), text=True)  # fmt: skip
+                                     preexec_fn=pin_to(core), text=True, cwd=cwd)  # fmt: skip
         self.url = ready(self, log)
 
     def alive(self) -> bool:
@@ -98,20 +105,52 @@ def _wait_for_health(url: str, timeout: float = 600.0):
     return ready
 
 
-def tessera_server(system: str, folder: Path, extra_args, core, log_dir: Path) -> Server:
+def start_server(system: str, batch: int | None, folder: Path, extra_args, core, log_dir: Path) -> Server:
+    """``system`` serving ``folder`` on ``core``; ``batch``: its batch-size knob (None: default)."""
+    label = system if batch is None else f"{system}-b{batch}"
+    if system in INFINITY_ENGINES:
+        return infinity_server(folder, core, log_dir / f"{label}.log", INFINITY_ENGINES[system], batch or 32)
+    knob = [] if batch is None else ["--max-batch-size", str(batch)]
     cmd = [sys.executable, "-m", "tessera.cli", "serve", "--model", str(folder), "--port", "0",
-           "--threads", "1", "--max-queue", "100000", *TESSERA_SYSTEMS[system], *extra_args]  # fmt: skip
-    return Server(cmd, core, _wait_for_line, log_dir / f"{system}.log")
+           "--threads", "1", "--max-queue", "100000", *TESSERA_SYSTEMS[system], *knob, *extra_args]  # fmt: skip
+    return Server(cmd, core, _wait_for_line, log_dir / f"{label}.log")
 
 
-def infinity_server(folder: Path, core, log_dir: Path) -> Server:
+def onnx_folder(folder: Path) -> Path:
+    """``folder`` exported to ONNX beside it (``<folder>-onnx/model.onnx``, once), for infinity's
+    optimum engine, which looks for an ONNX file and does not export one itself. The export is
+    optimum's own (``optimum-cli export onnx``, feature extraction) from infinity's venv, with
+    ONNX Runtime's graph optimizer at level O2: fused attention, skip-LayerNorm and bias-GELU
+    (exact), fp32 -- what infinity asks ONNX Runtime for when it loads a model (level 99, no
+    GELU approximation), which infinity 0.0.78 cannot do itself with optimum 2.x (it passes a
+    keyword optimum removed, logs it, and runs the graph unoptimized)."""
+    out = folder.parent / f"{folder.name}-onnx"
+    if (out / "model.onnx").exists():
+        return out
+    partial = folder.parent / f"{folder.name}-onnx.partial"
+    cmd = [str(INFINITY_VENV / "bin" / "optimum-cli"), "export", "onnx", "--model", str(folder), "--task",
+           "feature-extraction", "--optimize", "O2", str(partial)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=bench_env(), timeout=1800)
+    if done.returncode != 0 or not (partial / "model.onnx").exists():
+        raise RuntimeError(f"ONNX export failed: {(done.stderr or done.stdout).strip().splitlines()[-1:]}")
+    partial.rename(out)
+    return out
+
+
+def infinity_server(folder: Path, core, log: Path, engine: str, batch: int) -> Server:
+    model_id, cwd = str(folder.resolve()), None
+    if engine == "optimum":
+        # infinity 0.0.78 hands optimum 2.x the ONNX file's path as globbed under the model id,
+        # which optimum takes relative to the model folder: started inside the folder with
+        # model id ".", the two agree
+        model_id, cwd = ".", onnx_folder(folder).resolve()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [str(INFINITY_VENV / "bin" / "infinity_emb"), "v2", "--model-id", str(folder.resolve()),
-           "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port), "--engine", "torch",
-           "--device", "cpu", "--batch-size", "32", "--no-bettertransformer"]  # fmt: skip
-    return Server(cmd, core, _wait_for_health(f"http://127.0.0.1:{port}"), log_dir / "infinity.log")
+    cmd = [str(INFINITY_VENV.resolve() / "bin" / "infinity_emb"), "v2", "--model-id", model_id,
+           "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port), "--engine", engine,
+           "--device", "cpu", "--batch-size", str(batch), "--no-bettertransformer", "--pooling-method", "mean"]  # fmt: skip
+    return Server(cmd, core, _wait_for_health(f"http://127.0.0.1:{port}"), log.resolve(), cwd=cwd)
 
 
 def ensure_infinity(install: bool) -> str | None:
@@ -128,7 +167,7 @@ def ensure_infinity(install: bool) -> str | None:
         pins = INFINITY_VENV / "constraints.txt"
         pins.write_text("torch==2.13.0\n")
         pip = [str(INFINITY_VENV / "bin" / "pip"), "install", "-q", "-c", str(pins)]
-        subprocess.run([*pip, "torch==2.13.0", INFINITY_PIN], check=True, capture_output=True, text=True,
+        subprocess.run([*pip, "torch==2.13.0", INFINITY_PIN, *INFINITY_EXTRAS], check=True, capture_output=True, text=True,
                        timeout=1800)  # fmt: skip
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
