@@ -198,3 +198,23 @@ def test_encoder_families_with_other_attention_are_refused_when_loaded(tmp_path)
             ValueError, match=f"^model type '{config.model_type}' is not served; supported encoder"
         ):
             load_model(folder)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tessera_attention_kernel_serves_like_one_request_at_a_time(tmp_path, family):
+    """Heads of 16 floats (64 wide, 4 heads) take Tessera's packed attention kernel as well as
+    its dense layers: one call per layer for the whole batch. Same fp32 tolerance (the
+    kernel's softmax exp is its own, ~2e-7 relative)."""
+    from tessera.serve.synthetic import EncoderSpec, build_encoder
+
+    spec = EncoderSpec(
+        family=family, layers=2, hidden=64, heads=4, vocab_size=200, max_length=64, num_labels=3
+    )
+    served = load_model(build_encoder(tmp_path / family, spec), task="classify")
+    runner = UnpaddedRunner(served, kernels="tessera")
+    assert runner.describe()["attention_kernel"] == "tessera"
+    for seed, lengths in enumerate(compositions(served.max_length)):
+        sequences = tokens_for(lengths, seed=seed)
+        torch.testing.assert_close(
+            runner(sequences), reference_outputs(served, sequences), atol=ATOL, rtol=RTOL
+        )

@@ -56,13 +56,13 @@ class _Layer:
         """``m`` rows of the layer's own output buffer when no tensor from an earlier call is
         still alive (a fresh multi-MiB tensor costs a page fault per 4 KiB: 1.7 us each here,
         as much as the GEMM at a few hundred tokens); else a new buffer, which the layer keeps."""
-        if self.out is None or self.out.shape[0] < m or _held_elsewhere(self.out):
+        if self.out is None or self.out.shape[0] < m or held_elsewhere(self.out):
             self.out = torch.empty(max(m, 0 if self.out is None else self.out.shape[0]), self.kernel.n)
             self.counts["buffers"] += 1
         return self.out[:m]
 
 
-def _held_elsewhere(buffer: torch.Tensor) -> bool:
+def held_elsewhere(buffer: torch.Tensor) -> bool:
     """Whether a tensor other than ``buffer`` (a view it returned) shares its storage; the
     query itself holds one reference (the storage object it is asked through)."""
     return torch._C._storage_Use_Count(buffer.untyped_storage()._cdata) > 2
@@ -175,11 +175,22 @@ def _gelu_in_place(layer: _Layer):
 
 
 def _fused_output(module: nn.Module, layer: _Layer):
+    norm = module.LayerNorm
+    held: dict[str, torch.Tensor] = {}
+    stats = (torch.empty(0), torch.empty(0))  # LayerNorm's mean and 1/std, resized by the op
+
     def forward(hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
         # dropout is the identity in eval mode (the runner refuses a model in training mode)
-        return module.LayerNorm(layer(hidden_states, residual=input_tensor))
+        y = layer(hidden_states, residual=input_tensor)
+        out = held.get("out")
+        if out is None or out.numel() < y.numel() or held_elsewhere(out):
+            out = held["out"] = torch.empty(max(y.numel(), 0 if out is None else out.numel()))
+        out = out[: y.numel()].view(y.shape)  # the block's own output buffer, as the layer's
+        torch.ops.aten.native_layer_norm.out(y, list(norm.normalized_shape), norm.weight, norm.bias, norm.eps,
+                                             out0=out, out1=stats[0], out2=stats[1])  # fmt: skip
+        return out
 
     return forward
 
 
-__all__ = ["KERNELS", "DenseLayers"]
+__all__ = ["KERNELS", "DenseLayers", "held_elsewhere"]

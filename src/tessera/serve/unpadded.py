@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from tessera.serve.dense_layers import KERNELS, DenseLayers
+from tessera.kernels.attention import attention_kernel, supports
+from tessera.serve.dense_layers import KERNELS, DenseLayers, held_elsewhere
 from tessera.serve.model import ServedModel
 from tessera.serve.runner import Runner
 
@@ -51,6 +52,11 @@ class Segments:
     math: bool = False  # padded: attention as matmul + softmax head by head (every op has out=)
     jagged_offsets: torch.Tensor | None = None
     starts: torch.Tensor | None = None  # (B,) row of each input's first token
+    # per_request on Tessera's attention kernel: the kernel, the offsets as a tensor, and the
+    # runner's buffers (the attention output's, reused while nothing else holds it)
+    kernel: object | None = None
+    offsets_tensor: torch.Tensor | None = None
+    buffers: dict | None = None
 
     @classmethod
     def build(cls, lengths: list[int], mode: str, *, math: bool = False) -> Segments:
@@ -83,7 +89,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         return out.transpose(1, 2), None
     _refuse_unhonoured(module, attention_mask, dropout, kwargs)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
-    if seg.mode == "per_request":
+    if seg.kernel is not None:
+        out = _on_kernel(q, k, v, seg, scaling)
+    elif seg.mode == "per_request":
         out = _per_request(q, k, v, seg.offsets, scaling)
     elif seg.mode == "padded":
         out = _padded(q, k, v, seg, scaling)
@@ -142,6 +150,18 @@ def _per_request(q, k, v, offsets, scaling) -> torch.Tensor:
         piece = (t[a:b].transpose(0, 1)[None] for t in (q, k, v))
         parts.append(F.scaled_dot_product_attention(*piece, scale=scaling)[0].transpose(0, 1))
     return torch.cat(parts)
+
+
+def _on_kernel(q, k, v, seg: Segments, scaling) -> torch.Tensor:
+    """Every input and head in one call of Tessera's packed attention kernel, its output in the
+    runner's buffer (a fresh multi-MiB tensor a layer costs page faults: see dense_layers)."""
+    t, h, d = q.shape
+    buf = seg.buffers.get("attention")
+    if buf is None or buf.numel() < q.numel() or held_elsewhere(buf):
+        buf = seg.buffers["attention"] = torch.empty(max(q.numel(), 0 if buf is None else buf.numel()))
+    scale = d**-0.5 if scaling is None else scaling  # SDPA's default when the layer brings none
+    out = buf[: q.numel()].view(t, h, d)
+    return seg.kernel(q, k, v, seg.offsets_tensor, scale, out=out, threads=torch.get_num_threads())
 
 
 def _padded(q, k, v, seg: Segments, scaling) -> torch.Tensor:
@@ -233,6 +253,10 @@ class UnpaddedRunner(Runner):
             if kernels == "tessera"
             else None
         )
+        self.attention_kernel, self.buffers = None, {}
+        head_dim = served.config.hidden_size // served.config.num_attention_heads
+        if kernels == "tessera" and attention == "per_request" and supports(head_dim):
+            self.attention_kernel = attention_kernel(head_dim)
         if memory_plan and attention != "padded":
             raise ValueError(
                 f"the memory plan needs attention 'padded' (one op sequence for every batch), got {attention!r}"
@@ -248,6 +272,7 @@ class UnpaddedRunner(Runner):
 
     def describe(self) -> dict:
         kernels = self.dense.describe() if self.dense is not None else {"kernels": "torch"}
+        kernels["attention_kernel"] = "tessera" if self.attention_kernel is not None else "torch sdpa"
         return {
             "name": self.name,
             "attention": self.attention,
@@ -258,6 +283,12 @@ class UnpaddedRunner(Runner):
     def prepare(self, sequences: list[list[int]]) -> Packed:
         lengths = [len(s) for s in sequences]
         seg = Segments.build(lengths, self.attention, math=self.memory_plan)
+        if self.attention_kernel is not None:
+            seg.kernel, seg.offsets_tensor, seg.buffers = (
+                self.attention_kernel,
+                torch.tensor(seg.offsets),
+                self.buffers,
+            )
         ids = torch.tensor([t for s in sequences for t in s])[None]
         length = torch.tensor(lengths)
         starts = torch.tensor(seg.offsets[:-1]).repeat_interleave(length)

@@ -1,0 +1,186 @@
+/* Bidirectional attention over a packed batch of variable-length inputs, for serving:
+ * O = softmax(scale * Q K^T) V within each input (segment) and each head, nothing across
+ * inputs, no padding anywhere.
+ *
+ * Q, K, V and O are T x (H * D) row-major with their own row strides (the layout a
+ * projection's output has before it is viewed as heads); segment s covers rows
+ * offsets[s] .. offsets[s + 1]. Per (segment, head): K's head is packed transposed (D x n,
+ * keys contiguous), then for each block of query rows the scores are computed on a register
+ * tile (rows x 2 vectors of keys, broadcast Q times FMA), the softmax runs on the block's
+ * rows in vector registers with an exp of our own (below), and P V is accumulated on a
+ * second register tile (rows x D) before the rows are divided by their sums and stored.
+ *
+ * Defined by the generator before this file: TK_VEC (256 or 512) and TK_D (the head size,
+ * a multiple of the vector length). Reductions run in a fixed order whatever the thread
+ * count (threads split (segment, head) pairs).
+ */
+#define TK_NG 0
+#define TK_MR 8
+#define TK_NR (2 * (TK_VEC / 32))
+#define TK_UNROLL 1
+#include "tessera_primitives.h"
+
+#include <math.h>
+
+#define TK_KW TK_NR                                /* keys per score panel: two vectors */
+#define TK_DV (TK_D / TK_VL)                       /* vectors per head row */
+#define TK_SR (TK_VEC == 512 ? 8 : 4)              /* query rows per score tile */
+#define TK_ACC (TK_VEC == 512 ? 24 : 12)           /* accumulators the P V tile may use */
+#define TK_PR_RAW (TK_ACC / TK_DV)
+#define TK_PR (TK_PR_RAW < 1 ? 1 : (TK_PR_RAW > TK_SR ? TK_SR : TK_PR_RAW)) /* rows per P V tile */
+
+#if TK_D % TK_VL != 0
+#error "TK_D must be a multiple of the vector length"
+#endif
+
+#if TK_VEC == 512
+typedef __m512i tk_vi;
+#define tk_max _mm512_max_ps
+#define tk_mul _mm512_mul_ps
+#define tk_round(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define tk_cvt _mm512_cvtps_epi32
+#define tk_addi _mm512_add_epi32
+#define tk_set1i _mm512_set1_epi32
+#define tk_slli _mm512_slli_epi32
+#define tk_asf _mm512_castsi512_ps
+TK_INLINE float tk_hmax(tk_vf v) { return _mm512_reduce_max_ps(v); }
+TK_INLINE float tk_hsum(tk_vf v) { return _mm512_reduce_add_ps(v); }
+#else
+typedef __m256i tk_vi;
+#define tk_max _mm256_max_ps
+#define tk_mul _mm256_mul_ps
+#define tk_round(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define tk_cvt _mm256_cvtps_epi32
+#define tk_addi _mm256_add_epi32
+#define tk_set1i _mm256_set1_epi32
+#define tk_slli _mm256_slli_epi32
+#define tk_asf _mm256_castsi256_ps
+TK_INLINE float tk_hmax(tk_vf v) {
+    float t[8];
+    _mm256_storeu_ps(t, v);
+    float m = t[0];
+    for (int i = 1; i < 8; ++i) m = t[i] > m ? t[i] : m;
+    return m;
+}
+TK_INLINE float tk_hsum(tk_vf v) {
+    float t[8], s = 0.0f;
+    _mm256_storeu_ps(t, v);
+    for (int i = 0; i < 8; ++i) s += t[i];
+    return s;
+}
+#endif
+
+/* exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact
+ * to float precision), exp(r) by its Taylor series to r^6 (truncation below 1.3e-7
+ * relative), times 2^n built in the exponent bits. Below -87 the result is ~1e-38, where a
+ * softmax weight is nothing against the row's maximum term, 1. */
+TK_INLINE tk_vf tk_exp_neg(tk_vf x) {
+    x = tk_max(x, tk_set1(-87.0f));
+    tk_vf n = tk_round(tk_mul(x, tk_set1(1.44269504088896341f)));
+    tk_vf r = tk_fma(n, tk_set1(-0.693145751953125f), x);
+    r = tk_fma(n, tk_set1(-1.42860682030941723212e-6f), r);
+    tk_vf p = tk_set1(1.0f / 720.0f);
+    p = tk_fma(p, r, tk_set1(1.0f / 120.0f));
+    p = tk_fma(p, r, tk_set1(1.0f / 24.0f));
+    p = tk_fma(p, r, tk_set1(1.0f / 6.0f));
+    p = tk_fma(p, r, tk_set1(0.5f));
+    p = tk_fma(p, r, tk_set1(1.0f));
+    p = tk_fma(p, r, tk_set1(1.0f));
+    tk_vi bits = tk_slli(tk_addi(tk_cvt(n), tk_set1i(127)), 23);
+    return tk_mul(p, tk_asf(bits));
+}
+
+void tk_init(void) {}
+
+/* One (segment, head): rows a .. a + n of column block h. Kt: D x npad scratch, S: SR x npad. */
+static void tk_attend(const float *restrict Q, const float *restrict K, const float *restrict V,
+                      float *restrict O, long a, long n, long h, long ldq, long ldk, long ldv, long ldo,
+                      float scale, float *restrict Kt, float *restrict S, long npad) {
+    long panels = (n + TK_KW - 1) / TK_KW, width = panels * TK_KW;
+    for (long j = 0; j < n; ++j) {
+        const float *kr = K + (a + j) * ldk + h * TK_D;
+        for (long d = 0; d < TK_D; ++d) Kt[d * npad + j] = kr[d];
+    }
+    for (long d = 0; d < TK_D; ++d)
+        for (long j = n; j < width; ++j) Kt[d * npad + j] = 0.0f;
+    for (long i0 = 0; i0 < n; i0 += TK_SR) {
+        long mr = tk_min(TK_SR, n - i0);
+        const float *qr[TK_SR];
+        for (int i = 0; i < TK_SR; ++i) qr[i] = Q + (a + i0 + (i < mr ? i : 0)) * ldq + h * TK_D;
+        /* scores: S[i, j] = scale * q_i . k_j, a tile of SR rows x KW keys at a time */
+        for (long p = 0; p < panels; ++p) {
+            tk_vf acc[TK_SR][2];
+            for (int i = 0; i < TK_SR; ++i) acc[i][0] = acc[i][1] = tk_zero();
+            const float *kt = Kt + p * TK_KW;
+            for (long d = 0; d < TK_D; ++d) {
+                tk_vf b0 = tk_load(kt + d * npad), b1 = tk_load(kt + d * npad + TK_VL);
+                for (int i = 0; i < TK_SR; ++i) {
+                    tk_vf qv = tk_set1(qr[i][d]);
+                    acc[i][0] = tk_fma(qv, b0, acc[i][0]);
+                    acc[i][1] = tk_fma(qv, b1, acc[i][1]);
+                }
+            }
+            tk_vf sv = tk_set1(scale);
+            for (int i = 0; i < TK_SR; ++i) {
+                tk_store(S + i * npad + p * TK_KW, tk_mul(acc[i][0], sv));
+                tk_store(S + i * npad + p * TK_KW + TK_VL, tk_mul(acc[i][1], sv));
+            }
+        }
+        /* softmax of each row over its n keys (the padded keys past n read as -inf) */
+        float inv[TK_SR];
+        for (int i = 0; i < TK_SR; ++i) {
+            float *s = S + i * npad;
+            for (long j = n; j < width; ++j) s[j] = -INFINITY;
+            tk_vf m = tk_set1(-INFINITY);
+            for (long j = 0; j < width; j += TK_VL) m = tk_max(m, tk_load(s + j));
+            tk_vf mv = tk_set1(tk_hmax(m)), sum = tk_zero();
+            for (long j = 0; j < width; j += TK_VL) {
+                tk_vf e = tk_exp_neg(tk_add(tk_load(s + j), tk_mul(mv, tk_set1(-1.0f))));
+                tk_store(s + j, e);
+                sum = tk_add(sum, e);
+            }
+            inv[i] = 1.0f / tk_hsum(sum);
+        }
+        /* O rows = P V / sums, PR rows x D at a time */
+        for (int i1 = 0; i1 < mr; i1 += TK_PR) {
+            tk_vf acc[TK_PR][TK_DV];
+            for (int i = 0; i < TK_PR; ++i)
+                for (int v = 0; v < TK_DV; ++v) acc[i][v] = tk_zero();
+            for (long j = 0; j < n; ++j) {
+                const float *vr = V + (a + j) * ldv + h * TK_D;
+                tk_vf vv[TK_DV];
+                for (int v = 0; v < TK_DV; ++v) vv[v] = tk_load(vr + v * TK_VL);
+                for (int i = 0; i < TK_PR; ++i) {
+                    tk_vf pv = tk_set1(S[(i1 + i < TK_SR ? i1 + i : 0) * npad + j]);
+                    for (int v = 0; v < TK_DV; ++v) acc[i][v] = tk_fma(pv, vv[v], acc[i][v]);
+                }
+            }
+            for (int i = 0; i < TK_PR && i1 + i < mr; ++i) {
+                float *orow = O + (a + i0 + i1 + i) * ldo + h * TK_D;
+                tk_vf sv = tk_set1(inv[i1 + i]);
+                for (int v = 0; v < TK_DV; ++v) tk_store(orow + v * TK_VL, tk_mul(acc[i][v], sv));
+            }
+        }
+    }
+}
+
+void tk_attention(const float *Q, const float *K, const float *V, float *O, const long *offsets,
+                  long segments, long heads, long ldq, long ldk, long ldv, long ldo, float scale,
+                  int nthreads) {
+    long longest = 0;
+    for (long s = 0; s < segments; ++s)
+        if (offsets[s + 1] - offsets[s] > longest) longest = offsets[s + 1] - offsets[s];
+    long npad = (longest + TK_KW - 1) / TK_KW * TK_KW;
+    if (npad == 0) return;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        float *Kt = tk_alloc((long)TK_D * npad), *S = tk_alloc((long)TK_SR * npad);
+#pragma omp for schedule(dynamic)
+        for (long w = 0; w < segments * heads; ++w) {
+            long s = w / heads, h = w % heads, a = offsets[s], n = offsets[s + 1] - a;
+            if (n > 0) tk_attend(Q, K, V, O, a, n, h, ldq, ldk, ldv, ldo, scale, Kt, S, npad);
+        }
+        free(Kt);
+        free(S);
+    }
+}
