@@ -35,6 +35,9 @@ def test_small_serve_bench(tmp_path):
         assert [r["repeat"] for r in mine] == [0, 1]
         if system in facts["best_batch"]:  # a peer's finals run at its best sweep batch size
             assert {r["batch"] for r in mine} == {facts["best_batch"][system]}
+    layouts = [(r["system"], r["repeat"]) for r in rows if r["phase"] == "workers"]
+    assert layouts == [("tessera_1x2", 0), ("tessera_1x2", 1), ("tessera_2x1", 0), ("tessera_2x1", 1)]
+    assert result.headline[model]["workers_2x1_over_1x2"] > 0
     shared = [r for r in rows if r["phase"] == "shared_rate"]
     assert sorted(r["system"] for r in shared) == sorted(finalists)
     assert len({r["offered_rps"] for r in shared}) == 1  # one rate for all

@@ -148,3 +148,20 @@ def test_concurrent_submit_and_cancel_lose_nothing_and_answer_nothing_twice():
             assert r.future.result()[0].item() == r.tokens[0] and r.tokens[0] in computed
     assert len(accepted) + refused[0] == 6 * 30
     assert engine.counts["completed"] + engine.counts["cancelled"] == len(accepted)
+
+
+def test_two_workers_share_the_queue_and_answer_each_request_once():
+    """Workers take batches as they free up: with a batch taking 20 ms, both run batches at
+    once; every request is computed by one of them, exactly once, its answer its own."""
+    first, second = FakeRunner(delay=0.02), FakeRunner(delay=0.02)
+    engine = Engine(first, FifoPadded(LIMITS), max_queue=64, workers=[second]).start()
+    reqs = engine.submit(seqs([3] * 24))
+    assert engine.stop(timeout=10)
+    for i, r in enumerate(reqs):
+        assert r.future.result().tolist() == [float(i), 3.0]
+    assert sorted(first.seen() + second.seen()) == list(range(24))
+    assert first.batches and second.batches  # both took work
+    padded = FakeRunner()
+    padded.padded = True
+    with pytest.raises(ValueError, match="every worker's runner must compute batches the way the first does"):
+        Engine(FakeRunner(), FifoPadded(LIMITS), workers=[padded])

@@ -101,6 +101,25 @@ def test_dense_layers_run_on_tessera_kernels_at_token_counts_never_tuned_for(ser
     assert after["dense_rows"] > rows_before + 256  # the long input's rows went through the kernels
 
 
+def test_two_workers_serve_what_the_model_computes(model_dir):
+    """--workers 2: two runners on model copies, one thread each; both answer like the model."""
+    texts = [text(n, seed=n) for n in (3, 40, 9, 120, 17, 60, 5, 200)]
+    threads = torch.get_num_threads()  # the server sets one thread a worker, for this process
+    config = ServeConfig(model=str(model_dir), port=0, workers=2, max_batch_size=2)
+    with thread_server(config) as (url, service):
+        info = httpx.get(url + "/info").json()["tessera"]
+        assert info["workers"] == 2 and info["threads_per_worker"] == 1
+        for t in texts:  # one at a time and all at once
+            got = torch.tensor(httpx.post(url + "/embed", json={"inputs": [t]}).json())
+            torch.testing.assert_close(got, expected(service, [t]), atol=ATOL, rtol=ATOL)
+        got = torch.tensor(httpx.post(url + "/embed", json={"inputs": texts}).json())
+        torch.testing.assert_close(got, expected(service, texts), atol=ATOL, rtol=ATOL)
+        assert all(r.dense.counts["calls"] for r in service.backend.engine.runners)  # both worked
+    torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="workers must be a positive integer, got 0"):
+        ServeConfig(model="unused", workers=0)
+
+
 def test_kernels_flag_is_checked_before_the_model_loads():
     with pytest.raises(ValueError, match="kernels must be one of auto, tessera, torch, got 'cuda'"):
         ServeConfig(model="unused", kernels="cuda")

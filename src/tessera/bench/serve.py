@@ -72,6 +72,9 @@ class ServeBenchPlan:
     concurrency: int = 64
     shared_fraction: float = 0.75
     shared_requests: int = 300
+    # two cores, the first model only: one engine worker of 2 threads against 2 workers of 1
+    # thread (the server on both cores, the load generator beside it), saturation repeated
+    workers_requests: int = 300
     # models after the first run their finals on the best peer and Tessera only (BERT-base
     # takes about 4x MiniLM's time a request)
     lean_after_first: bool = True
@@ -101,6 +104,7 @@ QUICK = ServeBenchPlan(
     repeats=1,
     concurrency=16,
     shared_requests=16,
+    workers_requests=16,
     check_texts=3,
     slo_s=0.5,
     install_infinity=False,
@@ -244,8 +248,9 @@ class _Bench:
     def say(self, message: str) -> None:
         _say(self.progress, f"{self.model} {message}")
 
-    def serve(self, system: str, batch: int | None, work) -> bool:
-        """Start ``system`` (at ``batch``), run ``work(url, path)``, stop it; False when absent."""
+    def serve(self, system: str, batch: int | None, work, *, core="default") -> bool:
+        """Start ``system`` (at ``batch``) on the server core (``core=None``: unpinned), run
+        ``work(url, path)``, stop it; False when absent."""
         if system in INFINITY_ENGINES:
             reason = ensure_infinity(self.plan.install_infinity)
             if reason:
@@ -254,8 +259,8 @@ class _Bench:
         label = system if batch is None else f"{system}@{batch}"
         self.say(f"{label}: starting")
         try:
-            server = start_server(system, batch, self.folder, self.plan.extra_server_args, self.server_core,
-                                  self.log_dir)  # fmt: skip
+            server = start_server(system, batch, self.folder, self.plan.extra_server_args,
+                                  self.server_core if core == "default" else core, self.log_dir)  # fmt: skip
         except RuntimeError as exc:
             self.absent[label] = f"server failed to start: {str(exc).strip().splitlines()[-1:]}"
             self.say(f"{label}: {self.absent[label]}")
@@ -313,6 +318,22 @@ class _Bench:
 
             self.serve(system, batch, work)
 
+    def workers(self) -> None:
+        """1 worker x 2 threads against 2 workers x 1 thread, the server on both cores."""
+        plan = self.plan
+        for system in ("tessera_1x2", "tessera_2x1"):
+
+            def work(url, path, system=system):
+                for repeat in range(plan.repeats):
+                    job = _job(url, path, plan, self.spec, "closed", plan.workers_requests,
+                               _seed(plan, "final", repeat), concurrency=plan.concurrency)  # fmt: skip
+                    sat = summarize(run_load(job, None), plan.slo_s)
+                    self.rows.append({"model": self.model, "phase": "workers", "system": system, "batch": None,
+                                      "repeat": repeat, **sat})  # fmt: skip
+                    self.say(f"workers {system} #{repeat}: {sat['throughput_rps']:.2f} req/s")
+
+            self.serve(system, None, work, core=None)
+
     def run(self, lean: bool) -> dict:
         best = self.sweep()
         sweep = {(r["system"], r["batch"]): r["throughput_rps"] for r in self.rows if r["phase"] == "sweep"}
@@ -337,6 +358,8 @@ def run_serve_bench(
     for i, spec in enumerate(plan.specs):
         bench = _Bench(plan, spec, cache, progress, absent)
         models[bench.model] = bench.run(lean=plan.lean_after_first and i > 0)
+        if i == 0 and plan.workers_requests:
+            bench.workers()
         rows += bench.rows
         systems[bench.model] = bench.systems
         if plan.memory_plan and i == 0:
@@ -384,6 +407,14 @@ def _model_headline(model: str, rows: list[dict], facts: dict) -> dict:
     for r in rows:
         if r["model"] == model and r["phase"] == "shared_rate":
             out[f"{r['system']}_p99_at_shared_rate_s"] = round(r["p99_s"], 4)
+    layouts = {}
+    for r in rows:
+        if r["model"] == model and r["phase"] == "workers":
+            layouts.setdefault(r["system"], []).append(r["throughput_rps"])
+    if len(layouts) == 2:
+        one, two = layouts["tessera_1x2"], layouts["tessera_2x1"]
+        out["workers_2x1_over_1x2"] = round(statistics.median(two) / statistics.median(one), 3)
+        out["workers_2x1_over_1x2_range"] = _spread([a / b for a, b in zip(two, one, strict=True)])["range"]
     return out
 
 

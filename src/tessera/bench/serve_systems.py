@@ -25,6 +25,9 @@ TESSERA_SYSTEMS = {
     "tessera": ["--scheduler", "dp", "--kernels", "tessera"],
     "tessera_torch_kernels": ["--scheduler", "dp", "--kernels", "torch"],
     "tessera_memplan": ["--scheduler", "dp", "--attention", "padded", "--memory-plan"],
+    # two cores: one engine worker of two threads, or two workers of one thread each
+    "tessera_1x2": ["--scheduler", "dp", "--kernels", "tessera", "--workers", "1", "--threads", "2"],
+    "tessera_2x1": ["--scheduler", "dp", "--kernels", "tessera", "--workers", "2", "--threads", "1"],
 }
 # infinity-emb's CPU engines: torch (its own padded batches on torch's kernels) and optimum
 # (the model exported to ONNX and run by ONNX Runtime, what its docs recommend on CPU)

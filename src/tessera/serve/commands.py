@@ -7,7 +7,7 @@ import argparse
 _SERVE_FIELDS = (
     "model", "task", "pooling", "host", "port", "scheduler", "runner", "attention", "memory_plan", "kernels",
     "tuning", "max_batch_tokens", "max_batch_size", "max_queue", "max_client_batch", "payload_limit",
-    "overload_status", "threads", "drain_timeout_s", "cost_table",
+    "overload_status", "threads", "workers", "drain_timeout_s", "cost_table",
 )  # fmt: skip
 
 
@@ -47,7 +47,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 # flags (by dest) that only one task reads; given to the other they would be ignored
 ENCODER_ONLY = (
     "pooling", "scheduler", "runner", "attention", "memory_plan", "kernels", "tuning", "max_batch_tokens",
-    "max_batch_size", "max_client_batch", "overload_status", "cost_table",
+    "max_batch_size", "max_client_batch", "overload_status", "cost_table", "workers",
 )  # fmt: skip
 GENERATE_ONLY = (
     "nproc", "sizes", "max_steps", "max_images", "max_batch_images", "no_batching", "request_timeout",
@@ -160,7 +160,14 @@ def add_serve_parser(sub, positive_int) -> None:
     p.add_argument(
         "--threads",
         type=positive_int,
-        help="torch intra-op threads (default: torch's; --task generate: 1 per rank)",
+        help="torch intra-op threads of each worker (default: torch's; --task generate: 1 per rank)",
+    )
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="engine workers, each with its own model copy, taking batches as they free up "
+        "(with more than 1, --threads defaults to 1 per worker)",
     )
     p.add_argument(
         "--drain-timeout",

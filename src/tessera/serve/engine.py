@@ -1,6 +1,8 @@
 """The engine: a bounded queue, a scheduler that picks each next batch from it, and a
-runner that computes the batch, on one worker thread. It knows nothing of HTTP; `step()`
-runs one scheduling decision and one batch synchronously, so tests drive it directly.
+runner that computes the batch, on one worker thread per runner (``workers``: more runners,
+each on its own model copy, take the next batch whenever they are free). It knows nothing of
+HTTP; `step()` runs one scheduling decision and one batch synchronously, so tests drive it
+directly.
 
 Guarantees, each tested: a request is answered exactly once (its future is set once, or
 it is cancelled and never computed); a cancelled request still waiting is taken off the
@@ -39,7 +41,10 @@ class Engine:
         *,
         max_queue: int = 512,
         observer: Observer | None = None,
+        workers: list[RunFn] = (),
     ):
+        """``runner`` computes batches on the first worker thread; each of ``workers`` (more
+        runners, on model copies of their own) on one more."""
         if max_queue < 1:
             raise ValueError(f"max_queue must be a positive integer, got {max_queue!r}")
         self.runner, self.scheduler, self.max_queue, self.observer = runner, scheduler, max_queue, observer
@@ -52,8 +57,14 @@ class Engine:
                 f"but the runner computes {'padded' if self.padded else 'unpadded'} batches: build BatchLimits("
                 f"padded={self.padded})"
             )
+        self.runners = [runner, *workers]
+        for other in workers:
+            if getattr(other, "padded", self.padded) != self.padded:
+                raise ValueError(
+                    "every worker's runner must compute batches the way the first does (padded or not)"
+                )
         self.waiting: list[Request] = []
-        self.running: list[Request] = []
+        self.running: dict[int, list[Request]] = {}  # worker -> its batch
         self.draining = False
         self.counts = {
             "accepted": 0,
@@ -64,7 +75,7 @@ class Engine:
             "batches": 0,
         }
         self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._stop = False
         self._batch_seconds = 0.0  # moving average: how soon a batch frees queue slots
 
@@ -112,8 +123,9 @@ class Engine:
 
     # ---- work -----------------------------------------------------------------------
 
-    def step(self) -> int:
-        """Schedule one batch and run it; the number of requests run (0: nothing waited)."""
+    def step(self, worker: int = 0) -> int:
+        """Schedule one batch and run it on ``worker``'s runner; the number of requests run
+        (0: nothing waited)."""
         with self._cond:
             if not self.waiting:
                 return 0
@@ -125,11 +137,11 @@ class Engine:
             for r in batch:
                 r.scheduled_at = now
                 r.future.set_running_or_notify_cancel()  # from here on it cannot be cancelled
-            self.running = batch
+            self.running[worker] = batch
             self._notify_queue()
-        self._run(batch)
+        self._run(batch, self.runners[worker])
         with self._cond:
-            self.running = []
+            del self.running[worker]
             self._cond.notify_all()
         return len(batch)
 
@@ -140,10 +152,10 @@ class Engine:
         lengths = [r.length for r in batch]
         assert self.scheduler.limits.fits(lengths), lengths
 
-    def _run(self, batch: list[Request]) -> None:
+    def _run(self, batch: list[Request], runner: RunFn) -> None:
         began = time.perf_counter()
         try:
-            outputs = self.runner([r.tokens for r in batch])
+            outputs = runner([r.tokens for r in batch])
         except Exception as exc:  # the batch's callers get the error; the engine goes on
             log.exception("batch of %d failed", len(batch))
             for r in batch:
@@ -170,19 +182,23 @@ class Engine:
     # ---- the worker thread and shutdown -----------------------------------------------
 
     def start(self) -> Engine:
-        assert self._thread is None, "engine already started"
-        self._thread = threading.Thread(target=self._loop, name="tessera-engine", daemon=True)
-        self._thread.start()
+        assert not self._threads, "engine already started"
+        for worker in range(len(self.runners)):
+            thread = threading.Thread(
+                target=self._loop, args=(worker,), name=f"tessera-engine-{worker}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
         return self
 
-    def _loop(self) -> None:
+    def _loop(self, worker: int) -> None:
         while True:
             with self._cond:
                 while not self.waiting and not self._stop:
                     self._cond.wait()
                 if self._stop and not self.waiting:
                     return
-            self.step()
+            self.step(worker)
 
     def begin_drain(self) -> None:
         with self._cond:
@@ -200,8 +216,8 @@ class Engine:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        for thread in self._threads:
+            thread.join(timeout)
         return idle
 
     def queue_size(self) -> int:

@@ -11,6 +11,8 @@ in-flight responses complete. A second signal stops at once.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import json
 import logging
 import os
@@ -56,7 +58,10 @@ class ServeConfig:
     max_client_batch: int = 32
     payload_limit: int = 2_000_000
     overload_status: int = 429
-    threads: int | None = None
+    threads: int | None = None  # torch intra-op threads of each worker
+    # engine workers: each its own model copy and runner on a thread of its own, taking the
+    # next batch when free (2 single-thread workers on 2 cores, against 1 worker of 2 threads)
+    workers: int = 1
     drain_timeout_s: float = 30.0
     cost_table: str | None = None  # JSON file: loaded if present, else measured and written
 
@@ -73,6 +78,8 @@ class ServeConfig:
         BatchLimits(max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size)
         if self.memory_plan and self.runner_name != "unpadded":
             raise ValueError(f"the memory plan is the unpadded runner's; runner is {self.runner_name}")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
         check_choice("kernels", self.kernels, ("auto", "tessera", "torch"))
         check_choice("tuning", self.tuning, ("model", "measure"))
         if self.kernels == "tessera" and self.runner_name != "unpadded":
@@ -124,7 +131,13 @@ def build_engine(config: ServeConfig, served, metrics=None) -> Engine:
     )
     cost = _cost_table(config, runner, served, limits) if config.scheduler == "dp" else None
     scheduler = make_scheduler(config.scheduler, limits, cost)
-    return Engine(runner, scheduler, max_queue=config.max_queue, observer=metrics)
+    workers = [
+        make_runner(
+            config.runner_name, dataclasses.replace(served, model=copy.deepcopy(served.model)), **options
+        )
+        for _ in range(config.workers - 1)
+    ]  # each on a model copy: a runner swaps the forwards of its own model's modules while it runs
+    return Engine(runner, scheduler, max_queue=config.max_queue, observer=metrics, workers=workers)
 
 
 def _cost_table(config: ServeConfig, runner, served, limits: BatchLimits) -> CostTable:
@@ -158,8 +171,9 @@ def build_service(config: ServeConfig) -> Service:
     import torch
 
     _check_cost_table(config)
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    threads = config.threads or (1 if config.workers > 1 else None)  # workers: one thread each by default
+    if threads:
+        torch.set_num_threads(threads)
     served = load_model(config.model, task=config.task, pooling=config.pooling)
     metrics = ServerMetrics()
     engine = build_engine(config, served, metrics).start()

@@ -80,6 +80,8 @@ class LocalBackend:
             "scheduler": engine.scheduler.describe(),
             "runner": getattr(engine.runner, "describe", lambda: {"name": type(engine.runner).__name__})(),
             "max_queue": engine.max_queue,
+            "workers": len(engine.runners),
+            "threads_per_worker": torch.get_num_threads(),
         }
 
 
