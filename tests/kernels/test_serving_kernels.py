@@ -29,6 +29,14 @@ def test_dense_equals_the_float64_reference_at_any_row_count(n, k):
             # 1e-4 absolute on outputs of size ~sqrt(k) (10-30) is ~1e-5 relative, 10x above
             # what the kernel shows (3e-5 at k=384), far below any indexing error (~1)
             torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    # the LayerNorm of BERT's output blocks, in the kernel: float64 reference of dense + residual
+    # then LayerNorm; outputs are O(1) after normalising, so 2e-5 absolute is ~10x the fp32
+    # rounding of a K-term sum divided by a row's standard deviation (~sqrt(k))
+    ln = (torch.randn(n, generator=g), torch.randn(n, generator=g), 1e-12)
+    if n > 1:  # a LayerNorm over one value is constant
+        x, r = torch.randn(50, k, generator=g), torch.randn(50, n, generator=g)
+        got = kernel(x, packed, b, r, layer_norm=ln)
+        torch.testing.assert_close(got.double(), reference(x, w, b, r, ln), atol=2e-5, rtol=1e-5)
     # threads split W's panels, never K: the same bits at 1 and 2 threads
     x = torch.randn(77, k, generator=g)
     assert torch.equal(kernel(x, packed, b, threads=1), kernel(x, packed, b, threads=2))

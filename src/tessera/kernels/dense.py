@@ -73,15 +73,8 @@ class DenseKernel:
         self._lib.tk_packed_floats.restype = ctypes.c_long
         self._lib.tk_pack_weight.restype = None
         self._lib.tk_dense.restype = None
-        self._lib.tk_dense.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_long,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_int,
-        ]
+        self._lib.tk_dense.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 6 + [
+            ctypes.c_float, ctypes.c_int]  # fmt: skip
         self.packed_floats = int(self._lib.tk_packed_floats())
 
     def pack(self, weight: Tensor) -> Tensor:
@@ -98,10 +91,12 @@ class DenseKernel:
         bias: Tensor,
         residual: Tensor | None = None,
         *,
+        layer_norm: tuple[Tensor, Tensor, float] | None = None,
         out: Tensor | None = None,
         threads: int = 1,
     ) -> Tensor:
-        """``x`` (M x K) @ W^T + ``bias`` (+ ``residual``, M x N); ``packed`` from ``pack``."""
+        """``x`` (M x K) @ W^T + ``bias`` (+ ``residual``, M x N), then LayerNorm over each row
+        when ``layer_norm`` = (weight, bias, eps) is given; ``packed`` from ``pack``."""
         if x.dim() != 2:
             raise ValueError(f"dense: x must be 2-D (tokens x {self.k}), got shape {tuple(x.shape)}")
         m = x.shape[0]
@@ -119,6 +114,14 @@ class DenseKernel:
             out = _checked(out, "out", (m, self.n))
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"dense: threads must be an int >= 1, got {threads!r}")
+        gamma = beta = None
+        eps = 0.0
+        if layer_norm is not None:
+            gamma, beta, eps = layer_norm
+            gamma, beta = (
+                _checked(gamma, "layer_norm weight", (self.n,)),
+                _checked(beta, "layer_norm bias", (self.n,)),
+            )
         if m:
             self._lib.tk_dense(
                 x.data_ptr(),
@@ -127,6 +130,9 @@ class DenseKernel:
                 bias.data_ptr(),
                 None if r is None else r.data_ptr(),
                 out.data_ptr(),
+                None if gamma is None else gamma.data_ptr(),
+                None if beta is None else beta.data_ptr(),
+                float(eps),
                 threads,
             )
         return out
@@ -194,10 +200,17 @@ def dense_kernel(
     return _build(n, k, best)
 
 
-def reference(x: Tensor, weight: Tensor, bias: Tensor, residual: Tensor | None = None) -> Tensor:
+def reference(
+    x: Tensor, weight: Tensor, bias: Tensor, residual: Tensor | None = None,
+    layer_norm: tuple[Tensor, Tensor, float] | None = None,
+) -> Tensor:  # fmt: skip
     """The plain float64 semantics the kernel is tested against."""
     y = x.double() @ weight.double().T + bias.double()
-    return y if residual is None else y + residual.double()
+    y = y if residual is None else y + residual.double()
+    if layer_norm is not None:
+        gamma, beta, eps = layer_norm
+        y = torch.nn.functional.layer_norm(y, (y.shape[-1],), gamma.double(), beta.double(), eps)
+    return y
 
 
 __all__ = ["DenseKernel", "DenseOp", "dense_kernel", "reference"]

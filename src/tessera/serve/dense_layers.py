@@ -5,7 +5,8 @@ Every ``nn.Linear`` of the model runs ``Y = X W^T + b`` on a kernel compiled for
 ``N x K`` (the tuner's choice, recorded on disk) with its weight packed once, here; the
 token count is whatever the batch brings. Where a family's block ends in
 ``LayerNorm(dense(h) + x)`` (BERT's and RoBERTa's ``*SelfOutput`` / ``*Output``), the
-residual is added in the kernel's epilogue, on the register tile before it is stored.
+residual is added in the kernel's epilogue, on the register tile before it is stored, and
+the LayerNorm runs in the kernel too, on each block of rows once it is complete (in cache).
 GELU stays torch's (its vectorised erf), run in place on the layer's output.
 
 Each layer writes into its own output buffer, reused from call to call while no tensor from
@@ -42,13 +43,15 @@ class _Layer:
 
     out: torch.Tensor | None = None  # the output buffer, reused while nothing else holds it
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, layer_norm=None
+    ) -> torch.Tensor:
         lead, k, n = x.shape[:-1], self.kernel.k, self.kernel.n
         m = x.numel() // k
         self.counts["calls"] += 1
         self.counts["rows"] += m
         r = None if residual is None else residual.reshape(-1, n)
-        y = self.kernel(x.reshape(-1, k), self.packed, self.bias, r, out=self._buffer(m),
+        y = self.kernel(x.reshape(-1, k), self.packed, self.bias, r, layer_norm=layer_norm, out=self._buffer(m),
                         threads=torch.get_num_threads())  # fmt: skip
         return y.view(*lead, n)
 
@@ -176,19 +179,12 @@ def _gelu_in_place(layer: _Layer):
 
 def _fused_output(module: nn.Module, layer: _Layer):
     norm = module.LayerNorm
-    held: dict[str, torch.Tensor] = {}
-    stats = (torch.empty(0), torch.empty(0))  # LayerNorm's mean and 1/std, resized by the op
+    ln = (norm.weight.detach(), norm.bias.detach(), norm.eps)
 
     def forward(hidden_states: torch.Tensor, input_tensor: torch.Tensor) -> torch.Tensor:
-        # dropout is the identity in eval mode (the runner refuses a model in training mode)
-        y = layer(hidden_states, residual=input_tensor)
-        out = held.get("out")
-        if out is None or out.numel() < y.numel() or held_elsewhere(out):
-            out = held["out"] = torch.empty(max(y.numel(), 0 if out is None else out.numel()))
-        out = out[: y.numel()].view(y.shape)  # the block's own output buffer, as the layer's
-        torch.ops.aten.native_layer_norm.out(y, list(norm.normalized_shape), norm.weight, norm.bias, norm.eps,
-                                             out0=out, out1=stats[0], out2=stats[1])  # fmt: skip
-        return out
+        # dropout is the identity in eval mode (the runner refuses a model in training mode);
+        # the LayerNorm runs in the kernel, on each block of rows once it is complete
+        return layer(hidden_states, residual=input_tensor, layer_norm=ln)
 
     return forward
 

@@ -7,7 +7,8 @@
  * into MR-row panels, and walks BLIS's inner loops (panels of W outside, rows of X inside,
  * so a W micro-panel stays in L1 while the rows stream past). The epilogue runs on the
  * register tile on the last KC block, before the store: bias, and the residual R when given
- * (Y = X W^T + bias + R, the sum that a post-LayerNorm encoder feeds its LayerNorm).
+ * (Y = X W^T + bias + R, the sum that a post-LayerNorm encoder feeds its LayerNorm), and that
+ * LayerNorm itself, row by row, once a block of rows is complete and still in cache.
  *
  * Defined by the generator before this file: TK_VEC, TK_MR, TK_NR, TK_UNROLL (see
  * tessera_primitives.h), TK_N, TK_K, TK_KC, TK_MC.
@@ -17,6 +18,14 @@
  */
 #define TK_NG 0
 #include "tessera_primitives.h"
+
+#include <math.h>
+
+#if TK_VEC == 512
+#define tk_mul _mm512_mul_ps
+#else
+#define tk_mul _mm256_mul_ps
+#endif
 
 #define TK_NP ((TK_N + TK_NR - 1) / TK_NR)
 
@@ -102,9 +111,47 @@ TK_INLINE void tk_dense_tile(long kc, const float *restrict a, const float *rest
 /* The packed X block of the calling thread, grown once and kept (no allocation per call). */
 static __thread float *tk_xbuf;
 
-/* Y = X W^T + bias (+ R when r is not NULL). X: M x K, Y and R: M x N, row-major. */
+/* LayerNorm of rows y[0 .. rows) in place over their N values: (y - mean) / sqrt(var + eps)
+ * * gamma + beta, the mean and the (biased) variance each a sum in order over the row, as
+ * two passes (the second over the deviations, not over squares minus a squared mean). */
+static void tk_layer_norm_rows(float *restrict y, long rows, const float *restrict gamma,
+                               const float *restrict beta, float eps) {
+    for (long i = 0; i < rows; ++i) {
+        float *row = y + i * TK_N;
+        tk_vf acc = tk_zero();
+        long j = 0;
+        for (; j + TK_VL <= TK_N; j += TK_VL) acc = tk_add(acc, tk_load(row + j));
+        float tile[TK_VL] __attribute__((aligned(64)));
+        tk_store(tile, acc);
+        float sum = 0.0f;
+        for (int v = 0; v < TK_VL; ++v) sum += tile[v];
+        for (; j < TK_N; ++j) sum += row[j];
+        float mean = sum / TK_N;
+        tk_vf sq = tk_zero();
+        for (j = 0; j + TK_VL <= TK_N; j += TK_VL) {
+            tk_vf d = tk_add(tk_load(row + j), tk_set1(-mean));
+            sq = tk_fma(d, d, sq);
+        }
+        tk_store(tile, sq);
+        float var = 0.0f;
+        for (int v = 0; v < TK_VL; ++v) var += tile[v];
+        for (; j < TK_N; ++j) var += (row[j] - mean) * (row[j] - mean);
+        float rstd = 1.0f / sqrtf(var / TK_N + eps);
+        tk_vf rv = tk_set1(rstd);
+        for (j = 0; j + TK_VL <= TK_N; j += TK_VL) {
+            tk_vf d = tk_mul(tk_add(tk_load(row + j), tk_set1(-mean)), rv);
+            tk_store(row + j, tk_fma(d, tk_load(gamma + j), tk_load(beta + j)));
+        }
+        for (; j < TK_N; ++j) row[j] = (row[j] - mean) * rstd * gamma[j] + beta[j];
+    }
+}
+
+/* Y = X W^T + bias (+ R when r is not NULL), then, when gamma is not NULL, LayerNorm of each
+ * row (gamma, beta, eps) while the block's rows are still in cache. X: M x K, Y and R: M x N,
+ * row-major. */
 void tk_dense(const float *restrict X, long M, const float *restrict Wp, const float *restrict bias,
-              const float *restrict R, float *restrict Y, int nthreads) {
+              const float *restrict R, float *restrict Y, const float *restrict gamma,
+              const float *restrict beta, float eps, int nthreads) {
     if (!tk_xbuf) tk_xbuf = tk_alloc((long)TK_MC * TK_KC);
     float *Ap = tk_xbuf;
     for (long ic = 0; ic < M; ic += TK_MC) {
@@ -124,5 +171,6 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
                 }
             }
         }
+        if (gamma) tk_layer_norm_rows(Y + ic * TK_N, mc, gamma, beta, eps);
     }
 }
