@@ -24,7 +24,7 @@
 
 #define TK_KW TK_NR                                /* keys per score panel: two vectors */
 #define TK_DV (TK_D / TK_VL)                       /* vectors per head row */
-#define TK_SR (TK_VEC == 512 ? 8 : 4)              /* query rows per score tile */
+#define TK_SR (TK_VEC == 512 ? 12 : 4)             /* query rows per score tile */
 #define TK_ACC (TK_VEC == 512 ? 24 : 12)           /* accumulators the P V tile may use */
 #define TK_PR_RAW (TK_ACC / TK_DV)
 #define TK_PR (TK_PR_RAW < 1 ? 1 : (TK_PR_RAW > TK_SR ? TK_SR : TK_PR_RAW)) /* rows per P V tile */
@@ -92,17 +92,21 @@ TK_INLINE tk_vf tk_exp_neg(tk_vf x) {
 
 void tk_init(void) {}
 
-/* One (segment, head): rows a .. a + n of column block h. Kt: D x npad scratch, S: SR x npad. */
+/* One (segment, head): rows a .. a + n of column block h. Kt: npad x D scratch (K packed
+ * panel by panel: KW keys x D, d-major inside a panel, so a panel streams in order), S: SR x npad. */
 static void tk_attend(const float *restrict Q, const float *restrict K, const float *restrict V,
                       float *restrict O, long a, long n, long h, long ldq, long ldk, long ldv, long ldo,
                       float scale, float *restrict Kt, float *restrict S, long npad) {
     long panels = (n + TK_KW - 1) / TK_KW, width = panels * TK_KW;
-    for (long j = 0; j < n; ++j) {
-        const float *kr = K + (a + j) * ldk + h * TK_D;
-        for (long d = 0; d < TK_D; ++d) Kt[d * npad + j] = kr[d];
+    for (long j = 0; j < width; ++j) {
+        float *dst = Kt + (j / TK_KW) * TK_D * TK_KW + j % TK_KW;
+        if (j < n) {
+            const float *kr = K + (a + j) * ldk + h * TK_D;
+            for (long d = 0; d < TK_D; ++d) dst[d * TK_KW] = kr[d] * scale;  /* the scale, once */
+        } else {
+            for (long d = 0; d < TK_D; ++d) dst[d * TK_KW] = 0.0f;
+        }
     }
-    for (long d = 0; d < TK_D; ++d)
-        for (long j = n; j < width; ++j) Kt[d * npad + j] = 0.0f;
     for (long i0 = 0; i0 < n; i0 += TK_SR) {
         long mr = tk_min(TK_SR, n - i0);
         const float *qr[TK_SR];
@@ -111,19 +115,18 @@ static void tk_attend(const float *restrict Q, const float *restrict K, const fl
         for (long p = 0; p < panels; ++p) {
             tk_vf acc[TK_SR][2];
             for (int i = 0; i < TK_SR; ++i) acc[i][0] = acc[i][1] = tk_zero();
-            const float *kt = Kt + p * TK_KW;
+            const float *kt = Kt + p * TK_D * TK_KW;
             for (long d = 0; d < TK_D; ++d) {
-                tk_vf b0 = tk_load(kt + d * npad), b1 = tk_load(kt + d * npad + TK_VL);
+                tk_vf b0 = tk_load(kt + d * TK_KW), b1 = tk_load(kt + d * TK_KW + TK_VL);
                 for (int i = 0; i < TK_SR; ++i) {
                     tk_vf qv = tk_set1(qr[i][d]);
                     acc[i][0] = tk_fma(qv, b0, acc[i][0]);
                     acc[i][1] = tk_fma(qv, b1, acc[i][1]);
                 }
             }
-            tk_vf sv = tk_set1(scale);
             for (int i = 0; i < TK_SR; ++i) {
-                tk_store(S + i * npad + p * TK_KW, tk_mul(acc[i][0], sv));
-                tk_store(S + i * npad + p * TK_KW + TK_VL, tk_mul(acc[i][1], sv));
+                tk_store(S + i * npad + p * TK_KW, acc[i][0]);
+                tk_store(S + i * npad + p * TK_KW + TK_VL, acc[i][1]);
             }
         }
         /* softmax of each row over its n keys (the padded keys past n read as -inf) */
