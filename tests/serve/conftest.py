@@ -6,6 +6,14 @@ from live import SLOW_SPEC, SPEC
 
 from tessera.serve.synthetic import FAMILIES, EncoderSpec, build_encoder
 
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_kernel_cache(measured_machine):
+    """The runner's dense and attention kernels compile into the session's temporary cache
+    (tests/conftest.py), with the machine measured there once; the user's is never touched."""
+    return measured_machine
+
+
 TINY = {"layers": 2, "hidden": 32, "heads": 4, "vocab_size": 200, "max_length": 64}
 
 

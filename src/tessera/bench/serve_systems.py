@@ -22,12 +22,35 @@ TESSERA_SYSTEMS = {
     "one_by_one": ["--scheduler", "one_by_one"],
     "fifo_padded": ["--scheduler", "fifo_padded"],
     "sort_window": ["--scheduler", "sort_window"],
-    "tessera": ["--scheduler", "dp", "--kernels", "tessera"],
+    # Tessera's kernels timed at start-up for the model's shapes (kept on disk)
+    "tessera": ["--scheduler", "dp", "--kernels", "tessera", "--tuning", "measure"],
     "tessera_torch_kernels": ["--scheduler", "dp", "--kernels", "torch"],
     "tessera_memplan": ["--scheduler", "dp", "--attention", "padded", "--memory-plan"],
     # two cores: one engine worker of two threads, or two workers of one thread each
-    "tessera_1x2": ["--scheduler", "dp", "--kernels", "tessera", "--workers", "1", "--threads", "2"],
-    "tessera_2x1": ["--scheduler", "dp", "--kernels", "tessera", "--workers", "2", "--threads", "1"],
+    "tessera_1x2": [
+        "--scheduler",
+        "dp",
+        "--kernels",
+        "tessera",
+        "--tuning",
+        "measure",
+        "--workers",
+        "1",
+        "--threads",
+        "2",
+    ],
+    "tessera_2x1": [
+        "--scheduler",
+        "dp",
+        "--kernels",
+        "tessera",
+        "--tuning",
+        "measure",
+        "--workers",
+        "2",
+        "--threads",
+        "1",
+    ],
 }
 # infinity-emb's CPU engines: torch (its own padded batches on torch's kernels) and optimum
 # (the model exported to ONNX and run by ONNX Runtime, what its docs recommend on CPU)
