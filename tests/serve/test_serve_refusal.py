@@ -55,7 +55,10 @@ def test_settings_that_cannot_work_are_refused_before_the_model_loads(tmp_path, 
     [
         (["--task", "embed", "--nproc", "2", "--ulysses", "2"], "--nproc, --ulysses are read by generation"),
         (["--task", "classify", "--parallel-vae"], "--parallel-vae is read by generation"),
-        (["--task", "generate", "--pooling", "cls", "--max-batch-size", "4"], "--pooling, --max-batch-size are read by encoders"),
+        (
+            ["--task", "generate", "--pooling", "cls", "--max-batch-size", "4"],
+            "--pooling, --max-batch-size are read by encoders",
+        ),
     ],
 )
 def test_a_flag_the_task_does_not_read_is_refused(capsys, loads, tmp_path, argv, named):
