@@ -1,5 +1,6 @@
 """`tessera bench kernels --quick` end to end: the machine is measured, every case is tuned
-and timed beside torch and numpy (TVM when installed, its absence said otherwise), the
+and timed beside the anchors (OpenBLAS, BLIS, torch's paths; TVM when installed, its
+absence said otherwise) and numpy, each best anchor with its code path, the
 headline has its figures, and the JSON, markdown and roofline PNG are written."""
 
 import json
@@ -16,6 +17,9 @@ def test_quick_kernels_bench(tmp_path, measured_machine):
     for row in result.rows:
         assert row["gflops"] > 0 and row["torch_gflops"] > 0 and row["numpy_gflops"] > 0
         assert row["measured_candidates"] >= QUICK.top_k and row["tuning_s"] > 0
+        # the ratio is to the best anchor present, and that anchor's code path is named
+        assert row["best_anchor_gflops"] == max(row.get(f"{a}_gflops", 0) for a in ("openblas", "blis", "torch", "tvm"))
+        assert row["best_anchor_path"] not in ("", "unknown")
     h = result.headline
     # a ratio of two timings (the peak measured for 50 ms, the SGEMM later): on a loaded
     # machine either can be slowed alone (1.49 was seen with 15 processes per core), so the
@@ -23,6 +27,7 @@ def test_quick_kernels_bench(tmp_path, measured_machine):
     assert 0 < h["sgemm_256_fraction_of_peak_1_thread"] < 10
     assert 0 <= h["win_fraction_vs_best_anchor"] <= 1 and h["shapes"] == len(result.rows)
     assert "tvm" in h or h["tvm_shapes"] >= 1  # either measured or why not stated
+    assert h["geomean_vs_best_anchor"] > 0 and h["anchor_code_paths"]["torch_cpu_capability"]
     # the same 4 ResNet-8 steps as test_train_cnn (gap measured <= 3e-6 there, held to 1e-4);
     # 1e-3 checks the benchmark's plumbing and is still 10x under one step's loss change (~1e-2)
     assert result.extra["training"]["max_abs_gap"] < 1e-3

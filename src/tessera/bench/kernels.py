@@ -1,8 +1,13 @@
-"""`tessera bench kernels`: Tessera's operator compiler against torch (its CPU BLAS / oneDNN),
-numpy (BLAS; conv as im2col + matmul) and Apache TVM MetaSchedule (optional extra).
+"""`tessera bench kernels`: Tessera's operator compiler against the strongest CPU libraries
+here, each at its best and each with the code path it ran (``bench/kernels_anchors.py``):
+OpenBLAS and BLIS (GEMM), torch through MKL, MKL's packed SGEMM and oneDNN (GEMM) and through
+its default dispatch, oneDNN and prepacked oneDNN (convolution), Apache TVM MetaSchedule
+(optional extra) on a few shapes; numpy as a sanity row.
 
-Measured machine peak and bandwidth first; then SGEMM at square sizes and the distinct conv
-shapes of ResNet-50 (batch 1 and 8) on 1 and 2 threads. Every Tessera kernel is tuned in
+Measured machine peak and bandwidth first; then SGEMM at square sizes, the projections and
+MLPs of BERT-base and GPT-2 at 128-4096 tokens, matrix-vector products (one token) and odd
+sizes no register tile divides, and the distinct conv shapes of ResNet-50 (batch 1 and 8),
+on 1 and 2 threads. Every Tessera kernel is tuned in
 the run (model ranks the space, a shortlist is timed) and its tuning time recorded; every
 time is the median of repeats after a warm-up, Tessera and anchors alike. A model-validation
 sample (schedules spread over the predicted range) gives the rank correlation of predicted
@@ -24,13 +29,14 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from tessera.bench import kernels_anchors as ka
 from tessera.bench.harness import BenchResult
-from tessera.kernels import anchors, ops
-from tessera.kernels.anchors import tvm_mcpu
+from tessera.kernels import ops, tvm_anchor
 from tessera.kernels.kernel import compile_kernel
 from tessera.kernels.machine import measure, save_machine
 from tessera.kernels.model import predict
 from tessera.kernels.tuner import random_inputs, rank, spearman, tune
+from tessera.kernels.tvm_anchor import DOCUMENTED_CPU_TRIALS, tvm_mcpu
 
 GIGA = 1e9
 # (in, out, size, kernel, stride, padding): every distinct conv of torchvision's ResNet-50 at 224x224
@@ -44,27 +50,52 @@ RESNET50_CONVS = [
 ]
 
 
+def _transformer_gemms() -> tuple[tuple[str, int, int, int], ...]:
+    """(label, M, N, K) of BERT-base's and GPT-2's dense layers (hidden 768, MLP 3072; GPT-2's
+    fused QKV 2304) at 128-4096 tokens, and the same layers for one token (matrix-vector)."""
+    layers = (("attn.q/k/v/out", 768, 768), ("gpt2.c_attn", 2304, 768), ("mlp.up", 3072, 768),
+              ("mlp.down", 768, 3072))
+    shapes = [(f"{name} T={t}", t, n, k) for t in (128, 512, 2048, 4096) for name, n, k in layers]
+    return tuple(shapes + [(f"{name} T=1 (matvec)", 1, n, k) for name, n, k in layers])
+
+
+# sizes that no register tile (multiples of 4, 8, 16) or cache tile divides
+ODD_GEMMS = (("odd", 97, 1001, 513), ("odd", 333, 777, 555), ("odd", 1023, 1025, 1027), ("odd", 129, 3071, 767))
+
+
 @dataclass(frozen=True, kw_only=True)
 class KernelsPlan:
     gemm_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
+    gemm_shapes: tuple[tuple[str, int, int, int], ...] = _transformer_gemms() + ODD_GEMMS
     conv_batches: tuple[int, ...] = (1, 8)
     convs: tuple[tuple[int, ...], ...] = tuple(RESNET50_CONVS)
     threads: tuple[int, ...] = (1, 2)
     machine_seconds: float = 0.3
     top_k: int = 5
     repeats: int = 5
-    tvm_trials: int = 32  # MetaSchedule's measured candidates per shape (about a minute a shape here)
-    tvm_gemm_sizes: tuple[int, ...] = (1024,)
+    # OpenBLAS's and BLIS's kernel set: "widest" (this CPU's widest ISA), "auto" (their own pick)
+    blas_kernel_set: str = "widest"
+    # MetaSchedule's measured candidates per shape (tens of minutes a shape here), with its curve
+    tvm_trials: int = DOCUMENTED_CPU_TRIALS
+    tvm_gemms: tuple[tuple[int, int, int], ...] = ((1024, 1024, 1024), (512, 3072, 768))  # (M, N, K), 1 thread
     tvm_convs: tuple[int, ...] = (2,)  # indices into convs, batch 1, 1 thread
     validation: tuple[str, ...] = ("gemm:512", "conv:2", "conv:12")
     validation_samples: int = 12
     train_steps: int = 150
 
+    def __post_init__(self):
+        if self.tvm_trials < 1:
+            raise ValueError(f"tvm_trials={self.tvm_trials}: MetaSchedule needs at least 1 measured trial per shape")
+        for name, m, n, k in self.gemm_shapes:
+            if min(m, n, k) < 1:
+                raise ValueError(f"gemm shape {name!r} has M, N, K = {m}, {n}, {k}; each must be >= 1")
+
 
 FULL = KernelsPlan()
 QUICK = KernelsPlan(
-    gemm_sizes=(128, 256), conv_batches=(1,), convs=((64, 64, 14, 3, 1, 1), (128, 256, 14, 1, 2, 0)),
-    machine_seconds=0.05, top_k=3, repeats=3, tvm_trials=8, tvm_gemm_sizes=(), tvm_convs=(),  # TVM: > 2 min alone
+    gemm_sizes=(128, 256), gemm_shapes=(), conv_batches=(1,),  # each new shape compiles its shortlist
+    convs=((64, 64, 14, 3, 1, 1), (128, 256, 14, 1, 2, 0)),
+    machine_seconds=0.05, top_k=3, repeats=3, tvm_trials=8, tvm_gemms=(), tvm_convs=(),  # TVM: > 2 min alone
     validation=("gemm:256",), validation_samples=6, train_steps=4,
 )
 
@@ -92,6 +123,8 @@ def _conv_shape(spec, batch: int) -> ops.Conv2dShape:
 def _cases(plan: KernelsPlan):
     for n in plan.gemm_sizes:
         yield "gemm", f"{n}^3", ops.gemm(n, n, n), (n, n, n), 2.0 * n**3
+    for name, m, n, k in plan.gemm_shapes:
+        yield "gemm", f"{name} {m}x{n}x{k}", ops.gemm(m, n, k), (m, n, k), 2.0 * m * n * k
     for batch in plan.conv_batches:
         for i, spec in enumerate(plan.convs):
             s = _conv_shape(spec, batch)
@@ -102,7 +135,7 @@ def _min_bytes(op) -> float:
     return 4.0 * (op.output.tensor.numel + sum(t.numel for t in op.inputs))
 
 
-def _measure_case(kind, label, op, spec, flops, threads, plan, machine) -> dict:
+def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_set) -> dict:
     tuned = tune(op, threads=threads, machine=machine, top_k=plan.top_k, repeats=plan.repeats)
     kernel = compile_kernel(op, tuned.best)
     inputs = random_inputs(op)
@@ -116,38 +149,44 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine) -> dict:
         "trials": [{"schedule": t.schedule.short(), "predicted_s": t.predicted, "measured_s": t.measured}
                    for t in tuned.trials],
     }
-    runners = {"torch": anchors.torch_gemm if kind == "gemm" else anchors.torch_conv,
-               "numpy": anchors.numpy_gemm if kind == "gemm" else anchors.numpy_conv}
-    for name, make in runners.items():
-        call = make(*spec, threads) if kind == "gemm" else make(spec, threads)
-        row[f"{name}_gflops"] = round(flops / _median_seconds(call, plan.repeats) / GIGA, 2)
+    if kind == "gemm":
+        row["mnk"] = list(spec)
+    row |= anchor_set.measure(kind, spec, threads, flops, _median_seconds, plan.repeats)
     return row
 
 
 def _tvm_rows(plan: KernelsPlan, rows: list[dict], progress: bool) -> str | None:
-    """TVM MetaSchedule on a few of the shapes (1 thread): its tuned speed and tuning time."""
-    status = anchors.tvm_status()
+    """TVM MetaSchedule on a few of the shapes (1 thread): its tuned speed, tuning time and
+    speed-versus-trials curve."""
+    status = tvm_anchor.tvm_status()
     if status is not None:
         return status
-    by_key = {(r["kind"], r["shape"], r["threads"]): r for r in rows}
-    jobs = [("gemm", f"{n}^3", (n, n, n), 2.0 * n**3) for n in plan.tvm_gemm_sizes]
+    jobs = []
+    for mnk in plan.tvm_gemms:
+        row = next((r for r in rows if r.get("mnk") == list(mnk) and r["threads"] == 1), None)
+        jobs.append((row, "gemm", tuple(mnk)))
     for i in plan.tvm_convs:
         s = _conv_shape(plan.convs[i], plan.conv_batches[0])
-        jobs.append(("conv", f"#{i} {s.label()}", s, float(s.flops)))
+        row = next((r for r in rows if r["kind"] == "conv" and r["shape"] == f"#{i} {s.label()}"
+                    and r["threads"] == 1), None)
+        jobs.append((row, "conv", s))
     errors = []
-    for kind, label, spec, flops in tqdm(jobs, desc="tvm", disable=not progress):
-        row = by_key.get((kind, label, 1))
+    for row, kind, spec in tqdm(jobs, desc="tvm", disable=not progress):
         if row is None:
             continue
-        got = anchors.tvm_measure(kind, spec, 1, plan.tvm_trials, plan.repeats)
+        got = tvm_anchor.tvm_measure(kind, spec, 1, plan.tvm_trials, plan.repeats)
         if "error" in got:
             row["tvm_error"] = got["error"]
-            errors.append(f"{label}: {got['error']}")
+            errors.append(f"{row['shape']}: {got['error']}")
             continue
-        row["tvm_gflops"] = round(flops / got["seconds"] / GIGA, 2)
+        row["tvm_gflops"] = round(row["flops"] / got["seconds"] / GIGA, 2)
         row["tvm_tuning_s"] = round(got["tuning_s"], 1)
         row["tvm_tuned"] = got["tuned"]
         row["tvm_trials"] = plan.tvm_trials
+        row["tvm_measured_trials"] = got["measured_trials"]
+        row["tvm_curve"] = got["curve"]
+        row["tvm_code_path"] = got["code_path"]
+        row["tvm_matches_tessera_after_s"] = ka.tvm_match_time(row)
     return "; ".join(errors) if errors and len(errors) == len(jobs) else None
 
 
@@ -174,13 +213,9 @@ def _validation(plan: KernelsPlan, machine) -> list[dict]:
     return out
 
 
-def _headline(rows, machine, validation, tvm_note, curves) -> dict:
-    anchors_of = ("torch_gflops", "numpy_gflops", "tvm_gflops")
-    wins = [r["gflops"] >= 0.95 * max(r.get(a, 0.0) for a in anchors_of) for r in rows]
-    for r, w in zip(rows, wins, strict=True):
-        r["best_anchor_gflops"] = max(r.get(a, 0.0) for a in anchors_of)
-        r["vs_best_anchor"] = round(r["gflops"] / r["best_anchor_gflops"], 3)
-        r["win"] = w
+def _headline(rows, machine, validation, tvm_note, curves, anchor_report, absent) -> dict:
+    for r in rows:
+        ka.best_anchor(r)
     gemm1 = [r for r in rows if r["kind"] == "gemm" and r["threads"] == 1]
     top = next((r for r in gemm1 if r["shape"] == "2048^3"), gemm1[-1] if gemm1 else None)
     peak = machine.peak(1)
@@ -190,7 +225,8 @@ def _headline(rows, machine, validation, tvm_note, curves) -> dict:
         "isa": machine.isa,
         f"sgemm_{top['shape'].split('^')[0]}_fraction_of_peak_1_thread" if top else "sgemm": (
             round(top["gflops"] * GIGA / peak, 3) if top else None),
-        "win_fraction_vs_best_anchor": round(sum(wins) / len(wins), 3),
+        **({f"sgemm_{top['shape'].split('^')[0]}_vs_best_anchor_1_thread": top["vs_best_anchor"]} if top else {}),
+        **ka.anchor_headline(rows, absent, anchor_report),
         "shapes": len(rows),
         "tuning_seconds_per_shape_median": round(statistics.median(r["tuning_s"] for r in rows), 2),
         "tuning_seconds_per_shape_max": round(max(r["tuning_s"] for r in rows), 2),
@@ -207,6 +243,7 @@ def _headline(rows, machine, validation, tvm_note, curves) -> dict:
         h["tuning_time_over_tvm_median"] = (
             round(statistics.median(r["tuning_s"] / r["tvm_tuning_s"] for r in at_least), 3) if at_least else None)
         h["speed_over_tvm_median"] = round(statistics.median(r["gflops"] / r["tvm_gflops"] for r in tvm), 2)
+        h["tvm_matches_tessera_after_s"] = {r["shape"]: r["tvm_matches_tessera_after_s"] for r in tvm}
     else:
         h["tvm"] = f"absent: {tvm_note}" if tvm_note else "not run: this plan has no TVM shapes"
     if curves:
@@ -246,35 +283,56 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
     if machine is None:
         machine = measure(seconds=plan.machine_seconds)
         save_machine(machine)
-    rows = []
+    anchor_set = ka.AnchorSet(plan.blas_kernel_set)
+    rows, specs = [], {}
     cases = [(c, t) for c in _cases(plan) for t in plan.threads]
     for (kind, label, op, spec, flops), threads in tqdm(cases, desc="bench kernels", disable=not progress):
-        rows.append(_measure_case(kind, label, op, spec, flops, threads, plan, machine))
+        specs[len(rows)] = spec
+        rows.append(_measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_set))
     tvm_note = _tvm_rows(plan, rows, progress)
+    if tvm_note is not None:
+        anchor_set.absent["tvm"] = tvm_note
+    # after every timing: the verbose child runs one call per torch path, the libraries report
+    anchor_report = ka.attach_code_paths(rows, specs, anchor_set)
     validation = _validation(plan, machine)
     curves = train_curves(plan.train_steps)
     from tessera.bench.machine import machine_rows
 
-    headline = _headline(rows, machine, validation, tvm_note, curves)
+    headline = _headline(rows, machine, validation, tvm_note, curves, anchor_report, anchor_set.absent)
     notes = [
         f"Tessera: tuned in the run (the model ranks the whole space, the best {plan.top_k} predicted plus the best "
         f"of the other lowering are compiled and timed, median of up to {plan.repeats}); anchors: median of repeats.",
-        "numpy's conv is im2col (sliding windows of the padded input) + one matmul per group.",
+        f"Anchors: OpenBLAS and BLIS through ctypes ({plan.blas_kernel_set} kernel set), torch's GEMM through MKL "
+        "(torch.mm), MKL's packed SGEMM and oneDNN's matmul (weights packed/reordered once, outside the timing), "
+        "torch's conv through its default dispatch, oneDNN forced and oneDNN on a reordered weight; torch's anchor "
+        "is its best path per shape. Thread counts are set once around each timing loop.",
+        "Code paths: OpenBLAS's openblas_get_corename / get_config, BLIS's bli_arch_query_id, threadpoolctl; torch's "
+        "from MKL_VERBOSE / ONEDNN_VERBOSE and the ATen ops of one call per path in a child process, after the timings.",
+        "numpy is a sanity row, not an anchor; its conv is im2col (sliding windows of the padded input) + one "
+        "matmul per group.",
         f"TVM: MetaSchedule, {plan.tvm_trials} trials per shape, target llvm -mcpu={tvm_mcpu()}, 1 thread; "
-        + ("its tuning time is recorded per shape." if tvm_note is None else f"not run: {tvm_note}."),
+        + ("its tuning time and speed-versus-trials curve are recorded per shape." if tvm_note is None
+           else f"absent: {tvm_note}."),
         "A win: Tessera >= 0.95x the best anchor measured for that shape and thread count.",
         f"Whole run {time.perf_counter() - began:.0f} s on {machine.cores} cores.",
     ]
-    columns = ["kind", "shape", "threads", "gflops", "torch_gflops", "numpy_gflops", "tvm_gflops",
-               "vs_best_anchor", "tuning_s", "tvm_tuning_s", "spearman", "schedule"]
+    columns = ["kind", "shape", "threads", "gflops", "openblas_gflops", "blis_gflops", "torch_gflops", "torch_path",
+               "tvm_gflops", "numpy_gflops", "best_anchor", "vs_best_anchor", "best_anchor_path", "tuning_s",
+               "tvm_tuning_s", "schedule"]
     tables = [("Machine", ["what", "threads", "value", "unit"], machine_rows(machine)),
+              ("Anchors: the code path each ran", ["anchor", "library", "detected_alone", "forced", "ran",
+                                                    "threadpoolctl"], ka.code_path_table(anchor_report)),
+              ("Anchors absent", ["anchor", "why"], [{"anchor": k, "why": v} for k, v in anchor_set.absent.items()]),
+              ("TVM MetaSchedule: speed versus trials", ["shape", "trials", "tuning_s", "tvm_best_gflops",
+                                                          "tessera_gflops"], ka.tvm_curve_rows(rows)),
               ("Model validation (schedules spread over the ranked space)", ["case", "space", "samples", "spearman"],
                validation)]
     if curves:
         tables.append(("ResNet-8 on digits: Tessera kernels vs torch", ["step", "torch", "tessera", "gap"],
                        curves["table"]))
     return BenchResult(name="kernels", headline=headline, rows=rows, columns=columns, notes=notes, tables=tables,
-                       extra={"machine_parameters": machine.to_json(), "validation": validation, "training": curves})
+                       extra={"machine_parameters": machine.to_json(), "validation": validation, "training": curves,
+                              "anchor_code_paths": anchor_report, "anchors_absent": anchor_set.absent})
 
 
 # ---- swCaffe's point: a CNN trained on Tessera's kernels -----------------------------------

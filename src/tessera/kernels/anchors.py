@@ -1,21 +1,48 @@
-"""The same operators in other libraries, as the benchmark's anchors: torch (its CPU BLAS
-for GEMM, oneDNN for convolution), numpy (its BLAS; a convolution as im2col + matmul) and
-Apache TVM's MetaSchedule (optional extra ``tessera[tvm]``; LLVM code it tunes itself).
-Each ``*_runner`` returns a no-argument callable that runs the operator once on fixed
-random inputs, at the thread count it was built for."""
+"""The same operators in other libraries, as the benchmark's anchors, each at its best:
+
+- GEMM: OpenBLAS and BLIS through ctypes (``blas_libs``: the kernel set of the widest ISA
+  here), torch through MKL (``torch.mm``; and MKL's packed SGEMM, the weight packed once as
+  torch's own compiler does for a float32 ``Linear``) and through oneDNN (its matmul on a
+  weight reordered once into oneDNN's blocked layout);
+- convolution: torch's default dispatch (which sends some shapes to its im2col path), oneDNN
+  forced (``torch.mkldnn_convolution``) and oneDNN on a weight reordered once;
+- numpy, only as a sanity row (its own OpenBLAS; a convolution as im2col + matmul);
+- Apache TVM MetaSchedule lives in ``tvm_anchor``.
+
+Every factory returns a ``Runner``: ``call`` runs the operator once on fixed random inputs;
+``threads`` is entered once around a timing loop and sets the library's thread count
+(nothing about threads happens inside ``call``). A path that cannot run here raises
+``AnchorAbsent`` with the reason.
+"""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import os
-import tempfile
-import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
+from tessera.kernels.blas_libs import AnchorAbsent, BlasLibrary
 from tessera.kernels.ops import Conv2dShape
+
+__all__ = [
+    "AnchorAbsent",
+    "Runner",
+    "TORCH_GEMM_PATHS",
+    "TORCH_CONV_PATHS",
+    "blas_gemm",
+    "numpy_gemm",
+    "numpy_conv",
+    "torch_gemm",
+    "torch_conv",
+]
+
+
+@dataclass(frozen=True)
+class Runner:
+    call: Callable[[], object]
+    threads: Callable[[], contextlib.AbstractContextManager]
 
 
 def _rng_inputs(*shapes):
@@ -23,57 +50,141 @@ def _rng_inputs(*shapes):
     return [rng.standard_normal(s, dtype=np.float32) for s in shapes]
 
 
-def torch_gemm(m: int, n: int, k: int, threads: int) -> Callable[[], object]:
-    import torch
+# ---- torch -------------------------------------------------------------------------------
+def _torch_threads(threads: int):
+    @contextlib.contextmanager
+    def enter():
+        import torch
 
-    a, b = (torch.from_numpy(x) for x in _rng_inputs((m, k), (k, n)))
-    out = torch.empty(m, n)
-
-    def call():
         old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        torch.mm(a, b, out=out)
-        torch.set_num_threads(old)
+        torch.set_num_threads(threads)  # MKL's and oneDNN's OpenMP pool alike
+        try:
+            yield
+        finally:
+            torch.set_num_threads(old)
 
-    return call
+    return enter
 
 
-def torch_conv(s: Conv2dShape, threads: int) -> Callable[[], object]:
+def _need_onednn():
     import torch
+
+    if not torch.backends.mkldnn.is_available():
+        raise AnchorAbsent("torch was built without oneDNN (torch.backends.mkldnn.is_available() is False)")
+
+
+def _gemm_mkl(a, b, out, m):
+    import torch
+
+    return lambda: torch.mm(a, b, out=out)
+
+
+def _gemm_mkl_packed(a, b, out, m):
+    import torch
+
+    if not (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")):
+        raise AnchorAbsent("torch was built without MKL's packed SGEMM (torch.ops.mkl._mkl_linear)")
+    w = b.t().contiguous()  # a Linear's weight, [n, k]
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(w, m)
+    return lambda: torch.ops.mkl._mkl_linear(a, packed, w, None, m)
+
+
+def _gemm_onednn(a, b, out, m):
+    import torch
+
+    _need_onednn()
+    packed = torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), m)
+    return lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+
+
+TORCH_GEMM_PATHS = {"mkl": _gemm_mkl, "mkl_packed": _gemm_mkl_packed, "onednn": _gemm_onednn}
+
+
+def torch_gemm(m: int, n: int, k: int, threads: int, path: str = "mkl") -> Runner:
+    """C[m, n] = A[m, k] B[k, n] through ``path`` (a key of TORCH_GEMM_PATHS)."""
+    import torch
+
+    if path not in TORCH_GEMM_PATHS:
+        raise ValueError(f"unknown torch GEMM path {path!r}; expected one of {sorted(TORCH_GEMM_PATHS)}")
+    a, b = (torch.from_numpy(x) for x in _rng_inputs((m, k), (k, n)))
+    with _torch_threads(threads)():  # weight packing may run threads too
+        call = TORCH_GEMM_PATHS[path](a, b, torch.empty(m, n), m)
+    return Runner(call, _torch_threads(threads))  # no input requires grad: no autograd work
+
+
+def _conv_default(s, x, w):
     import torch.nn.functional as F
 
+    return lambda: F.conv2d(x, w, stride=s.stride, padding=s.padding, groups=s.groups)
+
+
+def _conv_onednn(s, x, w):
+    import torch
+
+    _need_onednn()
+    return lambda: torch.mkldnn_convolution(x, w, None, s.padding, s.stride, (1, 1), s.groups)
+
+
+def _conv_onednn_packed(s, x, w):
+    import torch
+
+    _need_onednn()
+    packed = torch._C._nn.mkldnn_reorder_conv2d_weight(
+        w.to_mkldnn(), list(s.padding), list(s.stride), [1, 1], s.groups, list(s.input_shape)
+    )
+    pad, stride = list(s.padding), list(s.stride)
+    return lambda: torch.ops.mkldnn._convolution_pointwise(
+        x, packed, None, pad, stride, [1, 1], s.groups, "none", [], ""
+    )
+
+
+TORCH_CONV_PATHS = {"default": _conv_default, "onednn": _conv_onednn, "onednn_packed": _conv_onednn_packed}
+
+
+def torch_conv(s: Conv2dShape, threads: int, path: str = "default") -> Runner:
+    """The convolution through ``path`` (a key of TORCH_CONV_PATHS)."""
+    import torch
+
+    if path not in TORCH_CONV_PATHS:
+        raise ValueError(f"unknown torch conv path {path!r}; expected one of {sorted(TORCH_CONV_PATHS)}")
     x, w = (torch.from_numpy(v) for v in _rng_inputs(s.input_shape, s.weight_shape))
-
-    def call():
-        old = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        with torch.no_grad():
-            F.conv2d(x, w, stride=s.stride, padding=s.padding, groups=s.groups)
-        torch.set_num_threads(old)
-
-    return call
+    with _torch_threads(threads)():
+        call = TORCH_CONV_PATHS[path](s, x, w)
+    return Runner(call, _torch_threads(threads))  # no input requires grad: no autograd work
 
 
-@contextlib.contextmanager
-def _blas_threads(threads: int):
-    from threadpoolctl import threadpool_limits
+# ---- OpenBLAS / BLIS through ctypes ------------------------------------------------------
+def blas_gemm(lib: BlasLibrary, m: int, n: int, k: int, threads: int) -> Runner:
+    if lib.max_threads is not None and threads > lib.max_threads:
+        raise AnchorAbsent(f"{lib.name}: this build is single-threaded ({lib.code_path.get('library')})")
+    a, b = _rng_inputs((m, k), (k, n))
+    c = np.empty((m, n), np.float32)
 
-    with threadpool_limits(limits=threads, user_api="blas"):
+    @contextlib.contextmanager
+    def enter():
+        lib.set_threads(threads)
         yield
 
+    return Runner(lib.prepare(a, b, c), enter)
 
-def numpy_gemm(m: int, n: int, k: int, threads: int) -> Callable[[], object]:
+
+# ---- numpy (a sanity row) ----------------------------------------------------------------
+def _blas_threads(threads: int):
+    def enter():
+        from threadpoolctl import threadpool_limits
+
+        return threadpool_limits(limits=threads, user_api="blas")
+
+    return enter
+
+
+def numpy_gemm(m: int, n: int, k: int, threads: int) -> Runner:
     a, b = _rng_inputs((m, k), (k, n))
     out = np.empty((m, n), np.float32)
-
-    def call():
-        with _blas_threads(threads):
-            np.matmul(a, b, out=out)
-
-    return call
+    return Runner(lambda: np.matmul(a, b, out=out), _blas_threads(threads))
 
 
-def numpy_conv(s: Conv2dShape, threads: int) -> Callable[[], object]:
+def numpy_conv(s: Conv2dShape, threads: int) -> Runner:
     """im2col by sliding windows over the zero-padded input, then one matmul per group."""
     x, w = _rng_inputs(s.input_shape, s.weight_shape)
     (ph, pw), (sh, sw), g = s.padding, s.stride, s.groups
@@ -81,108 +192,11 @@ def numpy_conv(s: Conv2dShape, threads: int) -> Callable[[], object]:
     wg = w.reshape(g, cog, -1)
 
     def call():
-        with _blas_threads(threads):
-            xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
-            win = np.lib.stride_tricks.sliding_window_view(xp, s.kernel, axis=(2, 3))[:, :, ::sh, ::sw]
-            win = win[:, :, : s.out_height, : s.out_width]  # (n, c, oh, ow, kh, kw)
-            cols = win.reshape(s.batch, g, cig, s.out_height, s.out_width, -1).transpose(0, 1, 2, 5, 3, 4)
-            cols = cols.reshape(s.batch, g, cig * s.kernel[0] * s.kernel[1], -1)
-            return np.matmul(wg[None], cols)
+        xp = np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw)))
+        win = np.lib.stride_tricks.sliding_window_view(xp, s.kernel, axis=(2, 3))[:, :, ::sh, ::sw]
+        win = win[:, :, : s.out_height, : s.out_width]  # (n, c, oh, ow, kh, kw)
+        cols = win.reshape(s.batch, g, cig, s.out_height, s.out_width, -1).transpose(0, 1, 2, 5, 3, 4)
+        cols = cols.reshape(s.batch, g, cig * s.kernel[0] * s.kernel[1], -1)
+        return np.matmul(wg[None], cols)
 
-    return call
-
-
-# ---- Apache TVM MetaSchedule -------------------------------------------------------------
-def tvm_status() -> str | None:
-    """None when TVM is importable, else why not (the benchmark reports it)."""
-    if importlib.util.find_spec("tvm") is None:
-        return "apache-tvm is not installed (pip install -c constraints.txt -e '.[tvm]')"
-    try:
-        import tvm  # noqa: F401
-        from tvm.s_tir import meta_schedule  # noqa: F401
-    except Exception as exc:  # an import-time failure of the optional extra is reported, not raised
-        return f"apache-tvm does not import: {type(exc).__name__}: {exc}"
-    return None
-
-
-def _tvm_gemm_module(m: int, n: int, k: int):
-    from tvm import te
-
-    a = te.placeholder((m, k), name="A", dtype="float32")
-    b = te.placeholder((k, n), name="B", dtype="float32")
-    r = te.reduce_axis((0, k), name="k")
-    c = te.compute((m, n), lambda i, j: te.sum(a[i, r] * b[r, j], axis=r), name="C")
-    return te.create_prim_func([a, b, c]), [(m, k), (k, n)], (m, n)
-
-
-def _tvm_conv_module(s: Conv2dShape):
-    from tvm import te, topi
-
-    x = te.placeholder(s.input_shape, name="X", dtype="float32")
-    w = te.placeholder(s.weight_shape, name="W", dtype="float32")
-    if s.groups == 1:
-        y = topi.nn.conv2d_nchw(x, w, s.stride, s.padding, 1, out_dtype="float32")
-    else:
-        y = topi.nn.group_conv2d_nchw(x, w, s.stride, s.padding, 1, s.groups, out_dtype="float32")
-    return te.create_prim_func([x, w, y]), [s.input_shape, s.weight_shape], s.output_shape
-
-
-def tvm_mcpu() -> str:
-    """LLVM's CPU for TVM: the widest ISA Tessera's kernels use here too."""
-    from tessera.kernels.machine import cpu_isas
-
-    return "skylake-avx512" if "avx512" in cpu_isas() else "core-avx2"
-
-
-def _tvm_target(threads: int):
-    import tvm
-
-    return tvm.target.Target({"kind": "llvm", "mcpu": tvm_mcpu(), "num-cores": threads})
-
-
-def _tvm_tune_and_time(kind: str, spec, threads: int, trials: int, repeats: int) -> dict:
-    """In a child process: tune with MetaSchedule (``trials`` measured candidates), build the
-    best, time it (median of ``repeats`` after a warm-up)."""
-    import statistics
-
-    os.environ["TVM_NUM_THREADS"] = str(threads)
-    import tvm
-    from tvm.s_tir import meta_schedule as ms
-
-    func, in_shapes, out_shape = _tvm_gemm_module(*spec) if kind == "gemm" else _tvm_conv_module(spec)
-    target = _tvm_target(threads)
-    began = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        # generous build/run timeouts: on a loaded 2-core machine a worker's start alone can pass 30 s
-        database = ms.tune_tir(
-            mod=func, target=target, work_dir=tmp, max_trials_global=trials, num_trials_per_iter=min(16, trials),
-            builder=ms.builder.LocalBuilder(timeout_sec=300), runner=ms.runner.LocalRunner(timeout_sec=120),
-            num_tuning_cores=threads,
-        )
-        sch = ms.tir_integration.compile_tir(database, func, target)
-    tuning = time.perf_counter() - began
-    lib = tvm.compile(sch.mod if sch is not None else func, target=target)
-    dev = tvm.cpu(0)
-    args = [tvm.runtime.tensor(x, dev) for x in _rng_inputs(*in_shapes)]
-    args.append(tvm.runtime.tensor(np.empty(out_shape, np.float32), dev))
-    fn = lib["main"]
-    fn(*args)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - t0)
-    return {"seconds": statistics.median(times), "tuning_s": tuning, "tuned": sch is not None}
-
-
-def tvm_measure(kind: str, spec, threads: int, trials: int, repeats: int = 5) -> dict:
-    """TVM's tuned time of one operator, run in a fresh child process (TVM's thread pool and
-    its crashes stay out of ours); {"error": why} when it fails."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    try:
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(_tvm_tune_and_time, kind, spec, threads, trials, repeats).result()
-    except Exception as exc:  # a failing optional anchor is reported in the results, not raised
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]}
+    return Runner(call, _blas_threads(threads))

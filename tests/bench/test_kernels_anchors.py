@@ -1,0 +1,109 @@
+"""The anchors of `tessera bench kernels`: every anchor that can run here computes the right
+product and reports the code path it ran; one that cannot is said absent with the reason."""
+
+import ctypes.util
+import importlib.util
+
+import numpy as np
+import pytest
+
+from tessera.bench import kernels_anchors as ka
+from tessera.bench.kernels import KernelsPlan, _conv_shape, _median_seconds
+from tessera.kernels import blas_libs, tvm_anchor
+
+
+def _gamma(n: int) -> float:
+    u = 2.0**-24
+    return n * u / (1 - n * u)
+
+
+def test_blas_anchors_compute_sgemm():
+    """Each BLAS library present, on odd sizes (M = 1 is a matrix-vector product)."""
+    rng = np.random.default_rng(0)
+    for name, lib in ka.AnchorSet().blas.items():
+        for m, n, k in ((1, 33, 71), (13, 17, 129)):
+            a, b = (
+                rng.standard_normal((m, k), dtype=np.float32),
+                rng.standard_normal((k, n), dtype=np.float32),
+            )
+            c = np.full((m, n), np.nan, np.float32)
+            lib.prepare(a, b, c)()
+            exact = a.astype(np.float64) @ b.astype(np.float64)
+            # a float32 sum of k products: |error| <= gamma(2k) * sum |a_i b_i| (any summation order)
+            bound = _gamma(2 * k) * (np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64))
+            assert np.all(np.abs(c - exact) <= bound), (name, m, n, k)
+    # the kernel set chosen is the one that ran (a library that ignores its override would not say so)
+    for name, lib in ka.AnchorSet().blas.items():
+        forced = lib.code_path["forced"]
+        ran = lib.code_path["corename" if name == "openblas" else "arch"]
+        assert forced is None or ran.lower() in forced.lower(), (name, forced, ran)
+
+
+def test_every_present_anchor_reports_its_code_path():
+    anchor_set = ka.AnchorSet()
+    rows, specs = [], {}
+    cases = (("gemm", (5, 48, 40), 2.0 * 5 * 48 * 40), ("conv", _conv_shape((8, 16, 6, 3, 1, 1), 1), None))
+    for kind, spec, flops in cases:
+        flops = flops or float(spec.flops)
+        row = {"kind": kind, "shape": kind, "threads": 1, "gflops": 1.0, "flops": flops}
+        row |= anchor_set.measure(kind, spec, 1, flops, _median_seconds, 3)
+        specs[len(rows)] = spec
+        rows.append(row)
+    report = ka.attach_code_paths(rows, specs, anchor_set)
+    assert "error" not in report["torch"], report["torch"]
+    assert report["torch"]["mkl"] and report["torch"]["onednn_isa"] and report["torch"]["cpu_capability"]
+    for row in rows:
+        measured = [k.removesuffix("_gflops") for k in row if k.endswith("_gflops") and k != "numpy_gflops"]
+        assert "torch" in measured and row["torch_path"] in (
+            "mkl",
+            "mkl_packed",
+            "onednn",
+            "default",
+            "onednn_packed",
+        )
+        for name in measured:
+            assert row["paths"].get(name) not in (None, "", "unknown"), (row["kind"], name, row["paths"])
+        ka.best_anchor(row)
+        assert row["best_anchor"] in ka.ANCHORS and row["best_anchor_path"]
+    # the paths named are the ones the verbose logs show: MKL's SGEMM for torch.mm, a oneDNN
+    # primitive for the oneDNN paths, torch's im2col or oneDNN for the default conv
+    gemm, conv = rows
+    assert gemm["paths"]["torch_mkl"].startswith("MKL SGEMM")
+    assert gemm["paths"]["torch_onednn"].startswith("inner_product:")
+    assert conv["paths"]["torch_onednn_packed"].startswith("convolution:")
+    for name, rep in report["libraries"].items():
+        assert rep["corename" if name == "openblas" else "arch"], rep
+        assert rep["threadpoolctl"] is not None, f"threadpoolctl does not see {name}"
+
+
+def test_missing_anchors_are_said_absent_with_the_reason(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    hidden = {"scipy_openblas32", "scipy_openblas64", "blis", "tvm"}
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n in hidden else real_find_spec(n, *a)
+    )
+    monkeypatch.setattr(blas_libs, "_BLIS_SYSTEM", ("/nonexistent/libblis.so.4",))
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    anchor_set = ka.AnchorSet()
+    assert set(anchor_set.absent) == {"openblas", "blis"}
+    assert "scipy-openblas" in anchor_set.absent["openblas"] and ".[anchors]" in anchor_set.absent["openblas"]
+    assert "apt-get install libblis4-openmp" in anchor_set.absent["blis"]
+    assert "not installed" in tvm_anchor.tvm_status()
+    row = {"kind": "gemm", "shape": "g", "threads": 1, "gflops": 1.0, "flops": 2.0 * 4 * 8 * 8}
+    row |= anchor_set.measure("gemm", (4, 8, 8), 1, row["flops"], _median_seconds, 3)
+    assert "openblas_gflops" not in row and "blis_gflops" not in row and row["torch_gflops"] > 0
+    ka.best_anchor(row)
+    h = ka.anchor_headline([row], anchor_set.absent, {})
+    assert h["anchors_absent"] == anchor_set.absent and h["best_anchor_counts"] == {"torch": 1}
+
+
+def test_bad_anchor_settings_are_refused():
+    with pytest.raises(ValueError, match="tvm_trials=0"):
+        KernelsPlan(tvm_trials=0)
+    with pytest.raises(ValueError, match="M, N, K = 0, 8, 8"):
+        KernelsPlan(gemm_shapes=(("empty", 0, 8, 8),))
+    with pytest.raises(ValueError, match="unknown BLAS anchor 'mkl'"):
+        blas_libs.load("mkl")
+    if "blis" not in ka.AnchorSet().absent and not blas_libs._blis_path()[1]:
+        with pytest.raises(ValueError, match="kernel set 'nosuch'"):
+            blas_libs.blis("nosuch")
