@@ -88,13 +88,14 @@ class RobustBenchPlan:
 # 100, 0.74 at 300 (seed 0). An earlier run at 10 steps measured masked-LM pretraining only.
 # 120 greedy texts (60 before): about 95 correctly classified per seed, so one flip moves the
 # success rate by ~1 point, not 2.
-# 900 fine-tuning steps of 32 reviews (300 before; 1.8 epochs of the 15,626 distinct training
-# reviews): at 300 every system was still underfit and the copies' extra work cost rocbert
+# 900 fine-tuning steps of 32 reviews (300 before; 1.8 epochs of the 15,626 training reviews of
+# the two-way split then, 2.1 of the 13,891 now): at 300 every system was still underfit and the copies' extra work cost rocbert
 # clean accuracy (76.6 vs plain 79.7 in the run committed at 040db6a).
 # The whole evaluation split (1,736 reviews).
 # All of the above was fixed before the train / validation / test split existed, on metrics of
 # reviews an earlier split held out; the test split holds none of those reviews
-# (corpus.earlier_held_out). 5 seeds x 6 systems, each attacked by three greedy attacks.
+# (corpus.earlier_held_out). The fine-tuning rate was then lowered to 5e-4 on validation
+# (RocbertRecipe.finetune_lr). 5 seeds x 6 systems, each attacked by three greedy attacks.
 FULL = RobustBenchPlan(
     pretrain_steps=80,
     finetune_steps=900,

@@ -179,7 +179,7 @@ def test_cli_train_and_attack(tmp_path, capsys):
     out = tmp_path / "run"
     argv = ["train", "--recipe", "rocbert-sentiment", "--out", str(out), "--steps", "2", "--batch-size", "4"]
     assert main(argv) == 0
-    assert "held-out accuracy clean" in capsys.readouterr().out
+    assert "validation accuracy clean" in capsys.readouterr().out
     assert (
         main(["robust", "attack", "--model", str(out), "--text", "这个手机很好用，推荐", "--variants", "2"])
         == 0

@@ -39,7 +39,7 @@ def train_command(args: argparse.Namespace, plan, out: Path) -> str:
     return (
         f"trained {RECIPE_NAME} ({recipe.pretrain_steps} pretraining + {recipe.finetune_steps} fine-tuning steps, "
         f"dp={plan.dp}) in {time.perf_counter() - began:.1f}s; final losses {summary['pretrain_loss'][-1]:.3f} / "
-        f"{summary['finetune_loss'][-1]:.3f}; held-out accuracy clean {summary['clean_accuracy']:.1%}, "
+        f"{summary['finetune_loss'][-1]:.3f}; {recipe.eval_split} accuracy clean {summary['clean_accuracy']:.1%}, "
         f"attacked {summary['attacked_accuracy']:.1%} (n={summary['eval_size']}); model: {out / 'model'}"
     )
 
