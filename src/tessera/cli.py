@@ -81,7 +81,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.name == "dit":
         result = _dit_bench(args)
     elif args.name == "kernels":
-        result = module.run_kernels_bench(module.QUICK if args.quick else module.FULL)
+        import dataclasses
+
+        plan = module.QUICK if args.quick else module.FULL
+        if args.tvm_trials is not None:
+            plan = dataclasses.replace(plan, tvm_trials=args.tvm_trials)
+        result = module.run_kernels_bench(plan)
     else:
         result = getattr(module, run_name)(quick=args.quick)
     paths = write_results(result, args.out, getattr(module, plot_name))
@@ -156,6 +161,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--link-device", help="dit: the GPU whose compute-to-link balance the links keep (default l40)"
+    )
+    p.add_argument(
+        "--tvm-trials",
+        type=positive_int,
+        help="kernels: TVM MetaSchedule's measured trials per shape (default 1000, what TVM's CPU tuning "
+        "tutorial recommends; the speed-versus-trials curve is recorded either way)",
     )
     p.set_defaults(handler=cmd_bench)
 
