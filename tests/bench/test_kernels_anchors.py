@@ -107,3 +107,18 @@ def test_bad_anchor_settings_are_refused():
     if "blis" not in ka.AnchorSet().absent and not blas_libs._blis_path()[1]:
         with pytest.raises(ValueError, match="kernel set 'nosuch'"):
             blas_libs.blis("nosuch")
+
+
+def test_tvm_curve_and_the_time_it_matches_tessera():
+    # a curve as MetaSchedule's measure callback records it: best time so far after each batch
+    flops = 2.0 * 64**3
+    curve = [
+        {"trials": 64, "tuning_s": 30.0, "best_s": None},  # nothing ran correctly yet
+        {"trials": 128, "tuning_s": 61.0, "best_s": flops / 50e9},
+        {"trials": 192, "tuning_s": 95.0, "best_s": flops / 120e9},
+    ]
+    row = {"shape": "64^3", "flops": flops, "gflops": 100.0, "tvm_curve": curve}
+    assert ka.tvm_match_time(row) == 95.0  # the first batch at >= Tessera's 100 GFLOP/s
+    assert ka.tvm_match_time({**row, "gflops": 121.0}) is None  # never within the budget
+    table = ka.tvm_curve_rows([row])
+    assert [p["tvm_best_gflops"] for p in table] == [None, 50.0, 120.0]

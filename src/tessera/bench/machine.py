@@ -102,8 +102,9 @@ def plot_roofline(result: BenchResult, path: Path) -> None:
         bw = params.bandwidth(level, 1) / GIGA
         ax.plot(xs, [min(peak, bw * x) for x in xs], style, color="gray", label=f"roof: {level} {bw:.0f} GB/s")
     ax.axhline(peak, color="black", lw=1, label=f"FMA peak {peak:.0f} GFLOP/s ({params.isa})")
-    for key, marker, label in (("gflops", "o", "Tessera"), ("torch_gflops", "s", "torch"),
-                               ("numpy_gflops", "^", "numpy"), ("tvm_gflops", "x", "TVM")):
+    for key, marker, label in (("gflops", "o", "Tessera"), ("openblas_gflops", "v", "OpenBLAS"),
+                               ("blis_gflops", "D", "BLIS"), ("torch_gflops", "s", "torch (best path)"),
+                               ("tvm_gflops", "x", "TVM"), ("numpy_gflops", "^", "numpy (sanity)")):
         pts = [(r["intensity"], r[key]) for r in rows if r.get(key)]
         if pts:
             ax.scatter(*zip(*pts, strict=True), marker=marker, label=label, alpha=0.8)
@@ -111,7 +112,7 @@ def plot_roofline(result: BenchResult, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP per byte of inputs + output)")
     ax.set_ylabel("GFLOP/s, 1 thread")
-    ax.set_title("SGEMM and ResNet-50 convs on the measured roofline")
+    ax.set_title("SGEMM (square, transformer, odd) and ResNet-50 convs on the measured roofline")
     ax.legend(fontsize=7)
     if curves:
         ax = axes[0][1]

@@ -108,7 +108,7 @@ def describe(req: dict) -> str:
     return "; ".join([*kernels, *extra, *aten[-1:]]) or "unknown"
 
 
-def torch_code_paths(requests: list[dict], timeout: float = 600.0) -> dict:
+def torch_code_paths(requests: list[dict], timeout: float = 1800.0) -> dict:
     """Each request is {"kind": "gemm"|"conv", "path": a torch path, "spec": [m, n, k] or a
     Conv2dShape's fields, "threads": n}; returns parse()'s object, or {"error": why}."""
     env = {**os.environ, "MKL_VERBOSE": "1", "ONEDNN_VERBOSE": "1"}
