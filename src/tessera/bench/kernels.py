@@ -311,8 +311,9 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
         "numpy is a sanity row, not an anchor; its conv is im2col (sliding windows of the padded input) + one "
         "matmul per group.",
         f"TVM: MetaSchedule, {plan.tvm_trials} trials per shape, target llvm -mcpu={tvm_mcpu()}, 1 thread; "
-        + ("its tuning time and speed-versus-trials curve are recorded per shape." if tvm_note is None
-           else f"absent: {tvm_note}."),
+        + (f"absent: {tvm_note}." if tvm_note is not None
+           else "its tuning time and speed-versus-trials curve are recorded per shape."
+           if plan.tvm_gemms or plan.tvm_convs else "not run: this plan has no TVM shapes."),
         "A win: Tessera >= 0.95x the best anchor measured for that shape and thread count.",
         f"Whole run {time.perf_counter() - began:.0f} s on {machine.cores} cores.",
     ]
@@ -327,6 +328,7 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
                                                           "tessera_gflops"], ka.tvm_curve_rows(rows)),
               ("Model validation (schedules spread over the ranked space)", ["case", "space", "samples", "spearman"],
                validation)]
+    tables = [t for t in tables if t[2]]  # no empty table (nothing absent, no TVM shapes)
     if curves:
         tables.append(("ResNet-8 on digits: Tessera kernels vs torch", ["step", "torch", "tessera", "gap"],
                        curves["table"]))

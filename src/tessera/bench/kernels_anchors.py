@@ -182,7 +182,8 @@ def code_path_table(report: dict) -> list[dict]:
             {
                 "anchor": name,
                 "library": f"{rep.get('library')} {rep.get('version', '')}".strip(),
-                "detected_alone": rep.get("detected_alone"),
+                "detected_alone": rep.get("detected_alone")
+                + (f" (this environment sets {_env(rep['environment'])})" if rep.get("environment") else ""),
                 "forced": rep.get("forced") or "no",
                 "ran": rep.get("corename") or rep.get("arch"),
                 "threadpoolctl": _tpc(rep.get("threadpoolctl")),
@@ -191,25 +192,31 @@ def code_path_table(report: dict) -> list[dict]:
     t = report.get("torch", {})
     if "error" in t:
         out.append({"anchor": "torch", "library": "torch", "ran": f"code paths not reported: {t['error']}"})
-    else:
-        out.append(
-            {
-                "anchor": "torch (MKL)",
-                "library": t.get("mkl"),
-                "ran": "per row (MKL_VERBOSE function names)",
-                "detected_alone": f"torch cpu capability {t.get('cpu_capability')}",
-                "forced": "no",
-            }
-        )
-        out.append(
-            {
-                "anchor": "torch (oneDNN)",
-                "library": f"oneDNN, ISA: {t.get('onednn_isa')}",
-                "ran": "per row (ONEDNN_VERBOSE primitive:implementation)",
-                "forced": "oneDNN paths called directly",
-            }
-        )
+        return out
+    per_row = "per row: the functions and primitives one call ran"
+    out.append(
+        {"anchor": "torch (MKL)", "library": t.get("mkl"), "forced": "no", "ran": f"{per_row} (MKL_VERBOSE)"}
+    )
+    out.append(
+        {
+            "anchor": "torch (oneDNN)",
+            "library": f"oneDNN, ISA: {t.get('onednn_isa')}",
+            "forced": "oneDNN called directly",
+            "ran": f"{per_row} (ONEDNN_VERBOSE)",
+        }
+    )
+    out.append(
+        {
+            "anchor": "torch (ATen)",
+            "library": "torch.backends.cpu.get_cpu_capability()",
+            "ran": t.get("cpu_capability"),
+        }
+    )
     return out
+
+
+def _env(env: dict[str, str]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in env.items())
 
 
 def _tpc(info: dict | None) -> str:
