@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import asdict
+from pathlib import Path
 
 from tessera.kernels import anchors, blas_libs
 from tessera.kernels.anchor_paths import describe, torch_code_paths
@@ -88,6 +89,20 @@ class AnchorSet:
             out[name] = {**lib.code_path, "threadpoolctl": seen}
         return out
 
+    @staticmethod
+    def numpy_path() -> str:
+        """numpy's own BLAS as threadpoolctl sees it (the sanity row's code path)."""
+        import numpy as np
+        from threadpoolctl import threadpool_info
+
+        root = str(Path(np.__file__).parent.parent)
+        mine = [
+            i
+            for i in threadpool_info()
+            if i["user_api"] == "blas" and i["filepath"].startswith(root) and ("numpy" in i["filepath"])
+        ]
+        return _tpc(mine[0]) if mine else "numpy's BLAS not seen by threadpoolctl"
+
 
 def torch_requests(rows: list[dict], specs: dict) -> list[dict]:
     """One code-path request per (row, torch path) measured in it."""
@@ -117,7 +132,7 @@ def attach_code_paths(rows: list[dict], specs: dict, anchor_set: AnchorSet) -> d
     per_request = report.pop("requests", [{} for _ in reqs])
     for req, got in zip(reqs, per_request, strict=True):
         rows[req["row"]].setdefault("paths", {})[f"torch_{req['path']}"] = describe(got) if got else "unknown"
-    libs = anchor_set.library_paths()
+    libs, numpy_path = anchor_set.library_paths(), anchor_set.numpy_path()
     for row in rows:
         paths = row.setdefault("paths", {})
         for name, rep in libs.items():
@@ -125,9 +140,11 @@ def attach_code_paths(rows: list[dict], specs: dict, anchor_set: AnchorSet) -> d
                 paths[name] = rep.get("corename") or rep.get("arch")
         if "torch_path" in row:
             paths["torch"] = paths.get(f"torch_{row['torch_path']}", "unknown")
+        if "numpy_gflops" in row:
+            paths["numpy"] = numpy_path
         if "tvm_gflops" in row:
             paths["tvm"] = row.get("tvm_code_path", "TVM")
-    return {"libraries": libs, "torch": report}
+    return {"libraries": libs, "torch": report, "numpy": numpy_path}
 
 
 def best_anchor(row: dict) -> None:
@@ -169,6 +186,7 @@ def anchor_headline(rows: list[dict], absent: dict[str, str], report: dict) -> d
         "torch_mkl": torch_report.get("mkl"),
         "torch_onednn_isa": torch_report.get("onednn_isa"),
         "torch_cpu_capability": torch_report.get("cpu_capability"),
+        "numpy_sanity_row": report.get("numpy"),
         **({"torch_error": torch_report["error"]} if "error" in torch_report else {}),
     }
     return h
@@ -204,6 +222,9 @@ def code_path_table(report: dict) -> list[dict]:
             "forced": "oneDNN called directly",
             "ran": f"{per_row} (ONEDNN_VERBOSE)",
         }
+    )
+    out.append(
+        {"anchor": "numpy (sanity row)", "library": "numpy's bundled BLAS", "ran": report.get("numpy")}
     )
     out.append(
         {
