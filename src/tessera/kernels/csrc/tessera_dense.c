@@ -69,17 +69,7 @@ TK_INLINE void tk_dense_tile(long kc, const float *restrict a, const float *rest
                              int first, int last, const float *restrict bias, const float *restrict r,
                              long mr, long nr) {
     tk_vf acc[TK_MR][TK_NV];
-    for (int i = 0; i < TK_MR; ++i)
-        for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_zero();
-    TK_UNROLL_LOOP(TK_UNROLL)
-    for (long k = 0; k < kc; ++k) {
-        tk_vf bv[TK_NV];
-        for (int j = 0; j < TK_NV; ++j) bv[j] = tk_load(b + k * TK_NR + j * TK_VL);
-        for (int i = 0; i < TK_MR; ++i) {
-            tk_vf ai = tk_set1(a[i + k * TK_MR]);
-            for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_fma(ai, bv[j], acc[i][j]);
-        }
-    }
+    tk_tile_sums(kc, a, 1, TK_MR, b, TK_NR, acc);
     if (mr == TK_MR && nr == TK_NR) {
         for (int i = 0; i < TK_MR; ++i) {
             float *yr = y + i * TK_N;

@@ -69,11 +69,9 @@ static float *tk_alloc(long floats) {
  * compiler sees constants. C row i starts at c + crow[i]; columns are contiguous when
  * ncol is NULL, else column j lives at ncol[j]. `first` overwrites instead of adding
  * (the first k block). mr, nr: the valid part of the tile. */
-TK_INLINE void tk_ukernel(long kc, const float *restrict a, long a_rs, long a_cs,
-                          const float *restrict b, long b_rs, float *restrict c,
-                          const long *restrict crow, const long *restrict ncol,
-                          int first, long mr, long nr) {
-    tk_vf acc[TK_MR][TK_NV];
+/* The register tile's sums, acc[i][j] = sum_k A(i, k) B(k, j-th vector), from zero. */
+TK_INLINE void tk_tile_sums(long kc, const float *restrict a, long a_rs, long a_cs,
+                            const float *restrict b, long b_rs, tk_vf acc[TK_MR][TK_NV]) {
     for (int i = 0; i < TK_MR; ++i)
         for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_zero();
     TK_UNROLL_LOOP(TK_UNROLL)
@@ -85,6 +83,14 @@ TK_INLINE void tk_ukernel(long kc, const float *restrict a, long a_rs, long a_cs
             for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_fma(ai, bv[j], acc[i][j]);
         }
     }
+}
+
+TK_INLINE void tk_ukernel(long kc, const float *restrict a, long a_rs, long a_cs,
+                          const float *restrict b, long b_rs, float *restrict c,
+                          const long *restrict crow, const long *restrict ncol,
+                          int first, long mr, long nr) {
+    tk_vf acc[TK_MR][TK_NV];
+    tk_tile_sums(kc, a, a_rs, a_cs, b, b_rs, acc);
     if (mr == TK_MR && nr == TK_NR && ncol == 0) {
         for (int i = 0; i < TK_MR; ++i) {
             float *cr = c + crow[i];
