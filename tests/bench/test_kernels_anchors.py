@@ -78,20 +78,21 @@ def test_every_present_anchor_reports_its_code_path():
 
 def test_missing_anchors_are_said_absent_with_the_reason(monkeypatch):
     real_find_spec = importlib.util.find_spec
-    hidden = {"scipy_openblas32", "scipy_openblas64", "blis", "tvm"}
+    hidden = {"scipy_openblas32", "scipy_openblas64", "blis", "aoclda", "tvm"}
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda n, *a: None if n in hidden else real_find_spec(n, *a)
     )
     monkeypatch.setattr(blas_libs, "_BLIS_SYSTEM", ("/nonexistent/libblis.so.4",))
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
     anchor_set = ka.AnchorSet()
-    assert set(anchor_set.absent) == {"openblas", "blis"}
+    assert set(anchor_set.absent) == {"openblas", "blis", "aocl_blis"}
     assert "scipy-openblas" in anchor_set.absent["openblas"] and ".[anchors]" in anchor_set.absent["openblas"]
     assert "apt-get install libblis4-openmp" in anchor_set.absent["blis"]
+    assert "aoclda" in anchor_set.absent["aocl_blis"]
     assert "not installed" in tvm_anchor.tvm_status()
     row = {"kind": "gemm", "shape": "g", "threads": 1, "gflops": 1.0, "flops": 2.0 * 4 * 8 * 8}
     row |= anchor_set.measure("gemm", (4, 8, 8), 1, row["flops"], _median_seconds, 3)
-    assert "openblas_gflops" not in row and "blis_gflops" not in row and row["torch_gflops"] > 0
+    assert not any(f"{name}_gflops" in row for name in ka.BLAS) and row["torch_gflops"] > 0
     ka.best_anchor(row)
     h = ka.anchor_headline([row], anchor_set.absent, {})
     assert h["anchors_absent"] == anchor_set.absent and h["best_anchor_counts"] == {"torch": 1}

@@ -1,6 +1,6 @@
 """`tessera bench kernels`: Tessera's operator compiler against the strongest CPU libraries
 here, each at its best and each with the code path it ran (``bench/kernels_anchors.py``):
-OpenBLAS and BLIS (GEMM), torch through MKL, MKL's packed SGEMM and oneDNN (GEMM) and through
+OpenBLAS, BLIS and AMD's AOCL-BLAS (GEMM), torch through MKL, MKL's packed SGEMM and oneDNN (GEMM) and through
 its default dispatch, oneDNN and prepacked oneDNN (convolution), Apache TVM MetaSchedule
 (optional extra) on a few shapes; numpy as a sanity row.
 
@@ -302,7 +302,7 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
     notes = [
         f"Tessera: tuned in the run (the model ranks the whole space, the best {plan.top_k} predicted plus the best "
         f"of the other lowering are compiled and timed, median of up to {plan.repeats}); anchors: median of repeats.",
-        f"Anchors: OpenBLAS and BLIS through ctypes ({plan.blas_kernel_set} kernel set), torch's GEMM through MKL "
+        f"Anchors: OpenBLAS, BLIS and AMD's AOCL-BLAS through ctypes ({plan.blas_kernel_set} kernel set), torch's GEMM through MKL "
         "(torch.mm), MKL's packed SGEMM and oneDNN's matmul (weights packed/reordered once, outside the timing), "
         "torch's conv through its default dispatch, oneDNN forced and oneDNN on a reordered weight; torch's anchor "
         "is its best path per shape. Thread counts are set once around each timing loop.",
@@ -317,7 +317,8 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
         "A win: Tessera >= 0.95x the best anchor measured for that shape and thread count.",
         f"Whole run {time.perf_counter() - began:.0f} s on {machine.cores} cores.",
     ]
-    columns = ["kind", "shape", "threads", "gflops", "openblas_gflops", "blis_gflops", "torch_gflops", "torch_path",
+    columns = ["kind", "shape", "threads", "gflops", "openblas_gflops", "blis_gflops", "aocl_blis_gflops",
+               "torch_gflops", "torch_path",
                "tvm_gflops", "numpy_gflops", "best_anchor", "vs_best_anchor", "best_anchor_path", "tuning_s",
                "tvm_tuning_s", "schedule"]
     tables = [("Machine", ["what", "threads", "value", "unit"], machine_rows(machine)),

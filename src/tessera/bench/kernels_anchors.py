@@ -1,5 +1,5 @@
 """The anchors of `tessera bench kernels`, each at its best and each with the code path it ran:
-OpenBLAS and BLIS (GEMM; loaded once, thread count set once per timing loop), torch's MKL,
+OpenBLAS, BLIS and AMD's AOCL-BLAS (GEMM; loaded once, thread count set once per timing loop), torch's MKL,
 MKL-packed and oneDNN GEMM and its default, oneDNN and oneDNN-packed convolutions (the best
 torch path per shape is torch's anchor), TVM MetaSchedule on a few shapes, numpy as a sanity
 row (never an anchor). A library that cannot run is recorded absent with the reason."""
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -16,7 +17,11 @@ from tessera.kernels.anchor_paths import describe, torch_code_paths
 from tessera.kernels.anchors import AnchorAbsent
 
 GIGA = 1e9
-BLAS = ("openblas", "blis")
+BLAS = ("openblas", "blis", "aocl_blis")
+# after a multi-threaded timing loop, long enough for the library's idle workers to stop
+# spinning (LLVM's OpenMP spins 200 ms by default, OpenBLAS's threads about 0.1 s) before the
+# next library runs on the same cores
+SETTLE_S = 0.25
 # every anchor a row's best is taken over (numpy is a sanity row, not an anchor)
 ANCHORS = (*BLAS, "torch", "tvm")
 
@@ -68,6 +73,8 @@ class AnchorSet:
         for name, runner in self.runners(kind, spec, threads).items():
             with runner.threads():
                 row[f"{name}_gflops"] = round(flops / median_seconds(runner.call, repeats) / GIGA, 2)
+            if threads > 1:
+                time.sleep(SETTLE_S)
         torch_paths = {
             k.removeprefix("torch_").removesuffix("_gflops"): v
             for k, v in row.items()

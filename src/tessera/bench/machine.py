@@ -103,7 +103,8 @@ def plot_roofline(result: BenchResult, path: Path) -> None:
         ax.plot(xs, [min(peak, bw * x) for x in xs], style, color="gray", label=f"roof: {level} {bw:.0f} GB/s")
     ax.axhline(peak, color="black", lw=1, label=f"FMA peak {peak:.0f} GFLOP/s ({params.isa})")
     for key, marker, label in (("gflops", "o", "Tessera"), ("openblas_gflops", "v", "OpenBLAS"),
-                               ("blis_gflops", "D", "BLIS"), ("torch_gflops", "s", "torch (best path)"),
+                               ("blis_gflops", "D", "BLIS"), ("aocl_blis_gflops", "P", "AOCL-BLAS"),
+                               ("torch_gflops", "s", "torch (best path)"),
                                ("tvm_gflops", "x", "TVM"), ("numpy_gflops", "^", "numpy (sanity)")):
         pts = [(r["intensity"], r[key]) for r in rows if r.get(key)]
         if pts:

@@ -1,4 +1,4 @@
-"""OpenBLAS and BLIS as anchors, called through ctypes: SGEMM on row-major float32 arrays,
+"""OpenBLAS, BLIS and AMD's AOCL-BLAS (a BLIS fork) as anchors, called through ctypes: SGEMM on row-major float32 arrays,
 the thread count set once per library (outside any timed region), and the code path each
 runs reported by the library itself.
 
@@ -13,7 +13,9 @@ gives both: what the library detected alone (probed in a child process) and what
 
 Where they come from: OpenBLAS from the ``scipy-openblas32`` / ``scipy-openblas64`` wheels
 (extra ``tessera[anchors]``); BLIS from Debian's ``libblis4-openmp`` (multi-threaded, with
-the ``skx``/``zen3``/``haswell`` kernels), else the ``blis`` wheel's single-threaded copy.
+the ``skx``/``zen3``/``haswell`` kernels), else the ``blis`` wheel's single-threaded copy;
+AOCL-BLAS from the ``aoclda`` wheel (AMD's data-analytics library, which ships it with
+``zen4``/``zen5`` kernels and its own OpenMP runtime; nothing else of it is used).
 """
 
 from __future__ import annotations
@@ -169,27 +171,43 @@ def openblas(kernel_set: str = "widest") -> BlasLibrary:
     return BlasLibrary("openblas", path, prepare, set_threads_fn, None, code_path)
 
 
-# ---- BLIS --------------------------------------------------------------------------------
-def _blis_path() -> tuple[str, bool]:
-    """(library, is the wheel's copy): Debian's libblis first (threaded, newer kernels)."""
+# ---- BLIS and AMD's AOCL-BLAS (a BLIS fork) ----------------------------------------------
+def _blis_path() -> tuple[str, list[str], bool]:
+    """(library, libraries to load first, is the blis wheel's copy): Debian's libblis first
+    (threaded, newer kernels)."""
     for path in _BLIS_SYSTEM:
         if os.path.exists(path):
-            return path, False
+            return path, [], False
     found = ctypes.util.find_library("blis")
     if found:
-        return found, False
+        return found, [], False
     spec = importlib.util.find_spec("blis")
     if spec is not None:
         cy = next(Path(spec.origin).parent.glob("cy.*.so"), None)
         if cy is not None:
-            return str(cy), True
+            return str(cy), [], True
     raise AnchorAbsent(
         "BLIS: neither Debian's libblis (apt-get install libblis4-openmp) nor the blis wheel is installed"
     )
 
 
+def _aocl_path() -> tuple[str, list[str], bool]:
+    """AMD's AOCL-BLAS as the aoclda wheel ships it (multi-threaded, with its OpenMP runtime,
+    which the library does not find by itself: it is loaded first)."""
+    spec = importlib.util.find_spec("aoclda")
+    libs = Path(spec.origin).parent.parent / "aoclda.libs" if spec is not None and spec.origin else None
+    blis_mt = next(libs.glob("libblis-mt-*.so*"), None) if libs and libs.exists() else None
+    if blis_mt is None:
+        raise AnchorAbsent(
+            "AOCL-BLAS: the aoclda wheel is not installed (pip install -c constraints.txt -e '.[anchors]')"
+        )
+    return str(blis_mt), [str(p) for p in libs.glob("libomp-*.so*")], False
+
+
 _BLIS_PROBE = """
 import ctypes, json
+for pre in {preload!r}:
+    ctypes.CDLL(pre, mode=ctypes.RTLD_GLOBAL)
 lib = ctypes.CDLL({path!r})
 lib.bli_init()
 lib.bli_arch_string.restype = ctypes.c_char_p
@@ -200,26 +218,49 @@ while len(names) < 64 and (not names or names[-1] != "generic"):
 i = lib.bli_arch_query_id()
 print(json.dumps({{"arch": lib.bli_arch_string(i).decode(), "arch_names": names}}))
 """
+# sub-configurations whose kernels use AVX-512
+_AVX512_ARCHS = {"skx", "knl", "zen4", "zen5"}
 
 
-def _blis_arch_id(path: str, kernel_set: str) -> tuple[int | None, dict]:
-    """The arch id to force, and what BLIS picks alone. A forced sub-configuration that the
-    build lacks makes BLIS abort the process, so each candidate is tried in a child first."""
-    detected = _probe(_BLIS_PROBE.format(path=path), {"BLIS_ARCH_TYPE": None})
+def _blis_preferences() -> list[str]:
+    from tessera.kernels.machine import cpu_flags
+
+    amd = (
+        "AuthenticAMD" in Path("/proc/cpuinfo").read_text()[:2000]
+        if Path("/proc/cpuinfo").exists()
+        else False
+    )
+    wide = (["zen5", "zen4", "skx"] if amd else ["skx", "zen4", "zen5"]) if "avx512f" in cpu_flags() else []
+    return [*wide, "zen3", "zen2", "zen", "haswell"]
+
+
+def _blis_arch(path: str, preload: list[str], kernel_set: str) -> tuple[str | None, dict]:
+    """The BLIS_ARCH_TYPE setting to force ("VALUE (name)"; None: the library's own pick),
+    and what it picks alone. "widest" keeps the library's pick when that already uses the widest ISA here
+    (AOCL-BLAS finds zen5 itself) and otherwise forces the first sub-configuration of
+    _blis_preferences() the build has. A forced one the build lacks makes BLIS abort the
+    process, so each is tried in a child first, by arch_t id, then by name."""
+
+    def probe(value):
+        return _probe(_BLIS_PROBE.format(path=path, preload=preload), {"BLIS_ARCH_TYPE": value})
+
+    detected = probe(None)
     ids = {name: i for i, name in enumerate(detected.get("arch_names", [])) if name}
     if kernel_set == "auto" or not ids:
         return None, detected
-    wanted = (["skx"] if _cpu_has_avx512() else []) + ["zen3", "zen2", "haswell"]
     if kernel_set != "widest":
         if kernel_set not in ids:
             raise ValueError(f"BLIS kernel set {kernel_set!r} is not one of {path}'s: {sorted(ids)}")
         wanted = [kernel_set]
-    for name in wanted:
-        if (
-            name in ids
-            and _probe(_BLIS_PROBE.format(path=path), {"BLIS_ARCH_TYPE": str(ids[name])}).get("arch") == name
-        ):
-            return ids[name], detected
+    else:
+        own = detected.get("arch")
+        if own in _AVX512_ARCHS or (own not in (None, "generic") and not _cpu_has_avx512()):
+            return None, detected
+        wanted = _blis_preferences()
+    for name in (n for n in wanted if n in ids):
+        for value in (str(ids[name]), name):  # BLIS 0.9 reads a number (atoi), AOCL-BLAS a name too
+            if probe(value).get("arch") == name:
+                return f"{value} ({name})", detected
     if kernel_set != "widest":
         raise ValueError(
             f"BLIS kernel set {kernel_set!r} is not built into {path} (BLIS aborts when it is forced)"
@@ -227,17 +268,19 @@ def _blis_arch_id(path: str, kernel_set: str) -> tuple[int | None, dict]:
     return None, detected
 
 
-def blis(kernel_set: str = "widest") -> BlasLibrary:
-    """BLIS through its typed API (``bli_sgemm``). ``kernel_set``: "widest" (``skx`` on an
-    AVX-512 CPU, else ``zen3``/``zen2``/``haswell``, the first the build has), "auto" (its
-    own pick) or a sub-configuration name."""
-    path, wheel = _blis_path()
-    arch_id, detected = (
-        (None, _probe(_BLIS_PROBE.format(path=path), {"BLIS_ARCH_TYPE": None}))
+def blis(kernel_set: str = "widest", *, flavour: str = "blis") -> BlasLibrary:
+    """BLIS through its typed API (``bli_sgemm``); ``flavour`` "blis" (the reference BLIS) or
+    "aocl_blis" (AMD's). ``kernel_set``: "widest" (see _blis_arch), "auto" (its own pick) or a
+    sub-configuration name."""
+    path, preload, wheel = _blis_path() if flavour == "blis" else _aocl_path()
+    forced, detected = (
+        (None, _probe(_BLIS_PROBE.format(path=path, preload=preload), {"BLIS_ARCH_TYPE": None}))
         if wheel
-        else _blis_arch_id(path, kernel_set)
+        else _blis_arch(path, preload, kernel_set)
     )
-    with _env("BLIS_ARCH_TYPE", None if arch_id is None else str(arch_id)):
+    for pre in preload:
+        ctypes.CDLL(pre, mode=ctypes.RTLD_GLOBAL)
+    with _env("BLIS_ARCH_TYPE", forced.split(" ")[0] if forced else None):
         lib = ctypes.CDLL(path)
         lib.bli_init()  # the arch is chosen here, once per process
         lib.bli_arch_query_id()
@@ -249,25 +292,10 @@ def blis(kernel_set: str = "widest") -> BlasLibrary:
     def prepare(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> Callable[[], None]:
         (m, k), n = a.shape, b.shape[1]
         one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)  # alpha, beta: passed by address
-        no = ctypes.c_int(_BLIS_NO_TRANSPOSE)
-        args = (
-            no,
-            no,
-            dim_t(m),
-            dim_t(n),
-            dim_t(k),
-            ctypes.byref(one),
-            ctypes.c_void_p(a.ctypes.data),
-            dim_t(k),
-            dim_t(1),
-            ctypes.c_void_p(b.ctypes.data),
-            dim_t(n),
-            dim_t(1),
-            ctypes.byref(zero),
-            ctypes.c_void_p(c.ctypes.data),
-            dim_t(n),
-            dim_t(1),
-        )
+        no, d = ctypes.c_int(_BLIS_NO_TRANSPOSE), dim_t
+        ptr = ctypes.c_void_p
+        args = (no, no, d(m), d(n), d(k), ctypes.byref(one), ptr(a.ctypes.data), d(k), d(1),
+                ptr(b.ctypes.data), d(n), d(1), ctypes.byref(zero), ptr(c.ctypes.data), d(n), d(1))  # fmt: skip
         return lambda arrays=(a, b, c): lib.bli_sgemm(*args)  # the arrays live as long as the call
 
     threaded = bool(lib.bli_info_get_enable_openmp() or lib.bli_info_get_enable_pthreads())
@@ -281,18 +309,16 @@ def blis(kernel_set: str = "widest") -> BlasLibrary:
         "library": path if not wheel else "blis wheel (cython-blis) " + Path(path).name,
         "version": lib.bli_info_get_version_str().decode(),
         "detected_alone": detected.get("arch", detected.get("error")),
-        "forced": f"BLIS_ARCH_TYPE={arch_id} ({lib.bli_arch_string(arch_id).decode()})"
-        if arch_id is not None
-        else None,
+        "forced": f"BLIS_ARCH_TYPE={forced}" if forced is not None else None,
         "arch": lib.bli_arch_string(lib.bli_arch_query_id()).decode(),
         "threading": "openmp" if lib.bli_info_get_enable_openmp() else "pthreads" if threaded else "none",
     }
-    return BlasLibrary("blis", path, prepare, set_threads, None if threaded else 1, code_path)
+    return BlasLibrary(flavour, path, prepare, set_threads, None if threaded else 1, code_path)
 
 
 def load(name: str, kernel_set: str = "widest") -> BlasLibrary:
-    """``name`` "openblas" or "blis"; raises AnchorAbsent saying why it cannot run."""
-    loaders = {"openblas": openblas, "blis": blis}
+    """``name`` "openblas", "blis" or "aocl_blis"; raises AnchorAbsent saying why it cannot run."""
+    loaders = {"openblas": openblas, "blis": blis, "aocl_blis": lambda ks: blis(ks, flavour="aocl_blis")}
     if name not in loaders:
         raise ValueError(f"unknown BLAS anchor {name!r}; expected one of {sorted(loaders)}")
     try:
