@@ -75,6 +75,7 @@ class KernelsPlan:
     repeats: int = 5
     # OpenBLAS's and BLIS's kernel set: "widest" (this CPU's widest ISA), "auto" (their own pick)
     blas_kernel_set: str = "widest"
+    settle_s: float = ka.SETTLE_S  # pause after each multi-threaded anchor loop (idle workers stop spinning)
     # MetaSchedule's measured candidates per shape (tens of minutes a shape here), with its curve
     tvm_trials: int = DOCUMENTED_CPU_TRIALS
     tvm_gemms: tuple[tuple[int, int, int], ...] = ((1024, 1024, 1024), (512, 3072, 768))  # (M, N, K), 1 thread
@@ -84,6 +85,8 @@ class KernelsPlan:
     train_steps: int = 150
 
     def __post_init__(self):
+        if self.settle_s < 0:
+            raise ValueError(f"settle_s={self.settle_s}: a pause cannot be negative (0 for none)")
         if self.tvm_trials < 1:
             raise ValueError(f"tvm_trials={self.tvm_trials}: MetaSchedule needs at least 1 measured trial per shape")
         for name, m, n, k in self.gemm_shapes:
@@ -96,6 +99,7 @@ QUICK = KernelsPlan(
     gemm_sizes=(128, 256), gemm_shapes=(), conv_batches=(1,),  # each new shape compiles its shortlist
     convs=((64, 64, 14, 3, 1, 1), (128, 256, 14, 1, 2, 0)),
     machine_seconds=0.05, top_k=3, repeats=3, tvm_trials=8, tvm_gemms=(), tvm_convs=(),  # TVM: > 2 min alone
+    settle_s=0.0,  # a plumbing check, not figures
     validation=("gemm:256",), validation_samples=6, train_steps=4,
 )
 
@@ -151,13 +155,15 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
     }
     if kind == "gemm":
         row["mnk"] = list(spec)
-    row |= anchor_set.measure(kind, spec, threads, flops, _median_seconds, plan.repeats)
+    row |= anchor_set.measure(kind, spec, threads, flops, _median_seconds, plan.repeats, plan.settle_s)
     return row
 
 
 def _tvm_rows(plan: KernelsPlan, rows: list[dict], progress: bool) -> str | None:
     """TVM MetaSchedule on a few of the shapes (1 thread): its tuned speed, tuning time and
     speed-versus-trials curve."""
+    if not plan.tvm_gemms and not plan.tvm_convs:
+        return None  # nothing to tune: TVM is not even imported (about 2 s)
     status = tvm_anchor.tvm_status()
     if status is not None:
         return status

@@ -67,14 +67,23 @@ class AnchorSet:
                 )
         return out
 
-    def measure(self, kind: str, spec, threads: int, flops: float, median_seconds, repeats: int) -> dict:
+    def measure(
+        self,
+        kind: str,
+        spec,
+        threads: int,
+        flops: float,
+        median_seconds,
+        repeats: int,
+        settle_s: float = SETTLE_S,
+    ) -> dict:
         """Every anchor's GFLOP/s for one case (threads set once around each timing loop)."""
         row = {}
         for name, runner in self.runners(kind, spec, threads).items():
             with runner.threads():
                 row[f"{name}_gflops"] = round(flops / median_seconds(runner.call, repeats) / GIGA, 2)
             if threads > 1:
-                time.sleep(SETTLE_S)
+                time.sleep(settle_s)
         torch_paths = {
             k.removeprefix("torch_").removesuffix("_gflops"): v
             for k, v in row.items()
