@@ -73,7 +73,11 @@ def test_every_present_anchor_reports_its_code_path():
     assert conv["paths"]["torch_onednn_packed"].startswith("convolution:")
     for name, rep in report["libraries"].items():
         assert rep["corename" if name == "openblas" else "arch"], rep
-        assert rep["threadpoolctl"] is not None, f"threadpoolctl does not see {name}"
+        # threadpoolctl finds a BLAS by its file name: the blis wheel's copy lives inside a
+        # Python extension module, where it cannot
+        assert rep["threadpoolctl"] is not None or "wheel" in rep["library"], (
+            f"threadpoolctl does not see {name}"
+        )
 
 
 def test_missing_anchors_are_said_absent_with_the_reason(monkeypatch):
@@ -105,7 +109,7 @@ def test_bad_anchor_settings_are_refused():
         KernelsPlan(gemm_shapes=(("empty", 0, 8, 8),))
     with pytest.raises(ValueError, match="unknown BLAS anchor 'mkl'"):
         blas_libs.load("mkl")
-    if "blis" not in ka.AnchorSet().absent and not blas_libs._blis_path()[1]:
+    if "blis" not in ka.AnchorSet().absent:
         with pytest.raises(ValueError, match="kernel set 'nosuch'"):
             blas_libs.blis("nosuch")
 

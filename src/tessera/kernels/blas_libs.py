@@ -273,6 +273,10 @@ def blis(kernel_set: str = "widest", *, flavour: str = "blis") -> BlasLibrary:
     "aocl_blis" (AMD's). ``kernel_set``: "widest" (see _blis_arch), "auto" (its own pick) or a
     sub-configuration name."""
     path, preload, wheel = _blis_path() if flavour == "blis" else _aocl_path()
+    if wheel and kernel_set not in ("widest", "auto"):
+        raise ValueError(
+            f"BLIS kernel set {kernel_set!r}: the blis wheel's BLIS (0.7) cannot be told one (use 'auto')"
+        )
     forced, detected = (
         (None, _probe(_BLIS_PROBE.format(path=path, preload=preload), {"BLIS_ARCH_TYPE": None}))
         if wheel
