@@ -222,8 +222,8 @@ def _validation(plan: KernelsPlan, machine) -> list[dict]:
 def _headline(rows, machine, validation, tvm_note, curves, anchor_report, absent) -> dict:
     for r in rows:
         ka.best_anchor(r)
-    gemm1 = [r for r in rows if r["kind"] == "gemm" and r["threads"] == 1]
-    top = next((r for r in gemm1 if r["shape"] == "2048^3"), gemm1[-1] if gemm1 else None)
+    squares = [r for r in rows if r["kind"] == "gemm" and r["threads"] == 1 and r["shape"].endswith("^3")]
+    top = next((r for r in squares if r["shape"] == "2048^3"), squares[-1] if squares else None)
     peak = machine.peak(1)
     rhos = [r["spearman"] for r in rows if r["spearman"] == r["spearman"]]  # nan: fewer than 3 candidates
     h = {
