@@ -207,7 +207,7 @@ def _aocl_path() -> tuple[str, list[str], bool]:
 _BLIS_PROBE = """
 import ctypes, json
 for pre in {preload!r}:
-    ctypes.CDLL(pre, mode=ctypes.RTLD_GLOBAL)
+    ctypes.CDLL(pre)
 lib = ctypes.CDLL({path!r})
 lib.bli_init()
 lib.bli_arch_string.restype = ctypes.c_char_p
@@ -283,7 +283,7 @@ def blis(kernel_set: str = "widest", *, flavour: str = "blis") -> BlasLibrary:
         else _blis_arch(path, preload, kernel_set)
     )
     for pre in preload:
-        ctypes.CDLL(pre, mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(pre)
     with _env("BLIS_ARCH_TYPE", forced.split(" ")[0] if forced else None):
         lib = ctypes.CDLL(path)
         lib.bli_init()  # the arch is chosen here, once per process
