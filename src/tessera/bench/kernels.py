@@ -76,7 +76,7 @@ class KernelsPlan:
     # OpenBLAS's and BLIS's kernel set: "widest" (this CPU's widest ISA), "auto" (their own pick)
     blas_kernel_set: str = "widest"
     settle_s: float = ka.SETTLE_S  # pause after each multi-threaded anchor loop (idle workers stop spinning)
-    # MetaSchedule's measured candidates per shape (tens of minutes a shape here), with its curve
+    # MetaSchedule's measured candidates per shape, with its curve (32 took about 2 minutes a shape here)
     tvm_trials: int = DOCUMENTED_CPU_TRIALS
     tvm_gemms: tuple[tuple[int, int, int], ...] = ((1024, 1024, 1024), (512, 3072, 768))  # (M, N, K), 1 thread
     tvm_convs: tuple[int, ...] = (2,)  # indices into convs, batch 1, 1 thread
