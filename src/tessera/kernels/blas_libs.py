@@ -199,7 +199,7 @@ def _aocl_path() -> tuple[str, list[str], bool]:
     blis_mt = next(libs.glob("libblis-mt-*.so*"), None) if libs and libs.exists() else None
     if blis_mt is None:
         raise AnchorAbsent(
-            "AOCL-BLAS: the aoclda wheel is not installed (pip install -c constraints.txt -e '.[anchors]')"
+            "AOCL-BLAS: the aoclda wheel is not installed (pip install -c constraints.txt -e '.[aocl]')"
         )
     return str(blis_mt), [str(p) for p in libs.glob("libomp-*.so*")], False
 
