@@ -164,9 +164,8 @@ class Engine:
             return
         seconds = time.perf_counter() - began
         finished = time.monotonic()
-        for r, row in zip(batch, outputs, strict=True):
-            r.finished_at = finished
-            r.future.set_result(row)  # raises if this future was ever answered before
+        # counted (and observed) before the answers go out: a caller who has its answer sees
+        # its batch in the counts and the metrics
         self.counts["completed"] += len(batch)
         self.counts["batches"] += 1
         self._batch_seconds = (
@@ -174,6 +173,9 @@ class Engine:
         )
         if self.observer:
             self.observer.on_batch(batch, self.scheduler.limits.tokens([r.length for r in batch]), seconds)
+        for r, row in zip(batch, outputs, strict=True):
+            r.finished_at = finished
+            r.future.set_result(row)  # raises if this future was ever answered before
 
     def _notify_queue(self) -> None:
         if self.observer:
