@@ -18,39 +18,18 @@ INFINITY_PIN = "infinity-emb[server,torch,optimum]==0.0.78"
 # what pip resolves beside it and the export needs: optimum 2.1 with its ONNX half, numpy < 2
 # (infinity's own pin), and the pyarrow and datasets releases that still take numpy 1
 INFINITY_EXTRAS = ("optimum==2.1.0", "optimum-onnx==0.1.0", "numpy<2", "pyarrow<20", "datasets<4")
+# Tessera's kernels timed at start-up for the model's shapes (kept on disk)
+_TESSERA = ["--scheduler", "dp", "--kernels", "tessera", "--tuning", "measure"]
 TESSERA_SYSTEMS = {
     "one_by_one": ["--scheduler", "one_by_one"],
     "fifo_padded": ["--scheduler", "fifo_padded"],
     "sort_window": ["--scheduler", "sort_window"],
-    # Tessera's kernels timed at start-up for the model's shapes (kept on disk)
-    "tessera": ["--scheduler", "dp", "--kernels", "tessera", "--tuning", "measure"],
+    "tessera": _TESSERA,
     "tessera_torch_kernels": ["--scheduler", "dp", "--kernels", "torch"],
     "tessera_memplan": ["--scheduler", "dp", "--attention", "padded", "--memory-plan"],
     # two cores: one engine worker of two threads, or two workers of one thread each
-    "tessera_1x2": [
-        "--scheduler",
-        "dp",
-        "--kernels",
-        "tessera",
-        "--tuning",
-        "measure",
-        "--workers",
-        "1",
-        "--threads",
-        "2",
-    ],
-    "tessera_2x1": [
-        "--scheduler",
-        "dp",
-        "--kernels",
-        "tessera",
-        "--tuning",
-        "measure",
-        "--workers",
-        "2",
-        "--threads",
-        "1",
-    ],
+    "tessera_1x2": [*_TESSERA, "--workers", "1", "--threads", "2"],
+    "tessera_2x1": [*_TESSERA, "--workers", "2", "--threads", "1"],
 }
 # infinity-emb's CPU engines: torch (its own padded batches on torch's kernels) and optimum
 # (the model exported to ONNX and run by ONNX Runtime, what its docs recommend on CPU)
