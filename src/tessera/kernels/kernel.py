@@ -12,8 +12,9 @@ import numpy as np
 from tessera.kernels.codegen_gemm import generate_gemm
 from tessera.kernels.codegen_loops import generate_loops
 from tessera.kernels.compiler import Compiled, compile_source, load
+from tessera.kernels.direct import generate_direct
 from tessera.kernels.ir import Operator, Tensor
-from tessera.kernels.schedule import GemmSchedule, LoopSchedule, Schedule
+from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule, Schedule
 
 _LOADED: dict[str, Kernel] = {}
 
@@ -23,6 +24,8 @@ def generate(op: Operator, schedule: Schedule) -> str:
         return generate_gemm(op, schedule)
     if isinstance(schedule, LoopSchedule):
         return generate_loops(op, schedule)
+    if isinstance(schedule, DirectSchedule):
+        return generate_direct(op, schedule)
     raise TypeError(f"not a schedule: {schedule!r}")
 
 

@@ -93,7 +93,9 @@ def rank(op: Operator, *, threads: int, machine: Machine) -> list[Trial]:
 
 
 def _family(s: Schedule) -> tuple:
-    return (s.isa, s.mr, s.nr) if isinstance(s, GemmSchedule) else ("loops",)
+    if isinstance(s, GemmSchedule):
+        return (s.isa, s.mr, s.nr)
+    return (s.kind, s.isa) if s.kind == "direct" else (s.kind,)
 
 
 def shortlist(trials: list[Trial], top_k: int, per_family: int = 2) -> list[Trial]:
