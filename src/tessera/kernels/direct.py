@@ -19,10 +19,13 @@ from tessera.kernels.schedule import DirectSchedule
 
 
 @dataclass(frozen=True)
-class Depthwise:
+class ConvSizes:
+    """A convolution's sizes as ``ops.conv2d`` builds its operator."""
+
     n: int
     g: int
-    cog: int  # output channels per group (the channel multiplier)
+    cig: int  # input channels per group
+    cog: int  # output channels per group (a depthwise conv's channel multiplier)
     h: int
     w: int
     oh: int
@@ -42,20 +45,24 @@ class Gemv:
     trans_b: bool  # B stored [N, K] (a Linear's weight) rather than [K, N]
 
 
-def depthwise_of(op: Operator) -> Depthwise | None:
-    """The sizes of ``op`` when it is ``ops.conv2d`` of a shape with one input channel per group."""
+def conv_of(op: Operator) -> ConvSizes | None:
+    """The sizes of ``op`` when it is an ``ops.conv2d`` operator, else None."""
     body = op.body
     if op.name != "conv2d" or not (isinstance(body, BinOp) and isinstance(body.rhs, Access)):
         return None
     x = body.rhs
     n, g, cig, h, w = x.tensor.shape
     _, cog, _, kh, kw = op.inputs[0].shape
-    if cig != 1:
-        return None
     rows, cols = x.index[3], x.index[4]
     _, _, _, oh, ow = op.output.tensor.shape
-    return Depthwise(n=n, g=g, cog=cog, h=h, w=w, oh=oh, ow=ow, kh=kh, kw=kw, sh=rows.coeff("oh") or 1,
+    return ConvSizes(n=n, g=g, cig=cig, cog=cog, h=h, w=w, oh=oh, ow=ow, kh=kh, kw=kw, sh=rows.coeff("oh") or 1,
                      sw=cols.coeff("ow") or 1, ph=-rows.const, pw=-cols.const)
+
+
+def depthwise_of(op: Operator) -> ConvSizes | None:
+    """The sizes of ``op`` when it is a convolution with one input channel per group."""
+    d = conv_of(op)
+    return d if d is not None and d.cig == 1 else None
 
 
 def gemv_of(op: Operator) -> Gemv | None:

@@ -28,7 +28,8 @@ Direct kernels (``direct``): a depthwise convolution's register blocks (their FM
 their vector loads and broadcasts, two of each a cycle) plus the copy of each input plane
 into its padded buffer, against the bytes of input, output and weights from the level they
 fit in; a GEMV's matrix bytes from the level it fits in against its FMAs at the rate its
-loads allow.
+loads allow. Winograd (``winograd``): its transforms' vector work and scratch traffic plus
+the GEMM model of its GEMMs.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from tessera.kernels.contraction import analyse
 from tessera.kernels.direct import depthwise_of, gemv_of
 from tessera.kernels.ir import Operator, accesses, drop_unit_axes
 from tessera.kernels.machine import Machine
-from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule, Schedule
+from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule, Schedule, WinogradSchedule
 
 FMA_PIPES, FMA_LATENCY, LOADS_PER_CYCLE = 2, 4, 2
 CALL_SECONDS = 4e-6  # entering the kernel and its OpenMP region
@@ -274,4 +275,8 @@ def predict(op: Operator, schedule: Schedule, m: Machine, threads: int = 1) -> f
     if isinstance(schedule, DirectSchedule):
         predictor = _predict_depthwise if schedule.algo == "depthwise" else _predict_gemv
         return predictor(op, schedule, m, threads)
+    if isinstance(schedule, WinogradSchedule):
+        from tessera.kernels.winograd import predict_winograd  # it builds on this module's GEMM model
+
+        return predict_winograd(op, schedule, m, threads)
     return predict_loops(op, schedule, m, threads)

@@ -165,7 +165,34 @@ class DirectSchedule:
         return f"{self.algo} {self.isa} {self.rows}x{self.vecs}"
 
 
-Schedule = GemmSchedule | LoopSchedule | DirectSchedule
+WINOGRAD_TILES = (2, 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WinogradSchedule:
+    """A 3x3 stride-1 convolution as Winograd F(m x m, 3 x 3): transforms in ``isa`` around
+    (m + 2)^2 GEMMs run under ``gemm``."""
+
+    m: int = 4
+    isa: str = "avx2"
+    gemm: GemmSchedule = field(default_factory=GemmSchedule)
+    kind: str = field(default="winograd", init=False)
+
+    def __post_init__(self):
+        _isa(self.isa)
+        if self.m not in WINOGRAD_TILES:
+            raise ValueError(f"Winograd output tile m={self.m}; choose one of {WINOGRAD_TILES}")
+        if not isinstance(self.gemm, GemmSchedule):
+            raise ValueError(f"a Winograd schedule's gemm must be a GemmSchedule, not {self.gemm!r}")
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def short(self) -> str:
+        return f"winograd F({self.m}x{self.m},3x3) {self.isa} gemm[{self.gemm.short()}]"
+
+
+Schedule = GemmSchedule | LoopSchedule | DirectSchedule | WinogradSchedule
 
 
 def schedule_from_dict(data: dict) -> Schedule:
@@ -175,6 +202,8 @@ def schedule_from_dict(data: dict) -> Schedule:
         return GemmSchedule(**data)
     if kind == "direct":
         return DirectSchedule(**data)
+    if kind == "winograd":
+        return WinogradSchedule(**(data | {"gemm": schedule_from_dict(data["gemm"])}))
     data["order"] = tuple(data["order"])
     data["tiles"] = tuple(tuple(t) for t in data.get("tiles", ()))
     return LoopSchedule(**data)
