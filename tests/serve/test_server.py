@@ -114,7 +114,14 @@ def test_two_workers_serve_what_the_model_computes(model_dir):
             torch.testing.assert_close(got, expected(service, [t]), atol=ATOL, rtol=ATOL)
         got = torch.tensor(httpx.post(url + "/embed", json={"inputs": texts}).json())
         torch.testing.assert_close(got, expected(service, texts), atol=ATOL, rtol=ATOL)
-        assert all(r.dense.counts["calls"] for r in service.backend.engine.runners)  # both worked
+        runners = service.backend.engine.runners
+        assert all(r.dense.counts["calls"] for r in runners)  # both worked
+        first, second = (r.dense.describe() for r in runners)
+        # one packed copy of the weights: the second worker holds none of its own
+        assert first["packed_weights_mib"] > 0 and second["packed_weights_mib"] == 0
+        assert second["shared_packed_weights_mib"] == first["packed_weights_mib"]
+        assert runners[0].dense.swaps[-1][1].packed is runners[1].dense.swaps[-1][1].packed
+        assert runners[0].dense.swaps[-1][1] is not runners[1].dense.swaps[-1][1]  # own output buffers
     torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="workers must be a positive integer, got 0"):
         ServeConfig(model="unused", workers=0)

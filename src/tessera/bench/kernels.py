@@ -24,6 +24,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +146,17 @@ def _cases(plan: KernelsPlan):
             yield "conv", f"#{i} {s.label()}", ops.conv2d(s), s, float(s.flops)
 
 
+def algorithm(schedule) -> str:
+    """How a schedule computes: the micro-kernel GEMM (an implicit GEMM for a conv), a loop nest,
+    a direct kernel (depthwise, gemv) or Winograd F(m, 3)."""
+    kind = schedule.kind
+    if kind == "direct":
+        return schedule.algo
+    if kind == "winograd":
+        return f"winograd F({schedule.m},3)"
+    return {"gemm": "micro-kernel", "loops": "loop nest"}[kind]
+
+
 def _min_bytes(op) -> float:
     return 4.0 * (op.output.tensor.numel + sum(t.numel for t in op.inputs))
 
@@ -157,7 +169,9 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
     row = {
         "kind": kind, "shape": label, "threads": threads, "gflops": round(flops / seconds / GIGA, 2),
         "seconds": seconds, "predicted_s": predict(op, tuned.best, machine, threads),
-        "schedule": tuned.best.short(), "tuning_s": round(tuned.wall_seconds, 2), "space": tuned.space_size,
+        "schedule": tuned.best.short(), "algorithm": algorithm(tuned.best),
+        "model_algorithm": algorithm(min(tuned.trials, key=lambda t: t.predicted).schedule),
+        "tuning_s": round(tuned.wall_seconds, 2), "space": tuned.space_size,
         "measured_candidates": len(tuned.trials), "spearman": round(tuned.spearman, 3),
         "intensity": flops / _min_bytes(op), "flops": flops,
         "trials": [{"schedule": t.schedule.short(), "predicted_s": t.predicted, "measured_s": t.measured}
@@ -248,6 +262,9 @@ def _headline(rows, machine, validation, tvm_note, curves, anchor_report, absent
         "tuning_seconds_per_shape_max": round(max(r["tuning_s"] for r in rows), 2),
         "spearman_shortlist_median": round(statistics.median(rhos), 3) if rhos else None,
         "spearman_validation": [v["spearman"] for v in validation],
+        "algorithms_chosen": dict(sorted(Counter(r["algorithm"] for r in rows).items())),
+        "model_algorithm_kept_fraction": round(
+            sum(r["algorithm"] == r["model_algorithm"] for r in rows) / len(rows), 3) if rows else None,
     }
     tvm = [r for r in rows if "tvm_gflops" in r]
     if tvm:
@@ -336,7 +353,7 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
     columns = ["kind", "shape", "threads", "gflops", "openblas_gflops", "blis_gflops", "aocl_blis_gflops",
                "torch_gflops", "torch_path",
                "tvm_gflops", "numpy_gflops", "best_anchor", "vs_best_anchor", "best_anchor_path", "tuning_s",
-               "tvm_tuning_s", "schedule"]
+               "tvm_tuning_s", "algorithm", "schedule"]
     tables = [("Machine", ["what", "threads", "value", "unit"], machine_rows(machine)),
               ("Anchors: the code path each ran", ["anchor", "library", "detected_alone", "forced", "ran",
                                                     "threadpoolctl"], ka.code_path_table(anchor_report)),

@@ -131,6 +131,8 @@ def build_engine(config: ServeConfig, served, metrics=None) -> Engine:
     )
     cost = _cost_table(config, runner, served, limits) if config.scheduler == "dp" else None
     scheduler = make_scheduler(config.scheduler, limits, cost)
+    if options:  # the workers' dense layers reuse the first runner's packed weights
+        options["dense_from"] = runner
     workers = [
         make_runner(
             config.runner_name, dataclasses.replace(served, model=copy.deepcopy(served.model)), **options
