@@ -51,6 +51,7 @@ class StencilPlan:
     rounds: int  # timed sweeps of each kernel compared, each between two roofline probes
     large_grid: int = 0  # 0: no larger grid
     large_memory_fraction: float = 0.45  # of MemAvailable, for one large case's arrays
+    stream_bytes: int | None = None  # the STREAM probe's three arrays together (None: 1 GiB or 32x the LLC)
 
 
 FULL = StencilPlan(
@@ -76,6 +77,7 @@ QUICK = StencilPlan(
     wave_steps=4,
     rounds=2,
     large_grid=48,
+    stream_bytes=96 << 20,  # a plumbing check: still past this machine's last-level cache
 )
 
 
@@ -182,9 +184,16 @@ def run_case(plan: StencilPlan, shape_name: str, kind: str, machine, log: Bandwi
 
     st = make_stencil(shape_name, kind)
     case = _case_name(shape_name, kind)
+    before = log.stream()
     rows, roof, kernel = _local_rows(plan, st, case, kind, machine, log)
     if devito_ok:
         rows.append(_devito_row(plan, st, shape_name, case, roof, kernel))
+    stream = (before + log.stream()) / 2  # the STREAM roofline around the case
+    ideal = ideal_bytes(st, plan.grid**3)
+    for row in rows:
+        if "ms" in row:
+            row["stream_gbs"] = round(stream / 1e9, 2)
+            row["stream_fraction"] = ideal / (row["ms"] / 1e3) / stream
     return rows
 
 
@@ -265,6 +274,11 @@ def _fractions(ours: dict, word: str) -> dict:
     return {"min": round(min(got), 3), "max": round(max(got), 3)} if got else {"min": None, "max": None}
 
 
+def _stream_fractions(ours: dict, word: str) -> dict:
+    got = [r["stream_fraction"] for c, r in ours.items() if word in c and "stream_fraction" in r]
+    return {"min": round(min(got), 3), "max": round(max(got), 3)} if got else {"min": None, "max": None}
+
+
 def _headline(rows: list[dict], sweep: dict, log: BandwidthLog, plan: StencilPlan, devito_note: str) -> dict:
     ours = {r["case"]: r for r in rows if r["method"] == "tessera" and r.get("grid") == plan.grid}
     large = {r["case"]: r for r in rows if r["method"] == "tessera" and r.get("grid") == plan.large_grid}
@@ -282,6 +296,7 @@ def _headline(rows: list[dict], sweep: dict, log: BandwidthLog, plan: StencilPla
         "dram_read_gbs_max": probes.get("read_gbs_max"),
         "dram_write_gbs_median": probes.get("write_gbs_median"),
         "bandwidth_probes": probes["probes"],
+        **{k: v for k, v in probes.items() if k.startswith("stream_")},
         "same_memory_gbs_median": round(statistics.median(same), 2) if same else None,
         "same_memory_gbs_min": min(same) if same else None,
         "same_memory_gbs_max": max(same) if same else None,
@@ -292,6 +307,8 @@ def _headline(rows: list[dict], sweep: dict, log: BandwidthLog, plan: StencilPla
         "roofline_fraction_constant_min": const["min"],
         "roofline_fraction_constant_max": const["max"],
         "roofline_fraction_round_spread_max": round(max(spreads), 3) if spreads else None,
+        **{f"stream_fraction_{kind}_{end}": v for kind, word in (("variable", "variable"), ("constant", "constant"))
+           for end, v in _stream_fractions(ours, word).items()},  # fmt: skip
         "speed_vs_devito_geomean": round(math.exp(statistics.fmean(math.log(x) for x in ratios.values())), 3)
         if ratios
         else None,
@@ -337,6 +354,12 @@ def _notes(plan: StencilPlan, sweep: dict, log: BandwidthLog, devito_note: str, 
         f"Fresh-buffer DRAM probes (best of 8 and 16 streams over 1 GiB; one per case, the machine's drift): "
         f"{probes['probes']}, read median {probes.get('read_gbs_median')} GB/s, range "
         f"{probes.get('read_gbs_min')}-{probes.get('read_gbs_max')}; write median {probes.get('write_gbs_median')} GB/s.",
+        "STREAM-class probe before and after each case (copy c = a and triad a = b + s c, plain and non-temporal "
+        "stores, three arrays far past the last-level cache, bytes counted as STREAM counts them): medians "
+        + ", ".join(f"{k.removeprefix('stream_').removesuffix('_gbs_median')} {v} GB/s" for k, v in probes.items()
+                    if k.startswith("stream_"))
+        + "; stream_fraction = the row's ideal bytes / its time / the better kernel's mean of the two probes "
+        "around its case (roofline_fraction divides by the own-buffer probe instead).",
         f"The bandwidth sweep at the start: one stream {sweep['one_stream'] / 1e9:.1f} GB/s; k streams at once "
         + ", ".join(f"k={k} {v / 1e9:.1f}" for k, v in sweep["by_streams"].items())
         + f"; write {sweep['write'] / 1e9:.1f} GB/s.",
@@ -357,7 +380,7 @@ def run_stencil_bench(quick: bool = False) -> BenchResult:
     by_streams = dram_streams_read_bandwidth(plan.threads)
     sweep = {"read": max(one_stream, *by_streams.values()), "write": write, "one_stream": one_stream,
              "by_streams": by_streams}
-    log = BandwidthLog(plan.threads)
+    log = BandwidthLog(plan.threads, stream_bytes=plan.stream_bytes)
     why_not = ensure_devito(plan.install_devito) if plan.devito else "skipped"
     rows = []
     for shape_name in plan.shapes:
@@ -370,7 +393,7 @@ def run_stencil_bench(quick: bool = False) -> BenchResult:
         rows += large
     devito_note = "devito 4.8.23 (own venv)" if why_not is None else f"absent: {why_not}"
     columns = ["case", "method", "ms", "gpts_s", "roofline_fraction", "fraction_min", "fraction_max",
-               "same_memory_gbs", "vs_tessera", "schedule", "predicted_ms", "max_rel_diff", "check_ok"]
+               "same_memory_gbs", "stream_fraction", "stream_gbs", "vs_tessera", "schedule", "predicted_ms", "max_rel_diff", "check_ok"]
     return BenchResult(
         name="stencil",
         headline=_headline(rows, sweep, log, plan, devito_note),
