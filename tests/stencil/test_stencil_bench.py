@@ -105,3 +105,54 @@ def test_stream_probe_runs_each_kernel():
     got = stream_probe(1, seconds=0.01, total_bytes=12 << 20)
     assert set(got) == {"copy", "copy_nt", "triad", "triad_nt", "best"}
     assert all(v > 0 for v in got.values()) and got["best"] == max(v for k, v in got.items() if k != "best")
+
+
+FAKE_DEVITO = '''
+import json, sys
+from pathlib import Path
+import numpy as np
+spec = json.loads(Path(sys.argv[1]).read_text())
+u = np.load(Path(spec["check_dir"]) / "u.npy")
+h = spec["halo"]
+np.save(Path(spec["check_dir"]) / "out.npy", np.zeros([n - 2 * h for n in u.shape], np.float32))
+print("compiler chatter that is not an answer", flush=True)
+print("ready", flush=True)
+runs = 0
+for line in sys.stdin:
+    if line.strip() != "run":
+        break
+    runs += 1
+    print(json.dumps({"kernel_seconds": 0.01 * runs, "wall_seconds": 0.02}), flush=True)
+Path(sys.argv[2]).write_text(json.dumps({"setup_seconds": 1.0, "steps": spec["steps"], "devito": "fake"}))
+'''
+
+
+def test_devito_and_tessera_each_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """The comparison's plumbing with a stand-in for Devito's worker (Devito is an optional
+    peer): both processes start, answer every round in turn and stop; Tessera's worker runs
+    the real compiled kernel on ``pattern``'s arrays; a wrong answer fails the check."""
+    import os
+    import sys
+
+    import numpy as np
+
+    from tessera.bench import stencil_peers
+    from tessera.bench.stencil_devito import pattern
+    from tessera.stencil import compile_stencil, make_stencil
+
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    os.symlink(sys.executable, venv / "bin" / "python")
+    worker = tmp_path / "fake_devito.py"
+    worker.write_text(FAKE_DEVITO)
+    monkeypatch.setattr(stencil_peers, "DEVITO_VENV", venv)
+    monkeypatch.setattr(stencil_peers, "WORKER", worker)
+    st = make_stencil("star7", "point")
+    kernel = compile_stencil(st, (8, 9, 10))
+    got = stencil_peers.run_devito(st, "star7", (8, 9, 10), 1, 5, tessera={"lib": str(kernel.compiled.path)})
+    assert "error" not in got, got
+    assert got["kernel_seconds"] == [0.01 * r for r in range(1, 6)] and len(got["tessera_seconds"]) == 5
+    assert all(t > 0 for t in got["tessera_seconds"]) and got["devito"] == "fake"
+    assert got["check_ok"] is False  # the stand-in answers zeros
+    a, b = pattern((4, 5, 6), 0), pattern((4, 5, 6), 3)
+    assert a.dtype == np.float32 and -0.5 <= a.min() and a.max() < 0.5 and 0.5 <= b.min() and b.max() < 1.5

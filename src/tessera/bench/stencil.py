@@ -154,25 +154,26 @@ def _local_rows(plan: StencilPlan, st, case: str, kind: str, machine, log: Bandw
 
 
 def _devito_row(plan: StencilPlan, st, shape_name: str, case: str, roof: float, kernel) -> dict:
-    """Devito's timed applies, each after one sweep of Tessera's ``kernel`` timed in the same
-    process (side by side: this VM's bandwidth moves within seconds); ``vs_tessera`` = the
-    median of Devito's sweep / Tessera's, pair by pair. The fraction is Devito's time
-    against Tessera's median probe for the case (minutes apart, so less sure than the pairs)."""
-    from tessera.stencil import padded_shape
-
+    """Devito and Tessera's ``kernel`` each in a process of its own on bit-identical arrays,
+    ``plan.rounds`` rounds interleaved. ``vs_tessera``: the paired ratio (median of Devito's
+    sweep / Tessera's, round by round, range in ``vs_tessera_min/max``); ``vs_tessera_unpaired``:
+    median over median, its range the extremes' ratios. The fraction is Devito's time against
+    Tessera's median probe for the case (minutes apart, so less sure than the pairs)."""
     grid = (plan.grid,) * 3
-    ours = {"lib": str(kernel.compiled.path), "padded": list(padded_shape(grid, st.halo)),
-            "arrays": list(st.arrays), "threads": plan.threads}
-    res = run_devito(st, shape_name, grid, plan.threads, plan.rounds, tessera=ours)
+    res = run_devito(st, shape_name, grid, plan.threads, plan.rounds, tessera={"lib": str(kernel.compiled.path)})
     if "error" in res:
         return {"case": case, "method": "devito", "error": res["error"]}
-    pairs = [d / t for d, t in zip(res["kernel_seconds"], res["tessera_seconds"], strict=True)]
-    return _row(case, "devito", statistics.median(res["kernel_seconds"]), math.prod(grid), roof,
+    dev, ours = res["kernel_seconds"], res["tessera_seconds"]
+    pairs = [d / t for d, t in zip(dev, ours, strict=True)]
+    return _row(case, "devito", statistics.median(dev), math.prod(grid), roof,
                 wall_ms=statistics.median(res["wall_seconds"]) * 1e3, check_ok=res["check_ok"],
                 setup_s=res["setup_seconds"], arrays=len(st.arrays), stencil_points=len(st.points),
-                tessera_paired_ms=statistics.median(res["tessera_seconds"]) * 1e3,
+                tessera_paired_ms=statistics.median(ours) * 1e3, rounds=len(pairs),
                 vs_tessera=statistics.median(pairs), vs_tessera_min=round(min(pairs), 4),
-                vs_tessera_max=round(max(pairs), 4))
+                vs_tessera_max=round(max(pairs), 4),
+                vs_tessera_unpaired=statistics.median(dev) / statistics.median(ours),
+                vs_tessera_unpaired_min=round(min(dev) / max(ours), 4),
+                vs_tessera_unpaired_max=round(max(dev) / min(ours), 4))  # fmt: skip
 
 
 def _case_name(shape_name: str, kind: str) -> str:
@@ -274,6 +275,10 @@ def _fractions(ours: dict, word: str) -> dict:
     return {"min": round(min(got), 3), "max": round(max(got), 3)} if got else {"min": None, "max": None}
 
 
+def _geomean(values: list[float]) -> float | None:
+    return round(math.exp(statistics.fmean(math.log(x) for x in values)), 3) if values else None
+
+
 def _stream_fractions(ours: dict, word: str) -> dict:
     got = [r["stream_fraction"] for c, r in ours.items() if word in c and "stream_fraction" in r]
     return {"min": round(min(got), 3), "max": round(max(got), 3)} if got else {"min": None, "max": None}
@@ -314,6 +319,10 @@ def _headline(rows: list[dict], sweep: dict, log: BandwidthLog, plan: StencilPla
         else None,
         "speed_vs_devito_min": round(min(ratios.values()), 3) if ratios else None,
         "speed_vs_devito_max": round(max(ratios.values()), 3) if ratios else None,
+        "speed_vs_devito_unpaired_geomean": _geomean([r["vs_tessera_unpaired"] for r in devito
+                                                      if "vs_tessera_unpaired" in r]),  # fmt: skip
+        "speed_vs_devito_round_range": [min(r["vs_tessera_min"] for r in devito),
+                                        max(r["vs_tessera_max"] for r in devito)] if devito else None,  # fmt: skip
         "time_ratio_vs_devito_geomean": round(math.exp(statistics.fmean(math.log(x) for x in raw.values())), 3)
         if raw
         else None,
@@ -347,10 +356,12 @@ def _notes(plan: StencilPlan, sweep: dict, log: BandwidthLog, devito_note: str, 
         f"Tessera rows: {plan.rounds} sweeps of each kernel compared (best undecomposed and best decomposed, "
         "interleaved), each between two probes; roofline_fraction is the median over sweeps of (mean of its two "
         "probes) / (its time), fraction_min/max their range; same_memory_gbs = ideal bytes / median probe. "
-        "numpy, torch and Devito are divided by the case's median probe. speed_vs_devito: Devito's worker times "
-        "Tessera's compiled kernel (the case's fastest, on arrays of its own layout) and Devito's apply one after "
-        f"the other, {plan.rounds} pairs; vs_tessera = median of Devito's sweep / Tessera's (range in "
-        "vs_tessera_min/max); time_ratio_vs_devito compares times minutes apart.",
+        "numpy, torch and Devito are divided by the case's median probe. speed_vs_devito: Devito (its own venv) and "
+        "Tessera's compiled kernel (the case's fastest) each in a process of its own, on bit-identical field and "
+        f"coefficient arrays, {plan.rounds} rounds interleaved (order alternating), each round 4 sweeps of each; "
+        "vs_tessera = median over rounds of Devito's sweep / Tessera's (paired; range in vs_tessera_min/max), "
+        "vs_tessera_unpaired = median / median (range: extreme over extreme); time_ratio_vs_devito compares times "
+        "minutes apart.",
         f"Fresh-buffer DRAM probes (best of 8 and 16 streams over 1 GiB; one per case, the machine's drift): "
         f"{probes['probes']}, read median {probes.get('read_gbs_median')} GB/s, range "
         f"{probes.get('read_gbs_min')}-{probes.get('read_gbs_max')}; write median {probes.get('write_gbs_median')} GB/s.",
