@@ -26,6 +26,9 @@
 #error "TK_NR must be a multiple of the vector length"
 #endif
 #define TK_NV (TK_NR / TK_VL)
+#ifndef TK_PREFETCH_C
+#define TK_PREFETCH_C 1
+#endif
 /* The micro-kernel: C[rows i, cols j] (+)= sum_k A(i, k) B(k, j) for one MR x NR tile.
  * A(i, k) = a[i * a_rs + k * a_cs] (packed: a_rs = 1, a_cs = MR), B(k, :) starts at
  * b + k * b_rs (packed: b_rs = NR). Callers pass literal strides, so after inlining the
@@ -53,6 +56,12 @@ TK_INLINE void tk_ukernel(long kc, const float *restrict a, long a_rs, long a_cs
                           const long *restrict crow, const long *restrict ncol,
                           int first, long mr, long nr) {
     tk_vf acc[TK_MR][TK_NV];
+#if TK_PREFETCH_C
+    /* the C tile is read (or written) only after the k loop: ask for its lines now, so they
+     * arrive while the FMAs run instead of stalling the loads at the end */
+    for (long i = 0; i < mr; ++i)
+        for (long j = 0; j < TK_NR; j += 16) _mm_prefetch((const char *)(c + crow[i] + (ncol ? 0 : j)), _MM_HINT_T0);
+#endif
     tk_tile_sums(kc, a, a_rs, a_cs, b, b_rs, acc);
     if (mr == TK_MR && nr == TK_NR && ncol == 0) {
         for (int i = 0; i < TK_MR; ++i) {
