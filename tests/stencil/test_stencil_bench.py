@@ -51,6 +51,11 @@ def test_quick_bench_writes_results(tmp_path, monkeypatch, machine):
             assert r["stream_gbs"] == 60.0
             assert abs(r["stream_fraction"] - ideal / (r["ms"] / 1e3) / 60e9) < 1e-9 * r["stream_fraction"]
     assert head["stream_fraction_variable_max"] > 0 and head["stream_copy_nt_gbs_median"] == 60.0
+    for r in data["rows"]:
+        if r["method"].startswith("tessera") and "incore_ms" in r:  # the binding bound over the time
+            bound = max(r["incore_ms"], r["roofline_ms"])
+            assert abs(r["bound_fraction"] - bound / r["ms"]) < 1e-9 and r["bound"] in ("in-core", "DRAM")
+    assert head["bound_fraction_min"] > 0
     large = [r for r in data["rows"] if r["case"].endswith("32^3")]
     assert {r["case"] for r in large} == {"star7 constant 32^3", "star7 variable 32^3"}
     assert head["large_grid"] == 32 and head["roofline_fraction_large_min"] > 0

@@ -101,6 +101,7 @@ def _tessera_rows(plan: StencilPlan, st, case: str, grid, machine, log: Bandwidt
     two roofline probes on the same buffers; the faster is the "tessera" row. Returns the
     rows, the median probe (the roofline seconds), Tessera's answer and its kernel."""
     from tessera.stencil import compile_stencil
+    from tessera.stencil.model import incore_seconds
     from tessera.stencil.tune import tune_stencil
 
     points = math.prod(grid)
@@ -121,6 +122,10 @@ def _tessera_rows(plan: StencilPlan, st, case: str, grid, machine, log: Bandwidt
     for label, trial in picks.items():
         row = _row(case, label, got[label].seconds, points, roof, schedule=trial.schedule.short(),
                    predicted_ms=trial.predicted * 1e3, tuner_ms=trial.measured * 1e3, **base)
+        incore = incore_seconds(st, grid, trial.schedule, machine, plan.threads)
+        # the lower of the two bounds on speed: the longer of the DRAM (own-buffer probe) and in-core times
+        row |= {"incore_ms": incore * 1e3, "bound_fraction": max(roof, incore) / got[label].seconds,
+                "bound": "in-core" if incore > roof else "DRAM"}  # fmt: skip
         rows.append({**row, **got[label].fields(ideal_bytes(st, points))})
     fastest = min(rows, key=lambda r: r["ms"])
     kernel = kernels[fastest["method"]]
@@ -314,6 +319,8 @@ def _headline(rows: list[dict], sweep: dict, log: BandwidthLog, plan: StencilPla
         "roofline_fraction_round_spread_max": round(max(spreads), 3) if spreads else None,
         **{f"stream_fraction_{kind}_{end}": v for kind, word in (("variable", "variable"), ("constant", "constant"))
            for end, v in _stream_fractions(ours, word).items()},  # fmt: skip
+        "bound_fraction_min": min((r["bound_fraction"] for r in ours.values() if "bound_fraction" in r),
+                                  default=None),  # fmt: skip
         "speed_vs_devito_geomean": round(math.exp(statistics.fmean(math.log(x) for x in ratios.values())), 3)
         if ratios
         else None,
@@ -355,7 +362,10 @@ def _notes(plan: StencilPlan, sweep: dict, log: BandwidthLog, devito_note: str, 
         "this VM's bandwidth moves within seconds, so a sweep is only compared with the machine of its moment.",
         f"Tessera rows: {plan.rounds} sweeps of each kernel compared (best undecomposed and best decomposed, "
         "interleaved), each between two probes; roofline_fraction is the median over sweeps of (mean of its two "
-        "probes) / (its time), fraction_min/max their range; same_memory_gbs = ideal bytes / median probe. "
+        "probes) / (its time), fraction_min/max their range; same_memory_gbs = ideal bytes / median probe; "
+        "incore_ms = the in-core bound of the row's schedule (its FMAs and its loads, the distinct field values of "
+        "its jammed rows plus each coefficient array and the output, at two of each a cycle a core); "
+        "bound_fraction = the longer of the DRAM bound (median probe) and the in-core bound / the row's time. "
         "numpy, torch and Devito are divided by the case's median probe. speed_vs_devito: Devito (its own venv) and "
         "Tessera's compiled kernel (the case's fastest) each in a process of its own, on bit-identical field and "
         f"coefficient arrays, {plan.rounds} rounds interleaved (order alternating), each round 4 sweeps of each; "
@@ -404,7 +414,7 @@ def run_stencil_bench(quick: bool = False) -> BenchResult:
         rows += large
     devito_note = "devito 4.8.23 (own venv)" if why_not is None else f"absent: {why_not}"
     columns = ["case", "method", "ms", "gpts_s", "roofline_fraction", "fraction_min", "fraction_max",
-               "same_memory_gbs", "stream_fraction", "stream_gbs", "vs_tessera", "schedule", "predicted_ms", "max_rel_diff", "check_ok"]
+               "same_memory_gbs", "stream_fraction", "stream_gbs", "incore_ms", "bound_fraction", "bound", "vs_tessera", "schedule", "predicted_ms", "max_rel_diff", "check_ok"]
     return BenchResult(
         name="stencil",
         headline=_headline(rows, sweep, log, plan, devito_note),
