@@ -101,8 +101,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     """`tessera launch`: the whole command line after "launch" arrives in ``extra`` and is
-    split by torchrun's own parser (``tessera.runtime.launch.split_launch_args``)."""
-    from tessera.runtime.launch import launch_parser, split_launch_args, torchrun_command
+    split by torchrun's own parser (``tessera.runtime.launch_cli.split_launch_args``)."""
+    from tessera.runtime.launch_cli import launch_parser, split_launch_args, torchrun_command
 
     if not extra:
         launch_parser().print_help()

@@ -227,7 +227,7 @@ def resume_or_start(
 
 
 def _from_launch(directory, every):
-    from tessera.runtime.launch import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV
+    from tessera.runtime.launch_cli import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV
 
     if directory is None:
         directory = os.environ.get(CHECKPOINT_DIR_ENV)
