@@ -62,9 +62,9 @@ def latest(directory: str | Path) -> Path | None:
 def checkpoint_bytes(model: torch.nn.Module, optimizer) -> int:
     """About the bytes one checkpoint takes: every parameter and each of its per-element
     optimizer states (the ones the optimizer holds now; two, as Adam's, before its first step)."""
-    from tessera.train.sharded_checkpoint import _model_identity
+    from tessera.train.checkpoint_boxes import model_identity
 
-    shapes = _model_identity(model, optimizer)["shapes"]
+    shapes = model_identity(model, optimizer)["shapes"]
     numel = sum(int(torch.Size(s).numel()) for s in shapes.values())
     itemsize = max((p.element_size() for p in model.parameters()), default=4)
     first = next(iter(optimizer.inner.state.values()), None)
