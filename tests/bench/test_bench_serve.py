@@ -9,6 +9,7 @@ results are written."""
 import dataclasses
 import json
 import math
+import os
 
 from tessera.bench.harness import write_results
 from tessera.bench.serve import QUICK, plot_serve, run_serve_bench
@@ -52,6 +53,11 @@ def test_small_serve_bench(tmp_path):
         # 1e-4: another server's fp32 forward (its own padding, kernels and pooling code), so 10x
         # the 1e-5 of our own batches, still 1000x below the ~0.1 of a wrong pooling
         assert systems["infinity_torch@4"]["max_abs_diff_vs_model"] < 1e-4
+    if len(os.sched_getaffinity(0)) >= 2:  # what each server really ran on, read back from /proc
+        for label, facts_of in systems.items():
+            two_cores = label.startswith(("tessera_1x2", "tessera_2x1", "infinity_optimum_2cores"))
+            allowed = facts_of["cpus_allowed"]
+            assert (len(allowed) >= 2) if two_cores else (len(allowed) == 1), (label, allowed)
     assert systems["fifo_padded@32"]["padding_overhead"] > 0.05  # padded to the longest of a batch
     assert systems["tessera"]["padding_overhead"] == 0 and systems["tessera"]["cost_table"]["seconds"]
     head = result.headline[model]

@@ -5,7 +5,8 @@ TurboTransformers' workload: request lengths uniform in [5, 500] tokens, one tex
 request, on encoders built here from configs (random weights, saved with save_pretrained):
 a MiniLM-size one (6 layers, 384 wide) and a BERT-base-size one (12 layers, 768). Every
 system serves the same folder in a server process of its own pinned to core 0 with 1 torch
-thread; the load generator (`tessera.serve.loadgen`) runs in another process pinned to core
+thread (ONNX Runtime held to one thread: it pins its own workers to other cores; each
+server's real affinity is read back and reported); the load generator (`tessera.serve.loadgen`) runs in another process pinned to core
 1, speaking OpenAI's ``/embeddings`` to all.
 
 Systems: ``tessera`` (the DP scheduler over the length-sorted queue, the unpadded runner, its
@@ -27,6 +28,10 @@ Three phases per model, each on its own requests (seeded apart):
    range; Tessera's ratio to the best peer per repeat.
 3. One shared rate: open-loop Poisson arrivals at ``shared_fraction`` of the best peer's
    sweep saturation, the same for every finalist, so their p50/p99 compare.
+
+Then, on the first model, two cores for the server: Tessera as one engine worker of two
+threads and as two workers of one thread, and infinity's ONNX Runtime engine with its own
+default thread pool at its best batch size.
 
 ``--quick``: a tiny encoder, a small sweep and one repeat, infinity only if installed.
 """
@@ -243,6 +248,7 @@ class _Bench:
         self.check = reference_embeddings(plan, spec, self.folder)
         self.rows: list[dict] = []
         self.systems: dict[str, dict] = {}
+        self.best: dict[str, int | None] = {}
 
     def say(self, message: str) -> None:
         _say(self.progress, f"{self.model} {message}")
@@ -270,6 +276,7 @@ class _Bench:
             facts["max_abs_diff_vs_model"] = agreement(server.url, path, *self.check)
             warm_up(server.url, path, self.plan, self.spec, self.client_core)
             work(server.url, path)
+            facts |= server.cores()
             if system not in INFINITY_ENGINES:
                 facts |= scrape(server.url)
         finally:
@@ -318,23 +325,28 @@ class _Bench:
             self.serve(system, batch, work)
 
     def workers(self) -> None:
-        """1 worker x 2 threads against 2 workers x 1 thread, the server on both cores."""
+        """1 worker x 2 threads against 2 workers x 1 thread, the server on both cores; and
+        infinity's ONNX Runtime engine with its default thread pool (one thread a core) at its
+        best batch size, on the same two cores."""
         plan = self.plan
-        for system in ("tessera_1x2", "tessera_2x1"):
+        layouts = [("tessera_1x2", None), ("tessera_2x1", None)]
+        if "infinity_optimum" in self.best:
+            layouts.append(("infinity_optimum_2cores", self.best["infinity_optimum"]))
+        for system, batch in layouts:
 
-            def work(url, path, system=system):
+            def work(url, path, system=system, batch=batch):
                 for repeat in range(plan.repeats):
                     job = _job(url, path, plan, self.spec, "closed", plan.workers_requests,
                                _seed(plan, "final", repeat), concurrency=plan.concurrency)  # fmt: skip
                     sat = summarize(run_load(job, None), plan.slo_s)
-                    self.rows.append({"model": self.model, "phase": "workers", "system": system, "batch": None,
+                    self.rows.append({"model": self.model, "phase": "workers", "system": system, "batch": batch,
                                       "repeat": repeat, **sat})  # fmt: skip
                     self.say(f"workers {system} #{repeat}: {sat['throughput_rps']:.2f} req/s")
 
-            self.serve(system, None, work, core=None)
+            self.serve(system, batch, work, core=None)
 
     def run(self, lean: bool) -> dict:
-        best = self.sweep()
+        best = self.best = self.sweep()
         sweep = {(r["system"], r["batch"]): r["throughput_rps"] for r in self.rows if r["phase"] == "sweep"}
         ranked = sorted(best, key=lambda p: sweep[p, best[p]], reverse=True)
         if not ranked:

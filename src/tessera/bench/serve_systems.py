@@ -1,7 +1,8 @@
 """The systems `tessera bench serve` measures, as server processes: Tessera's server with
 each scheduler, and infinity-emb in a virtual environment of its own (it pins
-transformers <= 5.0). Each server is pinned to one core with one torch thread; the load
-generator gets the other core."""
+transformers <= 5.0). Each server is pinned to one core with one torch thread (and one ONNX
+Runtime thread); the load generator gets the other core. Each server's real affinity is read
+back from /proc and reported."""
 
 from __future__ import annotations
 
@@ -32,8 +33,33 @@ TESSERA_SYSTEMS = {
     "tessera_2x1": [*_TESSERA, "--workers", "2", "--threads", "1"],
 }
 # infinity-emb's CPU engines: torch (its own padded batches on torch's kernels) and optimum
-# (the model exported to ONNX and run by ONNX Runtime, what its docs recommend on CPU)
-INFINITY_ENGINES = {"infinity_torch": "torch", "infinity_optimum": "optimum"}
+# (the model exported to ONNX and run by ONNX Runtime, what its docs recommend on CPU);
+# ``infinity_optimum_2cores``: the same with ONNX Runtime's default thread pool, on two cores
+INFINITY_ENGINES = {
+    "infinity_torch": "torch",
+    "infinity_optimum": "optimum",
+    "infinity_optimum_2cores": "optimum",
+}
+# ONNX Runtime's intra-op pool defaults to one thread a physical core and pins each worker to
+# a core of its own, whatever the process's affinity: pinned to core 0 it still ran on both
+# (10.0 against 19.5 ms a 128-token request here). In the one-core phases its pool is set to
+# one thread (ORT's own knob, SessionOptions.intra_op_num_threads) by this sitecustomize,
+# which infinity's process imports at start-up when TESSERA_BENCH_ORT_THREADS is set.
+ORT_THREADS_SITE = """import os
+
+_threads = os.environ.get("TESSERA_BENCH_ORT_THREADS")
+if _threads:
+    import onnxruntime as _ort
+
+    class _Session(_ort.InferenceSession):
+        def __init__(self, path_or_bytes, sess_options=None, *args, **kwargs):
+            options = sess_options or _ort.SessionOptions()
+            options.intra_op_num_threads = int(_threads)
+            options.inter_op_num_threads = 1
+            super().__init__(path_or_bytes, options, *args, **kwargs)
+
+    _ort.InferenceSession = _Session
+"""
 
 
 # ---- servers ----------------------------------------------------------------------------
@@ -59,11 +85,27 @@ def bench_env() -> dict:
 class Server:
     """A server process; ``url`` once it answers."""
 
-    def __init__(self, cmd: list[str], core: int | None, ready, log: Path, cwd: Path | None = None):
+    def __init__(self, cmd: list[str], core: int | None, ready, log: Path, cwd: Path | None = None,
+                 env: dict | None = None):  # fmt: skip
         self.log = log.open("w")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=bench_env(),
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**bench_env(), **(env or {})},
                                      preexec_fn=pin_to(core), text=True, cwd=cwd)  # fmt: skip
         self.url = ready(self, log)
+
+    def cores(self) -> dict:
+        """The cores the server's threads may run on (their affinity, as the kernel reports
+        it) and its thread count: what the server really had, whatever it was asked."""
+        allowed, threads = set(), 0
+        for task in Path(f"/proc/{self.proc.pid}/task").glob("*"):
+            try:
+                status = (task / "status").read_text()
+            except OSError:
+                continue
+            threads += 1
+            for line in status.splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    allowed |= _cpu_list(line.split(":", 1)[1].strip())
+        return {"cpus_allowed": sorted(allowed), "threads": threads}
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -77,6 +119,14 @@ class Server:
                 self.proc.kill()
                 self.proc.wait(10)
         self.log.close()
+
+
+def _cpu_list(text: str) -> set[int]:
+    out = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out |= set(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def _wait_for_line(server: Server, log: Path, timeout: float = 600.0) -> str:
@@ -114,7 +164,9 @@ def start_server(system: str, batch: int | None, folder: Path, extra_args, core,
     """``system`` serving ``folder`` on ``core``; ``batch``: its batch-size knob (None: default)."""
     label = system if batch is None else f"{system}-b{batch}"
     if system in INFINITY_ENGINES:
-        return infinity_server(folder, core, log_dir / f"{label}.log", INFINITY_ENGINES[system], batch or 32)
+        ort_threads = None if system.endswith("_2cores") else 1
+        return infinity_server(folder, core, log_dir / f"{label}.log", INFINITY_ENGINES[system], batch or 32,
+                               ort_threads)  # fmt: skip
     knob = [] if batch is None else ["--max-batch-size", str(batch)]
     cmd = [sys.executable, "-m", "tessera.cli", "serve", "--model", str(folder), "--port", "0",
            "--threads", "1", "--max-queue", "100000", *TESSERA_SYSTEMS[system], *knob, *extra_args]  # fmt: skip
@@ -142,8 +194,16 @@ def onnx_folder(folder: Path) -> Path:
     return out
 
 
-def infinity_server(folder: Path, core, log: Path, engine: str, batch: int) -> Server:
-    model_id, cwd = str(folder.resolve()), None
+def infinity_server(
+    folder: Path, core, log: Path, engine: str, batch: int, ort_threads: int | None = 1
+) -> Server:
+    """``ort_threads``: ONNX Runtime's intra-op threads (None: its default pool)."""
+    model_id, cwd, env = str(folder.resolve()), None, {}
+    if ort_threads is not None:
+        site = INFINITY_VENV.resolve() / "ort-threads"
+        site.mkdir(parents=True, exist_ok=True)
+        (site / "sitecustomize.py").write_text(ORT_THREADS_SITE)
+        env = {"TESSERA_BENCH_ORT_THREADS": str(ort_threads), "PYTHONPATH": str(site)}
     if engine == "optimum":
         # infinity 0.0.78 hands optimum 2.x the ONNX file's path as globbed under the model id,
         # which optimum takes relative to the model folder: started inside the folder with
@@ -155,7 +215,7 @@ def infinity_server(folder: Path, core, log: Path, engine: str, batch: int) -> S
     cmd = [str(INFINITY_VENV.resolve() / "bin" / "infinity_emb"), "v2", "--model-id", model_id,
            "--served-model-name", "bench", "--host", "127.0.0.1", "--port", str(port), "--engine", engine,
            "--device", "cpu", "--batch-size", str(batch), "--no-bettertransformer", "--pooling-method", "mean"]  # fmt: skip
-    return Server(cmd, core, _wait_for_health(f"http://127.0.0.1:{port}"), log.resolve(), cwd=cwd)
+    return Server(cmd, core, _wait_for_health(f"http://127.0.0.1:{port}"), log.resolve(), cwd=cwd, env=env)
 
 
 def ensure_infinity(install: bool) -> str | None:
