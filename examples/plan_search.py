@@ -15,7 +15,8 @@ import argparse
 
 from tessera.plan.devices import device_named
 from tessera.plan.hardware import Hardware
-from tessera.plan.model_spec import PRESETS, model_spec
+from tessera.plan.model_presets import PRESETS
+from tessera.plan.model_spec import model_spec
 from tessera.plan.search import search_generate, search_train
 from tessera.plan.training import describe
 from tessera.runtime.link import link_named

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tessera.cli_flags import UserError
 from tessera.cli_train import add_train_parser
-from tessera.runtime.args import positive_int
+from tessera.runtime.args import non_negative_int, positive_int
 
 EXIT_USAGE = 2
 
@@ -84,7 +84,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
         import dataclasses
 
         plan = module.QUICK if args.quick else module.FULL
-        if args.tvm_trials is not None:
+        if args.tvm_trials == 0:  # TVM left out: the rest of the run in minutes
+            plan = dataclasses.replace(plan, tvm_gemms=(), tvm_convs=())
+        elif args.tvm_trials is not None:
             plan = dataclasses.replace(plan, tvm_trials=args.tvm_trials)
         result = module.run_kernels_bench(plan)
     else:
@@ -99,8 +101,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def cmd_launch(args: argparse.Namespace, extra: list[str]) -> int:
     """`tessera launch`: the whole command line after "launch" arrives in ``extra`` and is
-    split by torchrun's own parser (``tessera.runtime.launch.split_launch_args``)."""
-    from tessera.runtime.launch import launch_parser, split_launch_args, torchrun_command
+    split by torchrun's own parser (``tessera.runtime.launch_cli.split_launch_args``)."""
+    from tessera.runtime.launch_cli import launch_parser, split_launch_args, torchrun_command
 
     if not extra:
         launch_parser().print_help()
@@ -164,9 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--tvm-trials",
-        type=positive_int,
+        type=non_negative_int,
         help="kernels: TVM MetaSchedule's measured trials per shape (default 1000, what TVM's CPU tuning "
-        "tutorial recommends; the speed-versus-trials curve is recorded either way)",
+        "tutorial recommends; the speed-versus-trials curve is recorded either way; 0: TVM not run)",
     )
     p.set_defaults(handler=cmd_bench)
 

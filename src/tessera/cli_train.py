@@ -138,7 +138,7 @@ def _refuse_unused(recipe: Recipe, settings: dict, resume: bool) -> None:
 
 def _check_elastic(recipe: Recipe, args: argparse.Namespace) -> None:
     """The checkpoint and restart flags: taken by the elastic recipes, and consistent."""
-    from tessera.runtime.launch import check_restarts
+    from tessera.runtime.launch_cli import check_restarts
 
     flags = [
         name
@@ -297,7 +297,7 @@ def train_gpt2_text(args: argparse.Namespace, plan, out: Path) -> str:
     began = time.perf_counter()
     call = (recipe, plan, str(out), args.resume, peak, args.checkpoint_dir, args.checkpoint_every)
     if args.max_restarts:
-        from tessera.runtime.launch import elastic_run
+        from tessera.runtime.launch_cli import elastic_run
 
         summary = elastic_run(gpt2_text.train_rank, args.nproc, *call, max_restarts=args.max_restarts)
     elif args.nproc == 1:

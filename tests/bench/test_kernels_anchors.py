@@ -127,3 +127,25 @@ def test_tvm_curve_and_the_time_it_matches_tessera():
     assert ka.tvm_match_time({**row, "gflops": 121.0}) is None  # never within the budget
     table = ka.tvm_curve_rows([row])
     assert [p["tvm_best_gflops"] for p in table] == [None, 50.0, 120.0]
+
+
+def test_tvm_trials_flag(monkeypatch, capsys):
+    """``--tvm-trials 0`` leaves TVM out of the run (no TVM shapes), N sets its budget, and a
+    negative count is a one-line usage error."""
+    import tessera.bench.kernels as bench_kernels
+    from tessera.cli import main
+
+    plans = []
+
+    def capture(plan):
+        plans.append(plan)
+        raise KeyboardInterrupt  # stop before anything runs
+
+    monkeypatch.setattr(bench_kernels, "run_kernels_bench", capture)
+    assert main(["bench", "kernels", "--tvm-trials", "0"]) == 130
+    assert main(["bench", "kernels", "--tvm-trials", "64"]) == 130
+    assert (plans[0].tvm_gemms, plans[0].tvm_convs) == ((), ())
+    assert plans[1].tvm_trials == 64 and plans[1].tvm_gemms
+    with pytest.raises(SystemExit):
+        main(["bench", "kernels", "--tvm-trials", "-1"])
+    assert "expected an integer >= 0, got -1" in capsys.readouterr().err

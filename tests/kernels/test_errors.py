@@ -94,3 +94,27 @@ def test_schedules_the_generator_cannot_honour():
         generate_loops(OP, LoopSchedule(order=("m", "n", "k"), unroll=4))
     with pytest.raises(ValueError, match="misses axes"):
         generate_loops(OP, LoopSchedule(order=("m", "n")))
+
+
+def test_sizes_dtypes_and_devices_are_named_in_one_line():
+    """A zero or negative size, a tensor on another device, mixed dtypes through the torch
+    ops: each a ValueError of one line naming the value."""
+    import torch
+
+    from tessera.kernels import torch_ops
+
+    cases = [
+        (lambda: ops.gemm(0, 4, 4), "m must be an int >= 1, got 0"),
+        (lambda: ops.Conv2dShape(batch=-1, in_channels=3, out_channels=4, height=8, width=8, kernel=(3, 3)),
+         "batch must be an int >= 1, got -1"),
+        (lambda: ops.Conv2dShape(batch=1, in_channels=3, out_channels=4, height=8, width=8, kernel=(3, 0)),
+         "kernel must be an int >= 1, got 0"),
+        (lambda: compile_kernel(OP, GemmSchedule())(torch.ones(5, 7, device="meta"), torch.ones(7, 6)),
+         "input A is on meta; Tessera's kernels run on the CPU"),
+        (lambda: torch_ops.matmul(torch.ones(5, 7), torch.ones(7, 6, dtype=torch.float64)),
+         "tessera::matmul: b has dtype torch.float64; Tessera's kernels take float32"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError) as exc:
+            call()
+        assert message in str(exc.value) and "\n" not in str(exc.value), str(exc.value)

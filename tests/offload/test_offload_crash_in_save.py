@@ -11,6 +11,7 @@ import torch
 from offload_lm import CHUNK_MIB, HOST_MEMORY, batches, master_shards, model, optimizer, train
 
 import tessera
+import tessera.train.checkpoint_boxes as boxes
 import tessera.train.sharded_checkpoint as sharded
 from tessera.memory.tiers import DiskTier
 from tessera.train.losses import causal_lm_loss
@@ -53,7 +54,7 @@ def test_a_crash_mid_save_keeps_the_previous_checkpoint_and_the_run(tmp_path, mo
     sharded.save_sharded(m, opt, ckpt)
     crashes = [
         (DiskTier, "read_into", _fail_after(3, DiskTier.read_into, OSError("read failed (forced)"))),
-        (sharded, "tp_layout", _fail_after(5, sharded.tp_layout, RuntimeError("crash (forced)"))),
+        (boxes, "tp_layout", _fail_after(5, boxes.tp_layout, RuntimeError("crash (forced)"))),
         (sharded, "FileSystemWriter", _DiskFull),
     ]
     for (owner, name, replacement), batch in zip(crashes, steps[2:5], strict=True):

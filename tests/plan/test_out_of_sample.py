@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tessera.plan import out_of_sample as oos
-from tessera.plan.model_spec import PRESETS
+from tessera.plan.model_presets import PRESETS
 
 
 def _row(layout: str, ranks: int, measured: float, predicted: float) -> dict:
@@ -152,7 +152,7 @@ def test_an_all_to_all_across_pcie_switches_shares_the_uplink():
 
 
 def test_every_generation_preset_says_what_of_its_pipeline_it_counts():
-    from tessera.plan.model_spec import PIPELINE_COUNTS
+    from tessera.plan.model_presets import PIPELINE_COUNTS
 
     generation = {n for n, s in PRESETS.items() if s.vocab == 0 and not s.experts}
     assert generation == set(PIPELINE_COUNTS)

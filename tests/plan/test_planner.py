@@ -14,7 +14,8 @@ from tessera.plan.check import calibrate
 from tessera.plan.devices import DeviceProfile, device_named
 from tessera.plan.hardware import Hardware
 from tessera.plan.inference import predict_generate
-from tessera.plan.model_spec import PRESETS, gpt2_spec, model_spec
+from tessera.plan.model_presets import PRESETS
+from tessera.plan.model_spec import gpt2_spec, model_spec
 from tessera.plan.published import TABLES
 from tessera.plan.search import generate_configs, search_generate, search_train
 from tessera.plan.simulate import Schedule, simulate

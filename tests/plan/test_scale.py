@@ -22,7 +22,8 @@ from tessera.plan.hetero import (
     tflops_total,
 )
 from tessera.plan.inference import predict_generate
-from tessera.plan.model_spec import PRESETS, TransformerSpec, gpt2_spec
+from tessera.plan.model_presets import PRESETS
+from tessera.plan.model_spec import TransformerSpec, gpt2_spec
 from tessera.plan.published import TABLES
 from tessera.plan.published_scale import capacity_rows, throughput_series
 from tessera.runtime.link import Link

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tessera.cli import main
-from tessera.runtime.launch import split_launch_args, torchrun_command
+from tessera.runtime.launch_cli import split_launch_args, torchrun_command
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "launch_train.py"

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from tessera.runtime import Mesh
-from tessera.runtime.launch import torchrun_command
+from tessera.runtime.launch_cli import torchrun_command
 
 
 def test_single_process_mesh_of_size_one_needs_no_process_group():

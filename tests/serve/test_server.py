@@ -108,16 +108,35 @@ def test_two_workers_serve_what_the_model_computes(model_dir):
     config = ServeConfig(model=str(model_dir), port=0, workers=2, max_batch_size=2)
     with thread_server(config) as (url, service):
         info = httpx.get(url + "/info").json()["tessera"]
-        assert info["workers"] == 2 and info["threads_per_worker"] == 1
+        assert info["workers"] == 2 and info["threads_per_worker"] == 1 and info["workers_setting"] == 2
         for t in texts:  # one at a time and all at once
             got = torch.tensor(httpx.post(url + "/embed", json={"inputs": [t]}).json())
             torch.testing.assert_close(got, expected(service, [t]), atol=ATOL, rtol=ATOL)
         got = torch.tensor(httpx.post(url + "/embed", json={"inputs": texts}).json())
         torch.testing.assert_close(got, expected(service, texts), atol=ATOL, rtol=ATOL)
-        assert all(r.dense.counts["calls"] for r in service.backend.engine.runners)  # both worked
+        runners = service.backend.engine.runners
+        assert all(r.dense.counts["calls"] for r in runners)  # both worked
+        first, second = (r.dense.describe() for r in runners)
+        # one packed copy of the weights: the second worker holds none of its own
+        assert first["packed_weights_mib"] > 0 and second["packed_weights_mib"] == 0
+        assert second["shared_packed_weights_mib"] == first["packed_weights_mib"]
+        assert runners[0].dense.swaps[-1][1].packed is runners[1].dense.swaps[-1][1].packed
+        assert runners[0].dense.swaps[-1][1] is not runners[1].dense.swaps[-1][1]  # own output buffers
     torch.set_num_threads(threads)
-    with pytest.raises(ValueError, match="workers must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="workers must be a positive integer or 'auto', got 0"):
         ServeConfig(model="unused", workers=0)
+
+
+def test_workers_default_to_one_per_core():
+    """The default (the two-core phase of `tessera bench serve` chose it): one single-thread
+    worker per core this process may run on; --threads N divides the cores among them."""
+    import os
+
+    cores = len(os.sched_getaffinity(0))
+    assert ServeConfig(model="unused").workers == "auto"
+    assert ServeConfig(model="unused").worker_count == cores
+    assert ServeConfig(model="unused", threads=2).worker_count == max(1, cores // 2)
+    assert ServeConfig(model="unused", workers=3).worker_count == 3
 
 
 def test_kernels_flag_is_checked_before_the_model_loads():
@@ -273,3 +292,15 @@ def test_a_client_that_leaves_is_dropped_before_compute(slow_dir):
         assert engine.counts["cancelled"] == 1 and engine.counts["completed"] == 31
         assert metric(client, "tessera_cancelled_inputs_total") == 1
         assert metric(client, "tessera_requests_total", route="/embed", outcome="cancelled") == 1
+
+
+def test_workers_flag(capsys):
+    from tessera.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--model", "m"]).workers == "auto"
+    assert parser.parse_args(["serve", "--model", "m", "--workers", "auto"]).workers == "auto"
+    assert parser.parse_args(["serve", "--model", "m", "--workers", "3"]).workers == 3
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model", "m", "--workers", "0"])
+    assert "expected a positive integer, got 0" in capsys.readouterr().err

@@ -57,3 +57,18 @@ def test_bad_schedules():
         StencilSchedule(ty=0)
     with pytest.raises(ValueError, match="time_block=2 applies to the wave kernel only"):
         compile_stencil(make_stencil("star7"), (3, 3, 3), StencilSchedule(time_block=2))
+
+
+def test_a_wave_grid_narrower_than_the_stencil(capsys):
+    """`tessera stencil wave --grid 5` with the radius-4 ete37 used to run and print a field
+    made of nothing but the zero boundary; now it is refused before anything is compiled."""
+    from tessera.cli import main
+    from tessera.stencil.wave import WaveConfig
+
+    with pytest.raises(ValueError) as exc:
+        WaveConfig(shape="ete37", grid=(5, 5, 5))
+    assert "grid (5, 5, 5) is narrower than ete37's width of 9 cells" in _one_line(exc)
+    WaveConfig(shape="ete37", grid=(9, 9, 9))  # the stencil's width is enough
+    assert main(["stencil", "wave", "--shape", "ete37", "--grid", "5"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "narrower than ete37's width of 9 cells" in err[0]

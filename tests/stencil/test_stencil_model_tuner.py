@@ -42,3 +42,20 @@ def test_tuner_times_both_and_records_its_choice(machine):
     u, co = sample_inputs(st, grid)
     out = compile_stencil(st, grid, tuned.best)(u, co, threads=2)
     assert (np.abs(out - ref.apply_float64(st, u, co)) <= ref.error_bound(st, u, co)).all()
+
+
+def test_incore_bound_counts_fmas_and_distinct_loads(machine):
+    """star-7, constant coefficients: 7 FMAs a point; loads 7 field values + the output = 8
+    with one row, (12 distinct over two jammed rows) / 2 + 1 = 7 with two: the bound is
+    max(FMAs, loads) / 2 cycles a vector, so jamming two rows takes it from 4 to 3.5."""
+    from tessera.stencil import StencilSchedule, make_stencil
+    from tessera.stencil.model import incore_seconds
+
+    st = make_stencil("star7", "constant")
+    isa = machine.isa
+    vl = 16 if isa == "avx512" else 8
+    one = incore_seconds(st, (16, 16, 64), StencilSchedule(isa=isa, ry=1), machine, 1)
+    two = incore_seconds(st, (16, 16, 64), StencilSchedule(isa=isa, ry=2), machine, 1)
+    assert abs(two / one - 3.5 / 4) < 1e-12
+    cycle = 2 * vl * 2 / machine.peak(1, isa)
+    assert abs(one - 16 * 16 * 64 / vl * 4 * cycle) < 1e-15

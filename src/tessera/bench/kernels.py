@@ -6,7 +6,8 @@ its default dispatch, oneDNN and prepacked oneDNN (convolution), Apache TVM Meta
 
 Measured machine peak and bandwidth first; then SGEMM at square sizes, the projections and
 MLPs of BERT-base and GPT-2 at 128-4096 tokens, matrix-vector products (one token) and odd
-sizes no register tile divides, and the distinct conv shapes of ResNet-50 (batch 1 and 8),
+sizes no register tile divides, the distinct conv shapes of ResNet-50, the depthwise convs
+of MobileNetV2 and ConvNeXt-T and the grouped ones of ResNeXt-50 (batch 1 and 8),
 on 1 and 2 threads. Every Tessera kernel is tuned in
 the run (model ranks the space, a shortlist is timed) and its tuning time recorded; every
 time is the median of repeats after a warm-up, Tessera and anchors alike. A model-validation
@@ -23,6 +24,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,15 @@ RESNET50_CONVS = [
     (1024, 2048, 14, 1, 2, 0), (2048, 512, 7, 1, 1, 0), (512, 512, 7, 3, 1, 1),
 ]
 
+# (in, out, size, kernel, stride, padding, groups): depthwise convolutions of MobileNetV2 (3x3,
+# stride 1 and 2) and ConvNeXt-T (7x7), and the grouped 3x3 convolutions of ResNeXt-50 32x4d
+DEPTHWISE_GROUPED_CONVS = [
+    (32, 32, 112, 3, 1, 1, 32), (96, 96, 112, 3, 2, 1, 96), (144, 144, 56, 3, 1, 1, 144),
+    (192, 192, 28, 3, 1, 1, 192), (384, 384, 14, 3, 1, 1, 384), (960, 960, 7, 3, 1, 1, 960),
+    (96, 96, 56, 7, 1, 3, 96), (192, 192, 28, 7, 1, 3, 192), (384, 384, 14, 7, 1, 3, 384), (768, 768, 7, 7, 1, 3, 768),
+    (128, 128, 56, 3, 1, 1, 32), (256, 256, 28, 3, 2, 1, 32), (512, 512, 14, 3, 1, 1, 32), (1024, 1024, 7, 3, 1, 1, 32),
+]
+
 
 def _transformer_gemms() -> tuple[tuple[str, int, int, int], ...]:
     """(label, M, N, K) of BERT-base's and GPT-2's dense layers (hidden 768, MLP 3072; GPT-2's
@@ -68,7 +79,7 @@ class KernelsPlan:
     gemm_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096)
     gemm_shapes: tuple[tuple[str, int, int, int], ...] = _transformer_gemms() + ODD_GEMMS
     conv_batches: tuple[int, ...] = (1, 8)
-    convs: tuple[tuple[int, ...], ...] = tuple(RESNET50_CONVS)
+    convs: tuple[tuple[int, ...], ...] = tuple(RESNET50_CONVS + DEPTHWISE_GROUPED_CONVS)
     threads: tuple[int, ...] = (1, 2)
     machine_seconds: float = 0.3
     top_k: int = 5
@@ -97,7 +108,7 @@ class KernelsPlan:
 FULL = KernelsPlan()
 QUICK = KernelsPlan(
     gemm_sizes=(128, 256), gemm_shapes=(), conv_batches=(1,),  # each new shape compiles its shortlist
-    convs=((64, 64, 14, 3, 1, 1), (128, 256, 14, 1, 2, 0)),
+    convs=((64, 64, 14, 3, 1, 1), (128, 256, 14, 1, 2, 0), (32, 32, 14, 3, 1, 1, 32)),
     machine_seconds=0.05, top_k=3, repeats=3, tvm_trials=8, tvm_gemms=(), tvm_convs=(),  # TVM: > 2 min alone
     settle_s=0.0,  # a plumbing check, not figures
     validation=("gemm:256",), validation_samples=6, train_steps=4,
@@ -119,9 +130,9 @@ def _median_seconds(call, repeats: int) -> float:
 
 
 def _conv_shape(spec, batch: int) -> ops.Conv2dShape:
-    cin, cout, size, k, stride, pad = spec
+    cin, cout, size, k, stride, pad, *groups = spec
     return ops.Conv2dShape(batch=batch, in_channels=cin, out_channels=cout, height=size, width=size,
-                           kernel=(k, k), stride=(stride, stride), padding=(pad, pad))
+                           kernel=(k, k), stride=(stride, stride), padding=(pad, pad), groups=groups[0] if groups else 1)
 
 
 def _cases(plan: KernelsPlan):
@@ -133,6 +144,17 @@ def _cases(plan: KernelsPlan):
         for i, spec in enumerate(plan.convs):
             s = _conv_shape(spec, batch)
             yield "conv", f"#{i} {s.label()}", ops.conv2d(s), s, float(s.flops)
+
+
+def algorithm(schedule) -> str:
+    """How a schedule computes: the micro-kernel GEMM (an implicit GEMM for a conv), a loop nest,
+    a direct kernel (depthwise, gemv) or Winograd F(m, 3)."""
+    kind = schedule.kind
+    if kind == "direct":
+        return schedule.algo
+    if kind == "winograd":
+        return f"winograd F({schedule.m},3)"
+    return {"gemm": "micro-kernel", "loops": "loop nest"}[kind]
 
 
 def _min_bytes(op) -> float:
@@ -147,7 +169,9 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
     row = {
         "kind": kind, "shape": label, "threads": threads, "gflops": round(flops / seconds / GIGA, 2),
         "seconds": seconds, "predicted_s": predict(op, tuned.best, machine, threads),
-        "schedule": tuned.best.short(), "tuning_s": round(tuned.wall_seconds, 2), "space": tuned.space_size,
+        "schedule": tuned.best.short(), "algorithm": algorithm(tuned.best),
+        "model_algorithm": algorithm(min(tuned.trials, key=lambda t: t.predicted).schedule),
+        "tuning_s": round(tuned.wall_seconds, 2), "space": tuned.space_size,
         "measured_candidates": len(tuned.trials), "spearman": round(tuned.spearman, 3),
         "intensity": flops / _min_bytes(op), "flops": flops,
         "trials": [{"schedule": t.schedule.short(), "predicted_s": t.predicted, "measured_s": t.measured}
@@ -238,6 +262,9 @@ def _headline(rows, machine, validation, tvm_note, curves, anchor_report, absent
         "tuning_seconds_per_shape_max": round(max(r["tuning_s"] for r in rows), 2),
         "spearman_shortlist_median": round(statistics.median(rhos), 3) if rhos else None,
         "spearman_validation": [v["spearman"] for v in validation],
+        "algorithms_chosen": dict(sorted(Counter(r["algorithm"] for r in rows).items())),
+        "model_algorithm_kept_fraction": round(
+            sum(r["algorithm"] == r["model_algorithm"] for r in rows) / len(rows), 3) if rows else None,
     }
     tvm = [r for r in rows if "tvm_gflops" in r]
     if tvm:
@@ -326,7 +353,7 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
     columns = ["kind", "shape", "threads", "gflops", "openblas_gflops", "blis_gflops", "aocl_blis_gflops",
                "torch_gflops", "torch_path",
                "tvm_gflops", "numpy_gflops", "best_anchor", "vs_best_anchor", "best_anchor_path", "tuning_s",
-               "tvm_tuning_s", "schedule"]
+               "tvm_tuning_s", "algorithm", "schedule"]
     tables = [("Machine", ["what", "threads", "value", "unit"], machine_rows(machine)),
               ("Anchors: the code path each ran", ["anchor", "library", "detected_alone", "forced", "ran",
                                                     "threadpoolctl"], ka.code_path_table(anchor_report)),

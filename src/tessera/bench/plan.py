@@ -35,7 +35,8 @@ from tessera.plan.check import calibrate, check_generate_rows, check_published, 
 from tessera.plan.check_scale import scale_checks, scale_tables
 from tessera.plan.devices import DeviceProfile, save_profile
 from tessera.plan.hardware import Hardware
-from tessera.plan.model_spec import PRESETS, gpt2_spec
+from tessera.plan.model_presets import PRESETS
+from tessera.plan.model_spec import gpt2_spec
 from tessera.plan.published import TABLES
 from tessera.plan.training import predict_train
 from tessera.runtime import spawn

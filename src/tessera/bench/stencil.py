@@ -51,6 +51,7 @@ class StencilPlan:
     rounds: int  # timed sweeps of each kernel compared, each between two roofline probes
     large_grid: int = 0  # 0: no larger grid
     large_memory_fraction: float = 0.45  # of MemAvailable, for one large case's arrays
+    stream_bytes: int | None = None  # the STREAM probe's three arrays together (None: 1 GiB or 32x the LLC)
 
 
 FULL = StencilPlan(
@@ -76,6 +77,7 @@ QUICK = StencilPlan(
     wave_steps=4,
     rounds=2,
     large_grid=48,
+    stream_bytes=96 << 20,  # a plumbing check: still past this machine's last-level cache
 )
 
 
@@ -99,6 +101,7 @@ def _tessera_rows(plan: StencilPlan, st, case: str, grid, machine, log: Bandwidt
     two roofline probes on the same buffers; the faster is the "tessera" row. Returns the
     rows, the median probe (the roofline seconds), Tessera's answer and its kernel."""
     from tessera.stencil import compile_stencil
+    from tessera.stencil.model import incore_seconds
     from tessera.stencil.tune import tune_stencil
 
     points = math.prod(grid)
@@ -119,6 +122,10 @@ def _tessera_rows(plan: StencilPlan, st, case: str, grid, machine, log: Bandwidt
     for label, trial in picks.items():
         row = _row(case, label, got[label].seconds, points, roof, schedule=trial.schedule.short(),
                    predicted_ms=trial.predicted * 1e3, tuner_ms=trial.measured * 1e3, **base)
+        incore = incore_seconds(st, grid, trial.schedule, machine, plan.threads)
+        # the lower of the two bounds on speed: the longer of the DRAM (own-buffer probe) and in-core times
+        row |= {"incore_ms": incore * 1e3, "bound_fraction": max(roof, incore) / got[label].seconds,
+                "bound": "in-core" if incore > roof else "DRAM"}  # fmt: skip
         rows.append({**row, **got[label].fields(ideal_bytes(st, points))})
     fastest = min(rows, key=lambda r: r["ms"])
     kernel = kernels[fastest["method"]]
@@ -152,25 +159,26 @@ def _local_rows(plan: StencilPlan, st, case: str, kind: str, machine, log: Bandw
 
 
 def _devito_row(plan: StencilPlan, st, shape_name: str, case: str, roof: float, kernel) -> dict:
-    """Devito's timed applies, each after one sweep of Tessera's ``kernel`` timed in the same
-    process (side by side: this VM's bandwidth moves within seconds); ``vs_tessera`` = the
-    median of Devito's sweep / Tessera's, pair by pair. The fraction is Devito's time
-    against Tessera's median probe for the case (minutes apart, so less sure than the pairs)."""
-    from tessera.stencil import padded_shape
-
+    """Devito and Tessera's ``kernel`` each in a process of its own on bit-identical arrays,
+    ``plan.rounds`` rounds interleaved. ``vs_tessera``: the paired ratio (median of Devito's
+    sweep / Tessera's, round by round, range in ``vs_tessera_min/max``); ``vs_tessera_unpaired``:
+    median over median, its range the extremes' ratios. The fraction is Devito's time against
+    Tessera's median probe for the case (minutes apart, so less sure than the pairs)."""
     grid = (plan.grid,) * 3
-    ours = {"lib": str(kernel.compiled.path), "padded": list(padded_shape(grid, st.halo)),
-            "arrays": list(st.arrays), "threads": plan.threads}
-    res = run_devito(st, shape_name, grid, plan.threads, plan.rounds, tessera=ours)
+    res = run_devito(st, shape_name, grid, plan.threads, plan.rounds, tessera={"lib": str(kernel.compiled.path)})
     if "error" in res:
         return {"case": case, "method": "devito", "error": res["error"]}
-    pairs = [d / t for d, t in zip(res["kernel_seconds"], res["tessera_seconds"], strict=True)]
-    return _row(case, "devito", statistics.median(res["kernel_seconds"]), math.prod(grid), roof,
+    dev, ours = res["kernel_seconds"], res["tessera_seconds"]
+    pairs = [d / t for d, t in zip(dev, ours, strict=True)]
+    return _row(case, "devito", statistics.median(dev), math.prod(grid), roof,
                 wall_ms=statistics.median(res["wall_seconds"]) * 1e3, check_ok=res["check_ok"],
                 setup_s=res["setup_seconds"], arrays=len(st.arrays), stencil_points=len(st.points),
-                tessera_paired_ms=statistics.median(res["tessera_seconds"]) * 1e3,
+                tessera_paired_ms=statistics.median(ours) * 1e3, rounds=len(pairs),
                 vs_tessera=statistics.median(pairs), vs_tessera_min=round(min(pairs), 4),
-                vs_tessera_max=round(max(pairs), 4))
+                vs_tessera_max=round(max(pairs), 4),
+                vs_tessera_unpaired=statistics.median(dev) / statistics.median(ours),
+                vs_tessera_unpaired_min=round(min(dev) / max(ours), 4),
+                vs_tessera_unpaired_max=round(max(dev) / min(ours), 4))  # fmt: skip
 
 
 def _case_name(shape_name: str, kind: str) -> str:
@@ -182,9 +190,16 @@ def run_case(plan: StencilPlan, shape_name: str, kind: str, machine, log: Bandwi
 
     st = make_stencil(shape_name, kind)
     case = _case_name(shape_name, kind)
+    before = log.stream()
     rows, roof, kernel = _local_rows(plan, st, case, kind, machine, log)
     if devito_ok:
         rows.append(_devito_row(plan, st, shape_name, case, roof, kernel))
+    stream = (before + log.stream()) / 2  # the STREAM roofline around the case
+    ideal = ideal_bytes(st, plan.grid**3)
+    for row in rows:
+        if "ms" in row:
+            row["stream_gbs"] = round(stream / 1e9, 2)
+            row["stream_fraction"] = ideal / (row["ms"] / 1e3) / stream
     return rows
 
 
@@ -265,6 +280,15 @@ def _fractions(ours: dict, word: str) -> dict:
     return {"min": round(min(got), 3), "max": round(max(got), 3)} if got else {"min": None, "max": None}
 
 
+def _geomean(values: list[float]) -> float | None:
+    return round(math.exp(statistics.fmean(math.log(x) for x in values)), 3) if values else None
+
+
+def _stream_fractions(ours: dict, word: str) -> dict:
+    got = [r["stream_fraction"] for c, r in ours.items() if word in c and "stream_fraction" in r]
+    return {"min": round(min(got), 3), "max": round(max(got), 3)} if got else {"min": None, "max": None}
+
+
 def _headline(rows: list[dict], sweep: dict, log: BandwidthLog, plan: StencilPlan, devito_note: str) -> dict:
     ours = {r["case"]: r for r in rows if r["method"] == "tessera" and r.get("grid") == plan.grid}
     large = {r["case"]: r for r in rows if r["method"] == "tessera" and r.get("grid") == plan.large_grid}
@@ -282,6 +306,7 @@ def _headline(rows: list[dict], sweep: dict, log: BandwidthLog, plan: StencilPla
         "dram_read_gbs_max": probes.get("read_gbs_max"),
         "dram_write_gbs_median": probes.get("write_gbs_median"),
         "bandwidth_probes": probes["probes"],
+        **{k: v for k, v in probes.items() if k.startswith("stream_")},
         "same_memory_gbs_median": round(statistics.median(same), 2) if same else None,
         "same_memory_gbs_min": min(same) if same else None,
         "same_memory_gbs_max": max(same) if same else None,
@@ -292,11 +317,19 @@ def _headline(rows: list[dict], sweep: dict, log: BandwidthLog, plan: StencilPla
         "roofline_fraction_constant_min": const["min"],
         "roofline_fraction_constant_max": const["max"],
         "roofline_fraction_round_spread_max": round(max(spreads), 3) if spreads else None,
+        **{f"stream_fraction_{kind}_{end}": v for kind, word in (("variable", "variable"), ("constant", "constant"))
+           for end, v in _stream_fractions(ours, word).items()},  # fmt: skip
+        "bound_fraction_min": min((r["bound_fraction"] for r in ours.values() if "bound_fraction" in r),
+                                  default=None),  # fmt: skip
         "speed_vs_devito_geomean": round(math.exp(statistics.fmean(math.log(x) for x in ratios.values())), 3)
         if ratios
         else None,
         "speed_vs_devito_min": round(min(ratios.values()), 3) if ratios else None,
         "speed_vs_devito_max": round(max(ratios.values()), 3) if ratios else None,
+        "speed_vs_devito_unpaired_geomean": _geomean([r["vs_tessera_unpaired"] for r in devito
+                                                      if "vs_tessera_unpaired" in r]),  # fmt: skip
+        "speed_vs_devito_round_range": [min(r["vs_tessera_min"] for r in devito),
+                                        max(r["vs_tessera_max"] for r in devito)] if devito else None,  # fmt: skip
         "time_ratio_vs_devito_geomean": round(math.exp(statistics.fmean(math.log(x) for x in raw.values())), 3)
         if raw
         else None,
@@ -329,14 +362,25 @@ def _notes(plan: StencilPlan, sweep: dict, log: BandwidthLog, devito_note: str, 
         "this VM's bandwidth moves within seconds, so a sweep is only compared with the machine of its moment.",
         f"Tessera rows: {plan.rounds} sweeps of each kernel compared (best undecomposed and best decomposed, "
         "interleaved), each between two probes; roofline_fraction is the median over sweeps of (mean of its two "
-        "probes) / (its time), fraction_min/max their range; same_memory_gbs = ideal bytes / median probe. "
-        "numpy, torch and Devito are divided by the case's median probe. speed_vs_devito: Devito's worker times "
-        "Tessera's compiled kernel (the case's fastest, on arrays of its own layout) and Devito's apply one after "
-        f"the other, {plan.rounds} pairs; vs_tessera = median of Devito's sweep / Tessera's (range in "
-        "vs_tessera_min/max); time_ratio_vs_devito compares times minutes apart.",
+        "probes) / (its time), fraction_min/max their range; same_memory_gbs = ideal bytes / median probe; "
+        "incore_ms = the in-core bound of the row's schedule (its FMAs and its loads, the distinct field values of "
+        "its jammed rows plus each coefficient array and the output, at two of each a cycle a core); "
+        "bound_fraction = the longer of the DRAM bound (median probe) and the in-core bound / the row's time. "
+        "numpy, torch and Devito are divided by the case's median probe. speed_vs_devito: Devito (its own venv) and "
+        "Tessera's compiled kernel (the case's fastest) each in a process of its own, on bit-identical field and "
+        f"coefficient arrays, {plan.rounds} rounds interleaved (order alternating), each round 4 sweeps of each; "
+        "vs_tessera = median over rounds of Devito's sweep / Tessera's (paired; range in vs_tessera_min/max), "
+        "vs_tessera_unpaired = median / median (range: extreme over extreme); time_ratio_vs_devito compares times "
+        "minutes apart.",
         f"Fresh-buffer DRAM probes (best of 8 and 16 streams over 1 GiB; one per case, the machine's drift): "
         f"{probes['probes']}, read median {probes.get('read_gbs_median')} GB/s, range "
         f"{probes.get('read_gbs_min')}-{probes.get('read_gbs_max')}; write median {probes.get('write_gbs_median')} GB/s.",
+        "STREAM-class probe before and after each case (copy c = a and triad a = b + s c, plain and non-temporal "
+        "stores, three arrays far past the last-level cache, bytes counted as STREAM counts them): medians "
+        + ", ".join(f"{k.removeprefix('stream_').removesuffix('_gbs_median')} {v} GB/s" for k, v in probes.items()
+                    if k.startswith("stream_"))
+        + "; stream_fraction = the row's ideal bytes / its time / the better kernel's mean of the two probes "
+        "around its case (roofline_fraction divides by the own-buffer probe instead).",
         f"The bandwidth sweep at the start: one stream {sweep['one_stream'] / 1e9:.1f} GB/s; k streams at once "
         + ", ".join(f"k={k} {v / 1e9:.1f}" for k, v in sweep["by_streams"].items())
         + f"; write {sweep['write'] / 1e9:.1f} GB/s.",
@@ -357,7 +401,7 @@ def run_stencil_bench(quick: bool = False) -> BenchResult:
     by_streams = dram_streams_read_bandwidth(plan.threads)
     sweep = {"read": max(one_stream, *by_streams.values()), "write": write, "one_stream": one_stream,
              "by_streams": by_streams}
-    log = BandwidthLog(plan.threads)
+    log = BandwidthLog(plan.threads, stream_bytes=plan.stream_bytes)
     why_not = ensure_devito(plan.install_devito) if plan.devito else "skipped"
     rows = []
     for shape_name in plan.shapes:
@@ -370,7 +414,7 @@ def run_stencil_bench(quick: bool = False) -> BenchResult:
         rows += large
     devito_note = "devito 4.8.23 (own venv)" if why_not is None else f"absent: {why_not}"
     columns = ["case", "method", "ms", "gpts_s", "roofline_fraction", "fraction_min", "fraction_max",
-               "same_memory_gbs", "vs_tessera", "schedule", "predicted_ms", "max_rel_diff", "check_ok"]
+               "same_memory_gbs", "stream_fraction", "stream_gbs", "incore_ms", "bound_fraction", "bound", "vs_tessera", "schedule", "predicted_ms", "max_rel_diff", "check_ok"]
     return BenchResult(
         name="stencil",
         headline=_headline(rows, sweep, log, plan, devito_note),

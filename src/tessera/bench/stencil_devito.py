@@ -5,15 +5,17 @@ This file imports neither Tessera nor torch: `tessera bench stencil` runs it as 
     python stencil_devito.py SPEC.json RESULT.json
 
 SPEC: {"points": [[dz, dy, dx, weight, array-or-null], ...], "halo": h, "grid": [nz, ny, nx],
-"repeats": n, "steps": sweeps per timed apply, "check_dir": folder or null, "tessera": null or
-{"lib": path, "padded": [pz, py, px], "arrays": [names], "threads": t}}. With ``check_dir`` it first applies the operator
-to the small inputs there (u.npy with its halo, one .npy per coefficient array) and saves
-out.npy, so the caller can check that Devito computes the same sum. Then it times the full
-grid: opt='advanced' and autotuning='aggressive' (Devito's recommendation for performance;
-DEVITO_LANGUAGE=openmp and OMP_NUM_THREADS come from the caller's environment). With
-``tessera``, each timed apply alternates with one sweep of Tessera's compiled kernel for
-the same stencil (loaded by path, on arrays of its own layout): this VM's bandwidth moves
-within seconds, so only sweeps timed side by side compare the two.
+"repeats": n (0: check only), "steps": sweeps per timed apply, "check_dir": folder or null}.
+With ``check_dir`` it first applies the operator to the small inputs there and saves out.npy,
+so the caller can check that Devito computes the same sum. Then it builds the full grid's
+operator on arrays from ``pattern`` (bit for bit the arrays Tessera's worker,
+``stencil_tessera.py``, builds) with
+opt='advanced' and autotuning='aggressive' (Devito's recommendation for performance;
+DEVITO_LANGUAGE=openmp and OMP_NUM_THREADS come from the caller's environment), prints
+``ready`` and answers each ``run`` line on stdin with one timed apply as a JSON line (its
+own operator timer and the wall time, per sweep), until ``quit``: the caller alternates
+rounds of the two processes (this VM's bandwidth moves within seconds, so only rounds timed
+side by side compare).
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ def build(spec: dict, grid_shape):
     return op, u, coeffs
 
 
+def pattern(shape, salt: int) -> np.ndarray:
+    """Deterministic float32 values in [-0.5, 0.5) (field, salt 0) or [0.5, 1.5) (coefficient
+    arrays, salt 1, 2, ...): integer arithmetic and one correctly rounded division, so Devito's
+    worker (its own numpy 1.x) and Tessera's (numpy 2.x) build bit-identical arrays without
+    passing gigabytes through files."""
+    n = int(np.prod(shape))
+    i = np.arange(n, dtype=np.int64)
+    values = ((i * 7919 + salt * 104729) % 1009) / 1009.0 + (0.5 if salt else -0.5)
+    return values.astype(np.float32).reshape(shape)
+
+
 def _fill(u, coeffs, arrays: dict) -> None:
     full = u.data_with_halo[0]
     pad = (full.shape[0] - arrays["u"].shape[0]) // 2  # Devito's halo may be wider than ours
@@ -70,63 +83,35 @@ def check(spec: dict, folder: Path) -> None:
     np.save(folder / "out.npy", np.asarray(u.data[1]))
 
 
-def _tessera(spec: dict, shape):
-    """One sweep of the caller's compiled Tessera kernel on random arrays of its layout, or None."""
-    import ctypes
-
-    cfg = spec.get("tessera")
-    if not cfg:
-        return None
-    lib = ctypes.CDLL(cfg["lib"])
-    lib.tk_init()
-    fn = lib.tk_run
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    rng = np.random.default_rng(3)
-    u = rng.standard_normal(tuple(cfg["padded"]), dtype=np.float32)
-    out = np.zeros_like(u)
-    coefs = [(0.5 + rng.random(shape, dtype=np.float32)) for _ in cfg["arrays"]]
-    ptrs = (ctypes.c_void_p * max(1, len(coefs)))(*(c.ctypes.data for c in coefs))
-
-    def sweep() -> None:
-        fn(out.ctypes.data, u.ctypes.data, ptrs, cfg["threads"])
-
-    sweep.arrays = coefs  # ptrs holds bare addresses: the arrays must live as long as the sweep
-    return sweep
-
-
-def timed(spec: dict) -> dict:
+def serve(spec: dict) -> dict:
+    """Build and autotune on the caller's arrays, then one timed apply per ``run`` line."""
     shape, steps = tuple(spec["grid"]), spec.get("steps", 4)
     op, u, coeffs = build(spec, shape)
-    rng = np.random.default_rng(0)
-    u.data_with_halo[:] = rng.standard_normal(u.data_with_halo.shape, dtype=np.float32) * 1e-3
-    for f in coeffs.values():
-        f.data[:] = rng.uniform(0.5, 1.5, size=shape).astype(np.float32)
+    h = spec["halo"]
+    padded = tuple(n + 2 * h for n in shape)
+    arrays = {"u": pattern(padded, 0)} | {n: pattern(shape, k + 1) for k, n in enumerate(coeffs)}
+    _fill(u, coeffs, arrays)
+    del arrays
     began = time.perf_counter()
     op.apply(time_m=0, time_M=steps - 1, autotune="aggressive")  # compiles, autotunes the blocks
     setup = time.perf_counter() - began
-    ours = _tessera(spec, shape)
-    if ours:
-        ours()  # warm-up: first touch
-    walls, kernels, tessera = [], [], []
-    for _ in range(spec["repeats"]):
-        if ours:
-            t0 = time.perf_counter()
-            ours()
-            tessera.append(time.perf_counter() - t0)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
         t0 = time.perf_counter()
         summary = op.apply(time_m=0, time_M=steps - 1)
-        walls.append((time.perf_counter() - t0) / steps)
-        kernels.append(sum(entry.time for entry in summary.values()) / steps)
-    return {"wall_seconds": walls, "kernel_seconds": kernels, "setup_seconds": setup, "steps": steps,
-            "tessera_seconds": tessera}
+        wall = (time.perf_counter() - t0) / steps
+        kernel = sum(entry.time for entry in summary.values()) / steps
+        print(json.dumps({"kernel_seconds": kernel, "wall_seconds": wall}), flush=True)
+    return {"setup_seconds": setup, "steps": steps}
 
 
 def main(argv: list[str]) -> int:
     spec = json.loads(Path(argv[1]).read_text())
     if spec.get("check_dir"):
         check(spec, Path(spec["check_dir"]))
-    result = timed(spec) if spec.get("repeats", 0) > 0 else {}
+    result = serve(spec) if spec.get("repeats", 0) > 0 else {}
     import devito
 
     result["devito"] = devito.__version__

@@ -17,6 +17,7 @@ import numpy as np
 DEVITO_VENV = Path(".cache/devito-venv")
 DEVITO_PIN = "devito==4.8.23"
 WORKER = Path(__file__).with_name("stencil_devito.py")
+TESSERA_WORKER = Path(__file__).with_name("stencil_tessera.py")
 
 
 def numpy_stencil(st, u: np.ndarray, coeffs: dict, out: np.ndarray, tmp: np.ndarray) -> None:
@@ -85,7 +86,7 @@ def ensure_devito(install: bool) -> str | None:
     return None if subprocess.run(probe, capture_output=True).returncode == 0 else "devito does not import"
 
 
-def _devito_spec(st, shape_name: str, grid, repeats: int, check_dir: str | None, tessera: dict | None = None) -> dict:
+def _devito_spec(st, shape_name: str, grid, repeats: int, check_dir: str | None) -> dict:
     from tessera.stencil.shapes import shape_weights
 
     weights = shape_weights(shape_name)
@@ -97,26 +98,49 @@ def _devito_spec(st, shape_name: str, grid, repeats: int, check_dir: str | None,
         ]
         for p in st.points
     ]
-    return {
-        "points": points,
-        "halo": st.halo,
-        "grid": list(grid),
-        "repeats": repeats,
-        "steps": 4,
-        "check_dir": check_dir,
-        "tessera": tessera,
-    }
+    return {"points": points, "halo": st.halo, "grid": list(grid), "repeats": repeats, "steps": 4,
+            "check_dir": check_dir}  # fmt: skip
 
 
-def run_devito(st, shape_name: str, grid, threads: int, repeats: int, tessera: dict | None = None) -> dict:
-    """Check Devito's answer on a small grid against the float64 reference, then time it
-    (with ``tessera``, alternating with sweeps of Tessera's kernel: ``stencil_devito.py``)."""
+class _Worker:
+    """A timing process: it prints ``ready`` once set up, then answers each ``run`` line with
+    one JSON line (other output, e.g. a compiler's, is skipped)."""
+
+    def __init__(self, cmd: list[str], env: dict, log):
+        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                     text=True, bufsize=1)  # fmt: skip
+        self._until(lambda line: line.strip() == "ready")
+
+    def _until(self, accept) -> str:
+        for line in self.proc.stdout:
+            if accept(line):
+                return line
+        raise RuntimeError(f"{self.proc.args[1]} exited (code {self.proc.wait()}) before answering")
+
+    def run(self) -> dict:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return json.loads(self._until(lambda line: line.startswith("{")))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+        self.proc.wait(timeout=600)
+
+
+def run_devito(st, shape_name: str, grid, threads: int, rounds: int, tessera: dict | None = None) -> dict:
+    """Check Devito's answer on a small grid against the float64 reference; then, with
+    ``tessera`` (the case's compiled kernel: {"lib": path}), Devito and Tessera each in a
+    process of its own on bit-identical arrays (``stencil_devito.pattern``), ``rounds`` rounds
+    interleaved (the order alternating, D T T D D T ...), each round ``steps`` sweeps of each."""
     from tessera.stencil import padded_shape, weight_arrays
     from tessera.stencil import reference as ref
 
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(threads),
+        OMP_WAIT_POLICY="PASSIVE",  # an idle worker's threads sleep while the other one runs
         DEVITO_LANGUAGE="openmp",
         DEVITO_AUTOTUNING="aggressive",
         DEVITO_LOGGING="WARNING",
@@ -129,18 +153,41 @@ def run_devito(st, shape_name: str, grid, threads: int, repeats: int, tessera: d
         np.save(Path(tmp) / "u.npy", u)
         for k, v in co.items():
             np.save(Path(tmp) / f"{k}.npy", v)
+        spec = _devito_spec(st, shape_name, grid, rounds if tessera else 0, tmp)
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-        spec_path.write_text(json.dumps(_devito_spec(st, shape_name, grid, repeats, tmp, tessera)))
-        done = subprocess.run(
-            [str(DEVITO_VENV / "bin" / "python"), str(WORKER), str(spec_path), str(result_path)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=1200,
-        )
-        if done.returncode != 0:
-            return {"error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
-        result = json.loads(result_path.read_text())
+        spec_path.write_text(json.dumps(spec))
+        ours_path = Path(tmp) / "tessera.json"
+        ours_path.write_text(json.dumps({**(tessera or {}), "grid": list(grid), "halo": st.halo,
+                                         "arrays": len(st.arrays), "threads": threads, "steps": spec["steps"]}))
+        log = (Path(tmp) / "workers.log").open("w")
+        devito = ours = None
+        times: dict[str, list[float]] = {"kernel_seconds": [], "wall_seconds": [], "tessera_seconds": []}
+        try:
+            devito = _Worker([str(DEVITO_VENV / "bin" / "python"), str(WORKER), str(spec_path), str(result_path)],
+                             env, log)  # fmt: skip
+            if tessera:
+                ours = _Worker([sys.executable, str(TESSERA_WORKER), str(ours_path)], env, log)
+                for r in range(rounds):
+                    order = (devito, ours) if r % 2 == 0 else (ours, devito)
+                    for worker in order:
+                        got = worker.run()
+                        if worker is ours:
+                            times["tessera_seconds"].append(got["seconds"])
+                        else:
+                            times["kernel_seconds"].append(got["kernel_seconds"])
+                            times["wall_seconds"].append(got["wall_seconds"])
+            for worker in (devito, ours):
+                if worker is not None:
+                    worker.close()
+        except (RuntimeError, OSError, subprocess.TimeoutExpired, json.JSONDecodeError) as exc:
+            for worker in (devito, ours):
+                if worker is not None and worker.proc.poll() is None:
+                    worker.proc.kill()
+            log.close()
+            tail = (Path(tmp) / "workers.log").read_text().strip().splitlines()
+            return {"error": f"{exc}; {tail[-1] if tail else 'no output'}"}
+        log.close()
+        result = json.loads(result_path.read_text()) | times
         h = st.halo
         got = np.load(Path(tmp) / "out.npy")
         exact = ref.apply_float64(st, u, co)[h:-h, h:-h, h:-h]

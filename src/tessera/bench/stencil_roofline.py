@@ -13,7 +13,10 @@ each in turn) and writes N^3 floats of the output: exactly the ideal bytes, on t
 pages, in plain vector loads and stores. Each timed sweep sits between two probes and its
 fraction is their mean over its time; a row reports the median over its sweeps and their
 range. A fresh-buffer DRAM probe (``kernels.machine.dram_probe``) per case is kept too, to
-show the machine's drift.
+show the machine's drift, and a STREAM-class probe (``kernels.machine.stream_probe``: copy
+and triad, with and without non-temporal stores, over arrays far past the last-level cache)
+before and after each case: ``stream_fraction`` divides by the better of those two probes'
+mean, ``roofline_fraction`` by the own-buffer probe.
 """
 
 from __future__ import annotations
@@ -31,6 +34,17 @@ class BandwidthLog:
 
     threads: int
     samples: list[tuple[float, float]] = field(default_factory=list)
+    stream_bytes: int | None = None  # the STREAM probe's arrays, all together (None: past the LLC, 1 GiB+)
+    streams: list[dict[str, float]] = field(default_factory=list)
+
+    def stream(self) -> float:
+        """A STREAM-class probe now (copy and triad, plain and non-temporal stores, arrays far
+        past the last-level cache); its best bytes/s, kept for the summary."""
+        from tessera.kernels.machine import stream_probe
+
+        sample = stream_probe(self.threads, total_bytes=self.stream_bytes)
+        self.streams.append(sample)
+        return sample["best"]
 
     def probe(self) -> tuple[float, float]:
         from tessera.kernels.machine import dram_probe
@@ -43,7 +57,9 @@ class BandwidthLog:
         reads = [r for r, _ in self.samples]
         if not reads:
             return {"probes": 0}
-        return {
+        stream = {f"stream_{k}_gbs_median": round(statistics.median(s[k] for s in self.streams) / 1e9, 2)
+                  for k in (self.streams[0] if self.streams else {})}  # fmt: skip
+        return stream | {
             "probes": len(reads),
             "read_gbs_median": round(statistics.median(reads) / 1e9, 2),
             "read_gbs_min": round(min(reads) / 1e9, 2),

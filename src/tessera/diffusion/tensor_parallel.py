@@ -27,7 +27,7 @@ from tessera.diffusion.tp_diffusers import (
 )
 from tessera.models.dit import DiT
 from tessera.parallel.tp_plans import TPPlan, apply_tp, check_plan, gather_tp, plan_for
-from tessera.runtime.comm import FunctionalCollectives
+from tessera.runtime.functional_collectives import FunctionalCollectives
 from tessera.runtime.mesh import Mesh
 
 AXIS = "tp"

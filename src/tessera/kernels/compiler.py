@@ -7,7 +7,8 @@ semantics stay, so results depend only on the binary (FMA contraction is part of
 
 A compiled kernel is cached under ``$TESSERA_KERNEL_CACHE`` (default
 ``~/.cache/tessera/kernels``) by a hash of its source (which names the operator, its
-shapes and the schedule), the primitives header, the flags and the compiler's version.
+shapes and the schedule), the headers it may include (``csrc/*.h``), the flags and the
+compiler's version.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from pathlib import Path
 from tessera.kernels.schedule import ISAS
 
 CSRC = Path(__file__).parent / "csrc"
-HEADER = CSRC / "tessera_primitives.h"
 COMMON_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=fast")
 INSTALL_HINT = "install one, e.g. `apt-get install gcc` (Debian/Ubuntu) or `dnf install gcc`, or set CC"
 
@@ -72,9 +72,15 @@ def find_compiler() -> Compiler:
     raise CompilerError(f"no C compiler found (looked for $CC, gcc, cc, clang on PATH); {INSTALL_HINT}")
 
 
+@functools.lru_cache(maxsize=1)
+def _headers_text() -> str:
+    """Every header a generated kernel may include, in a fixed order (read once a process)."""
+    return "".join(f"// {p.name}\n{p.read_text()}" for p in sorted(CSRC.glob("*.h")))
+
+
 def cache_key(source: str, compiler: Compiler, isa: str, extra_flags: tuple[str, ...] = ()) -> str:
     flags = compiler.flags(isa) + tuple(extra_flags)
-    material = json.dumps({"source": source, "header": HEADER.read_text(), "flags": flags, "compiler": compiler.version})
+    material = json.dumps({"source": source, "headers": _headers_text(), "flags": flags, "compiler": compiler.version})
     return hashlib.sha256(material.encode()).hexdigest()[:32]
 
 

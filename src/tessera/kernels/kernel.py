@@ -12,8 +12,9 @@ import numpy as np
 from tessera.kernels.codegen_gemm import generate_gemm
 from tessera.kernels.codegen_loops import generate_loops
 from tessera.kernels.compiler import Compiled, compile_source, load
+from tessera.kernels.direct import generate_direct
 from tessera.kernels.ir import Operator, Tensor
-from tessera.kernels.schedule import GemmSchedule, LoopSchedule, Schedule
+from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule, Schedule, WinogradSchedule
 
 _LOADED: dict[str, Kernel] = {}
 
@@ -23,6 +24,12 @@ def generate(op: Operator, schedule: Schedule) -> str:
         return generate_gemm(op, schedule)
     if isinstance(schedule, LoopSchedule):
         return generate_loops(op, schedule)
+    if isinstance(schedule, DirectSchedule):
+        return generate_direct(op, schedule)
+    if isinstance(schedule, WinogradSchedule):
+        from tessera.kernels.winograd import generate_winograd
+
+        return generate_winograd(op, schedule)
     raise TypeError(f"not a schedule: {schedule!r}")
 
 
@@ -59,6 +66,7 @@ class Kernel:
     compiled: Compiled
     _fn: ctypes._CFuncPtr = field(repr=False)
     _lib: ctypes.CDLL = field(repr=False)
+    parts: tuple[Kernel, ...] = ()  # kernels this one calls (a Winograd convolution's GEMM)
 
     @property
     def input_specs(self) -> tuple[Tensor, ...]:
@@ -105,6 +113,14 @@ def compile_kernel(op: Operator, schedule: Schedule) -> Kernel:
     lib = load(compiled)
     fn = lib.tk_run
     fn.restype = None
-    kernel = Kernel(op=op, schedule=schedule, compiled=compiled, _fn=fn, _lib=lib)
+    parts = ()
+    if isinstance(schedule, WinogradSchedule):  # its GEMMs run on a GEMM kernel, called through a pointer
+        from tessera.kernels.winograd import gemm_op
+
+        gemm = compile_kernel(gemm_op(op, schedule.m), schedule.gemm)
+        lib.wg_set_gemm.argtypes = [ctypes.c_void_p]
+        lib.wg_set_gemm(ctypes.cast(gemm._fn, ctypes.c_void_p))
+        parts = (gemm,)
+    kernel = Kernel(op=op, schedule=schedule, compiled=compiled, _fn=fn, _lib=lib, parts=parts)
     _LOADED[compiled.key] = kernel
     return kernel

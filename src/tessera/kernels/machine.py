@@ -138,6 +138,8 @@ def _bench_lib(isa: str) -> ctypes.CDLL:
         fn.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_double]
     lib.tk_streams_read_gbps.restype = ctypes.c_double
     lib.tk_streams_read_gbps.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_int, ctypes.c_double]
+    lib.tk_stream_gbps.restype = ctypes.c_double
+    lib.tk_stream_gbps.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_int, ctypes.c_double]
     lib.tk_arrays_seconds.restype = ctypes.c_double
     lib.tk_arrays_seconds.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_int,
                                       ctypes.c_long, ctypes.c_int]
@@ -258,6 +260,26 @@ def dram_probe(threads: int, *, seconds: float = 0.15, isa: str | None = None) -
     lib = _bench_lib(isa)
     read = max(lib.tk_streams_read_gbps(total // threads, threads, k, seconds) for k in PROBE_STREAMS)
     return read * 1e9, lib.tk_write_gbps(total // threads, threads, seconds) * 1e9
+
+
+STREAM_KERNELS = {"copy": (0, 0), "copy_nt": (0, 1), "triad": (1, 0), "triad_nt": (1, 1)}
+
+
+def stream_probe(threads: int, *, seconds: float = 0.2, isa: str | None = None,
+                 total_bytes: int | None = None) -> dict[str, float]:
+    """A STREAM-class probe (McCalpin's copy and triad, counted as STREAM counts them: no
+    write-allocate traffic), with plain and with non-temporal stores, each on three arrays far
+    larger than the last-level cache, best round of ``seconds``: bytes/s of each, and
+    ``best``. The roofline a stencil's bandwidth is compared with in the HPC literature,
+    beside Tessera's own-buffer probe. ``total_bytes``: the three arrays of all threads
+    together (default ``dram_buffer_bytes``)."""
+    isa = isa or cpu_isas()[-1]
+    per_array = (total_bytes or dram_buffer_bytes(cache_sizes()[0])) // threads // 3
+    lib = _bench_lib(isa)
+    out = {name: lib.tk_stream_gbps(kind, nt, per_array, threads, seconds) * 1e9
+           for name, (kind, nt) in STREAM_KERNELS.items()}
+    out["best"] = max(out.values())
+    return out
 
 
 def probe_library(isa: str | None = None) -> str:

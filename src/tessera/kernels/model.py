@@ -23,6 +23,13 @@ Loop-nest schedules: the innermost loop's issue rate (its loads and stores again
 FMA pipes, vector or scalar, its trip count against the vector length) and each cache
 level's traffic from footprints (the data the loops inside a level touch, times the trips
 of the loops outside it).
+
+Direct kernels (``direct``): a depthwise convolution's register blocks (their FMAs against
+their vector loads and broadcasts, two of each a cycle) plus the copy of each input plane
+into its padded buffer, against the bytes of input, output and weights from the level they
+fit in; a GEMV's matrix bytes from the level it fits in against its FMAs at the rate its
+loads allow. Winograd (``winograd``): its transforms' vector work and scratch traffic plus
+the GEMM model of its GEMMs.
 """
 
 from __future__ import annotations
@@ -32,9 +39,10 @@ import math
 
 from tessera.kernels.codegen_loops import _loops, unit_axes
 from tessera.kernels.contraction import analyse
+from tessera.kernels.direct import depthwise_of, gemv_of
 from tessera.kernels.ir import Operator, accesses, drop_unit_axes
 from tessera.kernels.machine import Machine
-from tessera.kernels.schedule import GemmSchedule, LoopSchedule, Schedule
+from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule, Schedule, WinogradSchedule
 
 FMA_PIPES, FMA_LATENCY, LOADS_PER_CYCLE = 2, 4, 2
 CALL_SECONDS = 4e-6  # entering the kernel and its OpenMP region
@@ -227,8 +235,48 @@ def predict_loops(op: Operator, s: LoopSchedule, m: Machine, threads: int) -> fl
     return CALL_SECONDS + t_zero + max(t_compute, t_mem)
 
 
+def _predict_depthwise(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
+    d = depthwise_of(op)
+    vl = 16 if s.isa == "avx512" else 8
+    chunk = s.vecs * vl
+    qrows = (s.rows - 1) * d.sh + d.kh
+    fmas = s.rows * d.kh * d.kw * s.vecs
+    loads = qrows * d.kw * s.vecs + s.rows * d.kh * d.kw  # input vectors + weight broadcasts
+    block_cycles = max(fmas, loads) / FMA_PIPES + s.rows * s.vecs + 6
+    blocks = -(-d.oh // s.rows) * -(-d.ow // chunk)
+    items, planes = d.n * d.g * d.cog, d.n * d.g
+    fill_cycles = d.h * d.w * (1.0 / vl if d.sw == 1 else 1.5)
+    t_eff = max(1, min(threads, items))
+    speed = _balance(items, t_eff)
+    t_compute = (items * blocks * block_cycles + planes * fill_cycles) * _cycle(m, s.isa) / speed
+    nbytes = 4.0 * (planes * d.h * d.w + items * (d.oh * d.ow + d.kh * d.kw))
+    t_mem = nbytes / m.bandwidth(_level(m, nbytes, t_eff), t_eff)
+    return CALL_SECONDS + max(t_compute, t_mem)
+
+
+def _predict_gemv(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
+    v = gemv_of(op)
+    vl = 16 if s.isa == "avx512" else 8
+    units = -(-v.n // (s.rows if v.trans_b else s.vecs * vl))
+    t_eff = max(1, min(threads, units))
+    # loads a vector FMA: the matrix's one, plus the vector's (TB 1) or y's load and store (TB 0) amortised
+    per_fma = 1 + (1 / s.rows if v.trans_b else 2 / s.rows)
+    fill = 1.0 if v.trans_b else v.n / (-(-v.n // (s.vecs * vl)) * s.vecs * vl)
+    t_compute = 2.0 * v.n * v.k * per_fma / (m.peak(t_eff, s.isa) / t_eff * _balance(units, t_eff) * fill)
+    nbytes = 4.0 * (v.n * v.k + v.n + v.k)
+    t_mem = nbytes / m.bandwidth(_level(m, nbytes, t_eff), t_eff)
+    return CALL_SECONDS + max(t_compute, t_mem)
+
+
 def predict(op: Operator, schedule: Schedule, m: Machine, threads: int = 1) -> float:
     """Predicted seconds of one call of ``op`` under ``schedule`` on ``threads`` threads."""
     if isinstance(schedule, GemmSchedule):
         return predict_gemm(op, schedule, m, threads)
+    if isinstance(schedule, DirectSchedule):
+        predictor = _predict_depthwise if schedule.algo == "depthwise" else _predict_gemv
+        return predictor(op, schedule, m, threads)
+    if isinstance(schedule, WinogradSchedule):
+        from tessera.kernels.winograd import predict_winograd  # it builds on this module's GEMM model
+
+        return predict_winograd(op, schedule, m, threads)
     return predict_loops(op, schedule, m, threads)

@@ -9,6 +9,11 @@ inner ones, packing of each operand, the k-loop unroll, which loop runs on OpenM
 the (collapsed) parallel outer loops, ``omp simd`` on the innermost loop and its unroll.
 Issue 14's stencils are loop nests of this kind.
 
+``DirectSchedule`` lowers the operators that have a kernel of their own (``direct``): a
+depthwise convolution (a padded plane per thread, output rows blocked in registers) and a
+matrix-vector product (GEMV, rows of the matrix streamed once); its two knobs are the
+register block (rows x vectors).
+
 A schedule never changes results: reductions always run in one fixed order inside one
 thread, so the same binary gives bit-identical outputs at any thread count.
 """
@@ -129,7 +134,65 @@ class LoopSchedule:
         return f"loops {'>'.join(self.order)} tiles[{tiles}] par{self.parallel} simd{int(self.vectorize)} u{self.unroll}"
 
 
-Schedule = GemmSchedule | LoopSchedule
+DIRECT_ALGOS = ("depthwise", "gemv")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DirectSchedule:
+    """``algo``: the specialised kernel; ``rows`` x ``vecs``: its register block (depthwise:
+    output rows x vectors along a row; GEMV: matrix rows per pass x vectors of the output)."""
+
+    algo: str
+    isa: str = "avx2"
+    rows: int = 1
+    vecs: int = 2
+    kind: str = field(default="direct", init=False)
+
+    def __post_init__(self):
+        _, regs, _ = _isa(self.isa)
+        if self.algo not in DIRECT_ALGOS:
+            raise ValueError(f"direct kernel {self.algo!r}; choose one of {', '.join(DIRECT_ALGOS)}")
+        if self.rows < 1 or self.vecs < 1:
+            raise ValueError(f"register block {self.rows}x{self.vecs} must be at least 1x1")
+        live = self.rows * self.vecs + self.vecs + 1 if self.algo == "depthwise" else self.vecs + 2
+        if live > regs:
+            raise ValueError(f"register block {self.rows}x{self.vecs} needs {live} vector registers; {self.isa} has {regs}")
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def short(self) -> str:
+        return f"{self.algo} {self.isa} {self.rows}x{self.vecs}"
+
+
+WINOGRAD_TILES = (2, 4)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WinogradSchedule:
+    """A 3x3 stride-1 convolution as Winograd F(m x m, 3 x 3): transforms in ``isa`` around
+    (m + 2)^2 GEMMs run under ``gemm``."""
+
+    m: int = 4
+    isa: str = "avx2"
+    gemm: GemmSchedule = field(default_factory=GemmSchedule)
+    kind: str = field(default="winograd", init=False)
+
+    def __post_init__(self):
+        _isa(self.isa)
+        if self.m not in WINOGRAD_TILES:
+            raise ValueError(f"Winograd output tile m={self.m}; choose one of {WINOGRAD_TILES}")
+        if not isinstance(self.gemm, GemmSchedule):
+            raise ValueError(f"a Winograd schedule's gemm must be a GemmSchedule, not {self.gemm!r}")
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def short(self) -> str:
+        return f"winograd F({self.m}x{self.m},3x3) {self.isa} gemm[{self.gemm.short()}]"
+
+
+Schedule = GemmSchedule | LoopSchedule | DirectSchedule | WinogradSchedule
 
 
 def schedule_from_dict(data: dict) -> Schedule:
@@ -137,6 +200,10 @@ def schedule_from_dict(data: dict) -> Schedule:
     kind = data.pop("kind", "gemm")
     if kind == "gemm":
         return GemmSchedule(**data)
+    if kind == "direct":
+        return DirectSchedule(**data)
+    if kind == "winograd":
+        return WinogradSchedule(**(data | {"gemm": schedule_from_dict(data["gemm"])}))
     data["order"] = tuple(data["order"])
     data["tiles"] = tuple(tuple(t) for t in data.get("tiles", ()))
     return LoopSchedule(**data)

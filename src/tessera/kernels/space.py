@@ -1,6 +1,7 @@
 """The schedule space of an operator: every GemmSchedule the micro-kernel allows (when the
-operator is a contraction) and a family of loop-nest schedules (always), sized to the
-operator so that no tile is larger than the work."""
+operator is a contraction), a family of loop-nest schedules (always) and the register blocks
+of a direct kernel (when one applies), sized to the operator so that no tile is larger than
+the work."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import itertools
 from tessera.kernels.codegen_loops import _Gen as _LoopGen
 from tessera.kernels.codegen_loops import parallel_safe_axes
 from tessera.kernels.contraction import NotTensorizable
+from tessera.kernels.direct import direct_space
 from tessera.kernels.ir import Operator, drop_unit_axes
 from tessera.kernels.model import _facts
 from tessera.kernels.schedule import REGISTER_TILES, GemmSchedule, LoopSchedule, Schedule
@@ -78,5 +80,7 @@ def loop_space(op: Operator, *, threads: int, isas: tuple[str, ...]) -> list[Loo
 
 
 def schedule_space(op: Operator, *, threads: int, isas: tuple[str, ...]) -> list[Schedule]:
-    """Every candidate schedule of ``op`` for ``threads`` threads and the given vector ISAs."""
-    return [*gemm_space(op, threads=threads, isas=isas), *loop_space(op, threads=threads, isas=isas)]
+    """Every candidate schedule of ``op`` for ``threads`` threads and the given vector ISAs (the
+    direct kernels' where one applies: their threads split the work by themselves)."""
+    return [*gemm_space(op, threads=threads, isas=isas), *loop_space(op, threads=threads, isas=isas),
+            *direct_space(op, isas=isas)]

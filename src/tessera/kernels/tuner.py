@@ -23,6 +23,7 @@ from tessera.kernels.machine import Machine, load_machine
 from tessera.kernels.model import predict
 from tessera.kernels.schedule import GemmSchedule, Schedule, schedule_from_dict
 from tessera.kernels.space import schedule_space
+from tessera.kernels.winograd import winograd_space
 
 MODES = ("model", "measure")
 
@@ -86,14 +87,18 @@ def spearman(x: list[float], y: list[float]) -> float:
 def rank(op: Operator, *, threads: int, machine: Machine) -> list[Trial]:
     """Every schedule of the space with its predicted time, fastest first."""
     isas = tuple(i for i in ("avx2", "avx512") if i in machine.peak_flops)
-    trials = [Trial(s, predict(op, s, machine, threads)) for s in schedule_space(op, threads=threads, isas=isas)]
+    space = schedule_space(op, threads=threads, isas=isas) + winograd_space(op, threads=threads, isas=isas,
+                                                                             machine=machine)
+    trials = [Trial(s, predict(op, s, machine, threads)) for s in space]
     if not trials:
         raise ValueError(f"{op.name}: no schedule in the space (ISAs {isas})")
     return sorted(trials, key=lambda t: t.predicted)
 
 
 def _family(s: Schedule) -> tuple:
-    return (s.isa, s.mr, s.nr) if isinstance(s, GemmSchedule) else ("loops",)
+    if isinstance(s, GemmSchedule):
+        return (s.isa, s.mr, s.nr)
+    return (s.kind, s.isa) if s.kind == "direct" else (s.kind,)
 
 
 def shortlist(trials: list[Trial], top_k: int, per_family: int = 2) -> list[Trial]:

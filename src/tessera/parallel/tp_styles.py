@@ -4,7 +4,7 @@
 transformers (``transformers.distributed.tensor_parallel``) registers its own layer classes
 under these names; Tessera reads the same names and applies torch's ``parallelize_module``
 instead, so every sharded weight is a DTensor and every collective is DTensor's (counted by
-``tessera.runtime.comm.FunctionalCollectives``). Between modules activations are plain,
+``tessera.runtime.functional_collectives.FunctionalCollectives``). Between modules activations are plain,
 replicated tensors except where a name says otherwise, as in transformers:
 
     colwise                   Linear, weight and bias split on the output features; input

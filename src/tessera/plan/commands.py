@@ -13,7 +13,8 @@ from pathlib import Path
 from tessera.cli_flags import LAYOUT, PLAN, add_fields, add_renamed, as_flags, given, warn_renamed
 from tessera.plan.devices import DEVICES, device_named
 from tessera.plan.hardware import LINK_TOPOLOGY, Hardware
-from tessera.plan.model_spec import PIPELINE_COUNTS, PRESETS, model_spec
+from tessera.plan.model_presets import PIPELINE_COUNTS, PRESETS
+from tessera.plan.model_spec import model_spec
 from tessera.plan.training_plan import OFFLOADS, PRECISIONS
 from tessera.runtime.link import LINKS, link_named
 

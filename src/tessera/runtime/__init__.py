@@ -11,7 +11,7 @@ from tessera.runtime.lazy import lazy_names
 
 _WHERE = {
     "Comm": "tessera.runtime.comm",
-    "Ledger": "tessera.runtime.comm",
+    "Ledger": "tessera.runtime.ledger",
     "Mesh": "tessera.runtime.mesh",
     "RankError": "tessera.runtime.launch",
     "init_from_env": "tessera.runtime.launch",
@@ -25,6 +25,7 @@ __getattr__, __dir__ = lazy_names(__name__, _WHERE, __all__)
 
 
 if TYPE_CHECKING:  # for type checkers and editors: the same names, eagerly
-    from tessera.runtime.comm import Comm, Ledger
+    from tessera.runtime.comm import Comm
     from tessera.runtime.launch import RankError, init_from_env, spawn
+    from tessera.runtime.ledger import Ledger
     from tessera.runtime.mesh import Mesh

@@ -98,6 +98,13 @@ def make_example_model(directory: str) -> None:
     )
 
 
+def _workers(positive_int):
+    def parse(text: str):
+        return "auto" if text == "auto" else positive_int(text)
+
+    return parse
+
+
 def add_serve_parser(sub, positive_int) -> None:
     from tessera.serve.scheduler import NAMES as SCHEDULER_NAMES  # no torch, no numpy
 
@@ -164,10 +171,11 @@ def add_serve_parser(sub, positive_int) -> None:
     )
     p.add_argument(
         "--workers",
-        type=positive_int,
-        default=1,
+        type=_workers(positive_int),
+        default="auto",
         help="engine workers, each with its own model copy, taking batches as they free up "
-        "(with more than 1, --threads defaults to 1 per worker)",
+        "(with more than 1, --threads defaults to 1 per worker); default auto: one per core this "
+        "process may use, divided by --threads",
     )
     p.add_argument(
         "--drain-timeout",

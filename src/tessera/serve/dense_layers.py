@@ -17,7 +17,10 @@ few MiB costs more in page faults than the GEMM that fills it.
 The model object itself is never changed: ``on()`` sets each module's ``forward`` and puts
 the old one back on exit, so a model shared with other runners (or a test's reference
 forward) runs torch's layers outside the context. Weights are packed when the runner is
-built; a model whose weights change afterwards needs a new runner.
+built; a model whose weights change afterwards needs a new runner. Engine workers run on
+copies of one model: a worker's layers take the packed weights of the first worker's
+(``packed_from``) wherever the layer's weight and bias are equal, so N workers hold one
+packed copy; only the output buffers are each worker's own.
 """
 
 from __future__ import annotations
@@ -83,6 +86,14 @@ def _residual_block(module: nn.Module) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class _Packed:
+    kernel: DenseKernel
+    packed: torch.Tensor
+    bias: torch.Tensor
+    weight: torch.Tensor  # the weight it was packed from (to check a sharer's is equal)
+
+
 @dataclass
 class DenseLayers:
     """The swaps for one model: ``on()`` runs a forward on Tessera's dense kernels."""
@@ -91,8 +102,11 @@ class DenseLayers:
     mode: str = "model"  # the tuner's mode: "model" (predicted best) or "measure" (timed now)
     m_hint: int = 256  # the token count a "measure" tuning times at
     threads: int = 1  # the thread count tuned for (the kernel runs at torch's count when called)
+    packed_from: DenseLayers | None = None  # another worker's layers, whose packed weights are reused
     swaps: list[tuple[nn.Module, object]] = field(default_factory=list, init=False)
     packed_bytes: int = field(default=0, init=False)
+    shared_bytes: int = field(default=0, init=False)  # packed weights taken from ``packed_from``
+    by_name: dict[str, _Packed] = field(default_factory=dict, init=False)
     shapes: set[tuple[int, int]] = field(default_factory=set, init=False)
     fused_residuals: int = field(default=0, init=False)
     gelus_in_place: int = field(default=0, init=False)
@@ -100,9 +114,9 @@ class DenseLayers:
 
     def __post_init__(self) -> None:
         layers: dict[nn.Linear, _Layer] = {}
-        for module in self.model.modules():
+        for name, module in self.model.named_modules():
             if isinstance(module, nn.Linear):
-                layers[module] = self._layer(module)
+                layers[module] = self._layer(name, module)
         for module in self.model.modules():
             if _residual_block(module):
                 self.swaps.append((module, _fused_output(module, layers[module.dense])))
@@ -113,7 +127,7 @@ class DenseLayers:
         for module, layer in layers.items():
             self.swaps.append((module, layer))
 
-    def _layer(self, linear: nn.Linear) -> _Layer:
+    def _layer(self, name: str, linear: nn.Linear) -> _Layer:
         w = linear.weight.detach()
         if w.dtype != torch.float32 or w.device.type != "cpu":
             raise ValueError(
@@ -121,12 +135,18 @@ class DenseLayers:
                 f"{w.device}: use --kernels torch"
             )
         n, k = w.shape
-        kernel = dense_kernel(n, k, threads=self.threads, mode=self.mode, m_hint=self.m_hint)
         bias = linear.bias.detach().contiguous() if linear.bias is not None else torch.zeros(n)
-        packed = kernel.pack(w.contiguous())
-        self.packed_bytes += packed.numel() * 4
+        theirs = self.packed_from.by_name.get(name) if self.packed_from is not None else None
+        if theirs is not None and _same(theirs.weight, w) and _same(theirs.bias, bias):
+            mine = theirs
+            self.shared_bytes += theirs.packed.numel() * 4
+        else:
+            kernel = dense_kernel(n, k, threads=self.threads, mode=self.mode, m_hint=self.m_hint)
+            mine = _Packed(kernel, kernel.pack(w.contiguous()), bias, w)
+            self.packed_bytes += mine.packed.numel() * 4
+        self.by_name[name] = mine
         self.shapes.add((n, k))
-        return _Layer(kernel, packed, bias, self.counts)
+        return _Layer(mine.kernel, mine.packed, mine.bias, self.counts)
 
     @contextlib.contextmanager
     def on(self):
@@ -149,11 +169,16 @@ class DenseLayers:
             "fused_residuals": self.fused_residuals,
             "gelus_in_place": self.gelus_in_place,
             "packed_weights_mib": round(self.packed_bytes / 2**20, 1),
+            "shared_packed_weights_mib": round(self.shared_bytes / 2**20, 1),
             "tuning": self.mode,
             "dense_calls": self.counts["calls"],
             "dense_rows": self.counts["rows"],
             "dense_buffers": self.counts["buffers"],
         }
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
 
 
 def _gelu_block(module: nn.Module) -> bool:

@@ -35,6 +35,8 @@ def _replica_class(config: ServeConfig):
             from tessera.serve.model import load_model
             from tessera.serve.server import build_engine
 
+            if config_dict.get("workers") == "auto":  # the replicas are the parallelism: one worker each
+                config_dict = {**config_dict, "workers": 1}
             cfg = ServeConfig(**config_dict)
             if cfg.threads:
                 torch.set_num_threads(cfg.threads)

@@ -60,8 +60,10 @@ class ServeConfig:
     overload_status: int = 429
     threads: int | None = None  # torch intra-op threads of each worker
     # engine workers: each its own model copy and runner on a thread of its own, taking the
-    # next batch when free (2 single-thread workers on 2 cores, against 1 worker of 2 threads)
-    workers: int = 1
+    # next batch when free. "auto": one per core this process may run on, divided by
+    # ``threads`` (2 single-thread workers on 2 cores served more than 1 worker of 2 threads:
+    # `tessera bench serve`'s two-core phase)
+    workers: int | str = "auto"
     drain_timeout_s: float = 30.0
     cost_table: str | None = None  # JSON file: loaded if present, else measured and written
 
@@ -78,12 +80,21 @@ class ServeConfig:
         BatchLimits(max_batch_tokens=self.max_batch_tokens, max_batch_size=self.max_batch_size)
         if self.memory_plan and self.runner_name != "unpadded":
             raise ValueError(f"the memory plan is the unpadded runner's; runner is {self.runner_name}")
-        if not isinstance(self.workers, int) or self.workers < 1:
-            raise ValueError(f"workers must be a positive integer, got {self.workers!r}")
+        if self.workers != "auto" and (not isinstance(self.workers, int) or self.workers < 1):
+            raise ValueError(f"workers must be a positive integer or 'auto', got {self.workers!r}")
         check_choice("kernels", self.kernels, ("auto", "tessera", "torch"))
         check_choice("tuning", self.tuning, ("model", "measure"))
         if self.kernels == "tessera" and self.runner_name != "unpadded":
             raise ValueError(f"--kernels tessera is the unpadded runner's; runner is {self.runner_name}")
+
+    @property
+    def worker_count(self) -> int:
+        """``workers`` with "auto" resolved: the cores of this process's affinity over the
+        threads a worker runs (1 unless ``threads`` says otherwise)."""
+        if self.workers != "auto":
+            return self.workers
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // (self.threads or 1))
 
     @property
     def kernels_name(self) -> str:
@@ -131,11 +142,13 @@ def build_engine(config: ServeConfig, served, metrics=None) -> Engine:
     )
     cost = _cost_table(config, runner, served, limits) if config.scheduler == "dp" else None
     scheduler = make_scheduler(config.scheduler, limits, cost)
+    if options:  # the workers' dense layers reuse the first runner's packed weights
+        options["dense_from"] = runner
     workers = [
         make_runner(
             config.runner_name, dataclasses.replace(served, model=copy.deepcopy(served.model)), **options
         )
-        for _ in range(config.workers - 1)
+        for _ in range(config.worker_count - 1)
     ]  # each on a model copy: a runner swaps the forwards of its own model's modules while it runs
     return Engine(runner, scheduler, max_queue=config.max_queue, observer=metrics, workers=workers)
 
@@ -171,13 +184,13 @@ def build_service(config: ServeConfig) -> Service:
     import torch
 
     _check_cost_table(config)
-    threads = config.threads or (1 if config.workers > 1 else None)  # workers: one thread each by default
+    threads = config.threads or (1 if config.worker_count > 1 else None)  # workers: one thread each by default
     if threads:
         torch.set_num_threads(threads)
     served = load_model(config.model, task=config.task, pooling=config.pooling)
     metrics = ServerMetrics()
     engine = build_engine(config, served, metrics).start()
-    return Service(served, LocalBackend(engine), metrics, max_client_batch=config.max_client_batch)
+    return Service(served, LocalBackend(engine, config.workers), metrics, max_client_batch=config.max_client_batch)
 
 
 class DrainingServer:

@@ -43,8 +43,9 @@ class LocalBackend:
     """The engine in this process. Inputs of one call are queued together; when the
     caller leaves, those still waiting are taken off the queue (never computed)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, workers_setting: int | str | None = None):
         self.engine = engine
+        self.workers_setting = workers_setting  # as configured ("auto" or a count), for /info
 
     async def infer(
         self, sequences: list[list[int]], gone: Callable[[], Awaitable[None]], timings: Timings
@@ -76,11 +77,17 @@ class LocalBackend:
 
     def describe(self) -> dict:
         engine = self.engine
+        runners = [getattr(r, "describe", lambda r=r: {"name": type(r).__name__})() for r in engine.runners]
+        runner = runners[0]
+        for key in ("dense_calls", "dense_rows", "dense_buffers"):  # counted over every worker
+            if key in runner:
+                runner[key] = sum(r.get(key, 0) for r in runners)
         return {
             "scheduler": engine.scheduler.describe(),
-            "runner": getattr(engine.runner, "describe", lambda: {"name": type(engine.runner).__name__})(),
+            "runner": runner,
             "max_queue": engine.max_queue,
             "workers": len(engine.runners),
+            "workers_setting": self.workers_setting,
             "threads_per_worker": torch.get_num_threads(),
         }
 

@@ -236,7 +236,10 @@ class UnpaddedRunner(Runner):
         memory_plan: bool = False,
         kernels: str = "torch",
         tuning: str = "model",
+        dense_from: UnpaddedRunner | None = None,
     ):
+        """``dense_from``: another runner on a copy of the same model (an engine worker's), whose
+        packed dense weights this one reuses where they are equal."""
         super().__init__(served)
         check_served_model(served)
         if attention not in ATTENTION_MODES:
@@ -249,7 +252,8 @@ class UnpaddedRunner(Runner):
                 "use --kernels torch with --memory-plan"
             )
         self.dense = (
-            DenseLayers(served.model, mode=tuning, threads=torch.get_num_threads())
+            DenseLayers(served.model, mode=tuning, threads=torch.get_num_threads(),
+                        packed_from=dense_from.dense if dense_from is not None else None)  # fmt: skip
             if kernels == "tessera"
             else None
         )

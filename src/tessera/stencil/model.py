@@ -134,6 +134,20 @@ def predict_stencil(stencil: Stencil, shape, s: StencilSchedule, m: Machine, thr
     return CALL_SECONDS + max(t_mem, t_compute) + t_rows
 
 
+def incore_seconds(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int = 1) -> float:
+    """The in-core bound of one sweep under ``s``: per vector of outputs, its FMAs (one a
+    point of the stencil) and its loads (the distinct field values of ``s.ry`` jammed rows,
+    per row, plus each coefficient array and the output once) at the core's peak of two of
+    each a cycle; the threads' cores in parallel. No schedule of that register blocking can
+    beat it; ``roofline_seconds`` is the DRAM bound."""
+    points = math.prod(shape)
+    isa_vl = 16 if s.isa == "avx512" else 8
+    cycle = 2 * isa_vl * 2 / m.peak(1, s.isa)
+    fmas = len(stencil.points)
+    loads = _field_loads(stencil, shape, s.ry) + len(stencil.arrays) + 1
+    return points / isa_vl * max(fmas, loads) / 2 * cycle / threads
+
+
 def roofline_seconds(stencil: Stencil, shape, m: Machine, threads: int) -> float:
     """The memory roofline of one sweep: the ideal bytes over the measured DRAM bandwidths."""
     read, write = roofline_bytes(stencil)

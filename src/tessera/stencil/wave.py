@@ -62,6 +62,10 @@ class WaveConfig:
             raise ValueError(f"stencil shape {self.shape!r}; choose one of {', '.join(SHAPES)}")
         if len(self.grid) != 3 or any(not isinstance(n, int) or n < 3 for n in self.grid):
             raise ValueError(f"grid {self.grid!r} must be three ints >= 3")
+        width = 2 * make_stencil(self.shape).radius + 1
+        if min(self.grid) < width:
+            raise ValueError(f"grid {self.grid!r} is narrower than {self.shape}'s width of {width} cells (radius "
+                             f"{width // 2} on each side of a cell); use at least {width} cells on every axis")
         if self.velocity not in VELOCITIES:
             raise ValueError(f"velocity model {self.velocity!r}; choose one of {', '.join(VELOCITIES)}")
         if not 0 < self.v_min <= self.v_max:

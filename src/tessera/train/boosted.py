@@ -15,7 +15,7 @@ from torch import nn
 from tessera.parallel.tp_plans import TPPlan
 from tessera.parallel.zero import ZeroEngine
 from tessera.runtime import Mesh
-from tessera.runtime.comm import FunctionalCollectives
+from tessera.runtime.functional_collectives import FunctionalCollectives
 from tessera.train.full_optim_state import load_optimizer_state_dict, optimizer_state_dict
 from tessera.train.loss_scale import LossScaler
 from tessera.train.optimizer import PlanOptimizer

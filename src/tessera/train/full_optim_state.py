@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from tessera.memory.chunk_manager import local as _local
+from tessera.train.checkpoint_boxes import tp_layout
 from tessera.train.export import gpt2_tensor_layout
-from tessera.train.sharded_checkpoint import tp_layout
 
 HYPER_SKIP = ("params", "param_names")
 

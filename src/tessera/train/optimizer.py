@@ -43,7 +43,7 @@ class TrainOptimizer(Protocol):
     - ``model``, ``plan``, ``mesh``; ``group_names`` (each group's parameter names) and
       ``param_shapes`` (shapes of parameters this rank released: other pipeline stages'),
       which checkpoints read, with ``engine``: the sharding core (``ZeroEngine``, or a
-      pipelined rank's ``StageEngine``) whose ``resident()`` and ``load_local`` they call.
+      pipelined rank's ``StageEngine`` (``tessera.train.stage_engine``)) whose ``resident()`` and ``load_local`` they call.
     """
 
     model: nn.Module

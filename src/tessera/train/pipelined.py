@@ -17,7 +17,6 @@ the global norm counts each expert once (summed over ep).
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -28,6 +27,7 @@ from tessera.parallel.pipeline import PipelineTrainer
 from tessera.runtime import Mesh
 from tessera.train.losses import LabelLoss, PipelineLoss, SequenceLoss
 from tessera.train.optimizer import PlanOptimizer
+from tessera.train.stage_engine import StageEngine, local_tensor
 
 AUTOCAST = {"bf16": torch.bfloat16}
 
@@ -332,7 +332,7 @@ class PipelinedOptimizer(PlanOptimizer):
         load_optimizer_state_dict(self, {**state_dict, "state": mine})
 
     def _sum_over_sp(self) -> None:
-        grads = [_local(p.grad) for p in self.trainer.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.trainer.parameters() if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.mesh.comm.all_reduce(flat, "sp")
         for g, total in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
@@ -344,7 +344,7 @@ class PipelinedOptimizer(PlanOptimizer):
         with torch.no_grad():
             for rank in range(self.mesh.size("dp")):
                 mine = [
-                    _local(p.data) for p in self.trainer.parameters() if self.owner_rank.get(id(p)) == rank
+                    local_tensor(p.data) for p in self.trainer.parameters() if self.owner_rank.get(id(p)) == rank
                 ]
                 if not mine:
                     continue
@@ -367,7 +367,7 @@ class PipelinedOptimizer(PlanOptimizer):
         if self.expert_mesh is not None:  # each expert once: the ep ranks hold different ones
             experts = torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
             for i in self.expert_ids & grads.keys():
-                experts += _local(grads[i]).double().pow(2).sum()
+                experts += local_tensor(grads[i]).double().pow(2).sum()
             self.expert_mesh.comm.all_reduce(experts, "ep")
             squares += experts
         self.mesh.comm.all_reduce(squares, "pp")
@@ -393,7 +393,7 @@ class PipelinedOptimizer(PlanOptimizer):
             elif any(pl.is_shard() for pl in placements):
                 sharded += g.to_local().double().pow(2).sum()
             else:
-                whole += _local(g).double().pow(2).sum()
+                whole += local_tensor(g).double().pow(2).sum()
         if "tp" in self.mesh.axes and self.mesh.size("tp") > 1:
             self.mesh.comm.all_reduce(sharded, "tp")
         return sharded + whole
@@ -419,64 +419,6 @@ def _release(model: nn.Module, kept: set[int]) -> None:
         for p in model.parameters():
             if id(p) not in kept and not hasattr(p, "to_local"):  # a tp shard (DTensor) stays
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-
-
-class StageEngine:
-    """What ``tessera.train.sharded_checkpoint`` reads and writes of a pipelined rank: the
-    parameters of its stages (whole, or their tp shards) and their optimizer states, the
-    same pieces a ZeRO-0 engine has, so a checkpoint loads under any other plan."""
-
-    def __init__(self, params, optimizer: torch.optim.Optimizer, *, zero: int = 0):
-        self.owner = {p: None for p in params}
-        self.optimizer, self.zero = optimizer, zero
-
-    def resident(self):
-        return contextlib.nullcontext()
-
-    def pieces(self, names: dict, mesh) -> list:
-        """(name, kind, flat local tensor, start, stop, local shape) this rank writes: the
-        parameters on dp rank 0 of each stage, the optimizer states where they are (dp rank 0,
-        or at ZeRO-1 the rank that steps them); a tp-replicated tensor on tp rank 0 only."""
-        out = []
-        first = mesh.rank("dp") == 0
-        if "sp" in mesh.axes and mesh.rank("sp") != 0:  # sp ranks hold the same stage
-            return out
-        for p in self.owner:
-            local = _local(p)
-            if not hasattr(p, "placements") or not any(pl.is_shard() for pl in p.placements):
-                if "tp" in mesh.axes and mesh.rank("tp") != 0:
-                    continue
-            states = self.optimizer.state.get(p, {}) if (first or self.zero) else {}
-            tensors = ({"param": local} if first else {}) | states
-            for kind, v in tensors.items():
-                v = _local(v)
-                if isinstance(v, torch.Tensor) and v.dim() > 0 and v.numel() == local.numel():
-                    out.append((names[p], kind, v.detach().reshape(-1), 0, local.numel(), list(local.shape)))
-        return out
-
-    def load_local(self, p, kind: str, local: torch.Tensor, scalars: dict) -> None:
-        if p not in self.owner:  # another stage's parameter
-            return
-        with torch.no_grad():
-            if kind == "param":
-                _local(p.data).copy_(local)
-                return
-            if not any(p is q for g in self.optimizer.param_groups for q in g["params"]):
-                return  # ZeRO-1: another dp rank steps it
-            value = local.clone()
-            if hasattr(p, "placements"):
-                from torch.distributed.tensor import DTensor
-
-                value = DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
-            state = self.optimizer.state[p]
-            state[kind] = value
-            state.update(
-                {k: v.clone() if torch.is_tensor(v) else torch.tensor(v) for k, v in scalars.items()}
-            )
-
-
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _full(t):

@@ -62,9 +62,9 @@ def latest(directory: str | Path) -> Path | None:
 def checkpoint_bytes(model: torch.nn.Module, optimizer) -> int:
     """About the bytes one checkpoint takes: every parameter and each of its per-element
     optimizer states (the ones the optimizer holds now; two, as Adam's, before its first step)."""
-    from tessera.train.sharded_checkpoint import _model_identity
+    from tessera.train.checkpoint_boxes import model_identity
 
-    shapes = _model_identity(model, optimizer)["shapes"]
+    shapes = model_identity(model, optimizer)["shapes"]
     numel = sum(int(torch.Size(s).numel()) for s in shapes.values())
     itemsize = max((p.element_size() for p in model.parameters()), default=4)
     first = next(iter(optimizer.inner.state.values()), None)
@@ -227,7 +227,7 @@ def resume_or_start(
 
 
 def _from_launch(directory, every):
-    from tessera.runtime.launch import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV
+    from tessera.runtime.launch_cli import CHECKPOINT_DIR_ENV, CHECKPOINT_EVERY_ENV
 
     if directory is None:
         directory = os.environ.get(CHECKPOINT_DIR_ENV)

@@ -18,6 +18,13 @@
  *                                      `out`: the ideal traffic of a sweep over those very
  *                                      buffers, in seconds
  *
+ *   tk_stream_gbps(kind, nt, bytes, threads, s)
+ *                                      STREAM's copy (kind 0: c = a) or triad (kind 1:
+ *                                      a = b + s c) over arrays of `bytes` each per thread,
+ *                                      with plain stores or non-temporal ones (nt = 1),
+ *                                      counted as STREAM counts (copy 8, triad 12 bytes an
+ *                                      element: no write-allocate)
+ *
  * Each runs rounds until `seconds` have passed and reports its best round. Compiled with
  * TK_VEC = 256 (AVX2 + FMA) or 512 (AVX-512F).
  */
@@ -36,6 +43,7 @@ typedef __m512 vf;
 #define SET1 _mm512_set1_ps
 #define FMA _mm512_fmadd_ps
 #define ADD _mm512_add_ps
+#define STREAM_NT _mm512_stream_ps
 #define CHAINS 24
 #else
 typedef __m256 vf;
@@ -47,6 +55,7 @@ typedef __m256 vf;
 #define SET1 _mm256_set1_ps
 #define FMA _mm256_fmadd_ps
 #define ADD _mm256_add_ps
+#define STREAM_NT _mm256_stream_ps
 #define CHAINS 12
 #endif
 
@@ -261,4 +270,58 @@ double tk_arrays_seconds(float *out, const float *const *arrays, int n, long cou
         tk_sink += r;
     }
     return now() - t0;
+}
+
+/* One STREAM kernel pass over [0, n) of this thread's arrays. */
+static void stream_pass(int kind, int nt, float *restrict a, float *restrict b, const float *restrict c, long n,
+                        float scalar) {
+    vf s = SET1(scalar);
+    if (kind == 0) {
+        if (nt)
+            for (long i = 0; i < n; i += VL) STREAM_NT(b + i, LOAD(a + i));
+        else
+            for (long i = 0; i < n; i += VL) STORE(b + i, LOAD(a + i));
+    } else {
+        if (nt)
+            for (long i = 0; i < n; i += VL) STREAM_NT(a + i, FMA(s, LOAD(c + i), LOAD(b + i)));
+        else
+            for (long i = 0; i < n; i += VL) STORE(a + i, FMA(s, LOAD(c + i), LOAD(b + i)));
+    }
+    _mm_sfence();
+}
+
+double tk_stream_gbps(int kind, int nt, long bytes, int threads, double seconds) {
+    long n = (bytes / 4) / (8 * VL) * (8 * VL);
+    if (n < 8 * VL) n = 8 * VL;
+    float **arr = malloc(sizeof(float *) * 3 * threads);
+#pragma omp parallel num_threads(threads)
+    {
+        int t = omp_get_thread_num();
+        for (int k = 0; k < 3; ++k) {
+            float *x = aligned_alloc(64, n * 4);
+            for (long i = 0; i < n; ++i) x[i] = fill(i, t * 3 + k); /* first touch by its thread */
+            arr[3 * t + k] = x;
+        }
+    }
+    double best = 0.0, began = now();
+    do {
+        double t0 = 0.0, t1 = 0.0;
+#pragma omp parallel num_threads(threads)
+        {
+            int t = omp_get_thread_num();
+#pragma omp barrier
+#pragma omp master
+            t0 = now();
+            stream_pass(kind, nt, arr[3 * t], arr[3 * t + 1], arr[3 * t + 2], n, tk_scale);
+            __asm__ volatile("" ::: "memory");
+#pragma omp barrier
+#pragma omp master
+            t1 = now();
+        }
+        double rate = (kind == 0 ? 8.0 : 12.0) * n * threads / (t1 - t0) / 1e9;
+        if (rate > best) best = rate;
+    } while (now() - began < seconds);
+    for (int k = 0; k < 3 * threads; ++k) free(arr[k]);
+    free(arr);
+    return best;
 }

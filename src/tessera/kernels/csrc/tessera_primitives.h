@@ -20,49 +20,15 @@
 #ifndef TESSERA_PRIMITIVES_H
 #define TESSERA_PRIMITIVES_H
 
-#include <immintrin.h>
-#include <stdlib.h>
-#include <string.h>
-
-#if TK_VEC == 512
-typedef __m512 tk_vf;
-#define TK_VL 16
-#define tk_load _mm512_loadu_ps
-#define tk_store _mm512_storeu_ps
-#define tk_set1 _mm512_set1_ps
-#define tk_zero _mm512_setzero_ps
-#define tk_fma _mm512_fmadd_ps
-#define tk_add _mm512_add_ps
-#elif TK_VEC == 256
-typedef __m256 tk_vf;
-#define TK_VL 8
-#define tk_load _mm256_loadu_ps
-#define tk_store _mm256_storeu_ps
-#define tk_set1 _mm256_set1_ps
-#define tk_zero _mm256_setzero_ps
-#define tk_fma _mm256_fmadd_ps
-#define tk_add _mm256_add_ps
-#else
-#error "TK_VEC must be 256 or 512"
-#endif
+#include "tessera_vec.h"
 
 #if TK_NR % TK_VL != 0
 #error "TK_NR must be a multiple of the vector length"
 #endif
 #define TK_NV (TK_NR / TK_VL)
-#define TK_INLINE static inline __attribute__((always_inline))
-/* `#pragma GCC unroll` does not expand macros; _Pragma of a stringified argument does. */
-#define TK_DO_PRAGMA(x) _Pragma(#x)
-#define TK_UNROLL_LOOP(n) TK_DO_PRAGMA(GCC unroll n)
-
-TK_INLINE long tk_min(long a, long b) { return a < b ? a : b; }
-
-/* 64-byte aligned scratch (packed blocks); sizes rounded up as aligned_alloc requires. */
-static float *tk_alloc(long floats) {
-    size_t bytes = ((size_t)floats * sizeof(float) + 63) & ~(size_t)63;
-    return (float *)aligned_alloc(64, bytes ? bytes : 64);
-}
-
+#ifndef TK_PREFETCH_C
+#define TK_PREFETCH_C 1
+#endif
 /* The micro-kernel: C[rows i, cols j] (+)= sum_k A(i, k) B(k, j) for one MR x NR tile.
  * A(i, k) = a[i * a_rs + k * a_cs] (packed: a_rs = 1, a_cs = MR), B(k, :) starts at
  * b + k * b_rs (packed: b_rs = NR). Callers pass literal strides, so after inlining the
@@ -90,6 +56,12 @@ TK_INLINE void tk_ukernel(long kc, const float *restrict a, long a_rs, long a_cs
                           const long *restrict crow, const long *restrict ncol,
                           int first, long mr, long nr) {
     tk_vf acc[TK_MR][TK_NV];
+#if TK_PREFETCH_C
+    /* the C tile is read (or written) only after the k loop: ask for its lines now, so they
+     * arrive while the FMAs run instead of stalling the loads at the end */
+    for (long i = 0; i < mr; ++i)
+        for (long j = 0; j < TK_NR; j += 16) _mm_prefetch((const char *)(c + crow[i] + (ncol ? 0 : j)), _MM_HINT_T0);
+#endif
     tk_tile_sums(kc, a, a_rs, a_cs, b, b_rs, acc);
     if (mr == TK_MR && nr == TK_NR && ncol == 0) {
         for (int i = 0; i < TK_MR; ++i) {

@@ -1,0 +1,129 @@
+"""Operators with a kernel of their own: a depthwise convolution and a matrix-vector product
+(GEMV). Both are recognised in the IR (the operators ``ops.conv2d`` and ``ops.gemm`` build),
+so the tuner offers their ``DirectSchedule`` beside the micro-kernel and loop-nest lowerings
+and the model decides between them; the kernels are ``csrc/tessera_depthwise.h`` and
+``csrc/tessera_gemv.h``, sized at compile time by the defines written here.
+
+Why these two: a depthwise convolution has one input channel per output, so the implicit
+GEMM has a reduction of only KH x KW and a generic loop nest guards every tap; a GEMV reads
+every element of its matrix once, so packing it for the micro-kernel (as the GEMM loops do)
+doubles the memory traffic of an operator that is nothing but memory traffic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tessera.kernels.ir import Access, BinOp, Operator
+from tessera.kernels.schedule import DirectSchedule
+
+
+@dataclass(frozen=True)
+class ConvSizes:
+    """A convolution's sizes as ``ops.conv2d`` builds its operator."""
+
+    n: int
+    g: int
+    cig: int  # input channels per group
+    cog: int  # output channels per group (a depthwise conv's channel multiplier)
+    h: int
+    w: int
+    oh: int
+    ow: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+
+
+@dataclass(frozen=True)
+class Gemv:
+    n: int
+    k: int
+    trans_b: bool  # B stored [N, K] (a Linear's weight) rather than [K, N]
+
+
+def conv_of(op: Operator) -> ConvSizes | None:
+    """The sizes of ``op`` when it is an ``ops.conv2d`` operator, else None."""
+    body = op.body
+    if op.name != "conv2d" or not (isinstance(body, BinOp) and isinstance(body.rhs, Access)):
+        return None
+    x = body.rhs
+    n, g, cig, h, w = x.tensor.shape
+    _, cog, _, kh, kw = op.inputs[0].shape
+    rows, cols = x.index[3], x.index[4]
+    _, _, _, oh, ow = op.output.tensor.shape
+    return ConvSizes(n=n, g=g, cig=cig, cog=cog, h=h, w=w, oh=oh, ow=ow, kh=kh, kw=kw, sh=rows.coeff("oh") or 1,
+                     sw=cols.coeff("ow") or 1, ph=-rows.const, pw=-cols.const)
+
+
+def depthwise_of(op: Operator) -> ConvSizes | None:
+    """The sizes of ``op`` when it is a convolution with one input channel per group."""
+    d = conv_of(op)
+    return d if d is not None and d.cig == 1 else None
+
+
+def gemv_of(op: Operator) -> Gemv | None:
+    """The sizes of ``op`` when it is ``ops.gemm`` with one row (M = 1)."""
+    if op.name not in ("gemm_nn", "gemm_nt", "gemm_tn", "gemm_tt"):
+        return None
+    ext = op.extents
+    if ext["m"] != 1:
+        return None
+    return Gemv(n=ext["n"], k=ext["k"], trans_b=op.name.endswith("t"))
+
+
+def applies(op: Operator, algo: str) -> bool:
+    return (depthwise_of(op) if algo == "depthwise" else gemv_of(op)) is not None
+
+
+def generate_direct(op: Operator, s: DirectSchedule) -> str:
+    """C source of ``op`` under ``s`` (the defines of the kernel's header, then the header)."""
+    vec = 512 if s.isa == "avx512" else 256
+    if s.algo == "depthwise":
+        d = depthwise_of(op)
+        if d is None:
+            raise ValueError(f"{op.name}: the depthwise kernel takes a conv2d with one input channel per group")
+        defines = {"DW_N": d.n, "DW_G": d.g, "DW_COG": d.cog, "DW_H": d.h, "DW_W": d.w, "DW_OH": d.oh,
+                   "DW_OW": d.ow, "DW_KH": d.kh, "DW_KW": d.kw, "DW_SH": d.sh, "DW_SW": d.sw, "DW_PH": d.ph,
+                   "DW_PW": d.pw, "DW_RB": s.rows, "DW_U": s.vecs}
+        header = "tessera_depthwise.h"
+    else:
+        v = gemv_of(op)
+        if v is None:
+            raise ValueError(f"{op.name}: the GEMV kernel takes a GEMM with one row (M = 1)")
+        defines = {"GV_N": v.n, "GV_K": v.k, "GV_TB": int(v.trans_b), "GV_ROWS": s.rows, "GV_U": s.vecs}
+        header = "tessera_gemv.h"
+    lines = [f"/* {op.signature()}\n * schedule: {s.short()} */", f"#define TK_VEC {vec}"]
+    lines += [f"#define {k} {val}" for k, val in defines.items()]
+    lines.append(f'#include "{header}"')
+    return "\n".join(lines) + "\n"
+
+
+# the register blocks offered per kernel (rows, vecs); the schedule refuses those that do not fit
+DEPTHWISE_BLOCKS = tuple((r, u) for r in (1, 2, 3, 4) for u in (1, 2, 4))
+GEMV_BLOCKS = {False: tuple((r, u) for r in (4, 8) for u in (2, 4, 8)),
+               True: tuple((r, u) for r in (2, 4, 6) for u in (1, 2))}
+
+
+def direct_space(op: Operator, *, isas: tuple[str, ...]) -> list[DirectSchedule]:
+    out = []
+    d, v = depthwise_of(op), gemv_of(op)
+    if d is not None:
+        blocks, algo = DEPTHWISE_BLOCKS, "depthwise"
+    elif v is not None:
+        blocks, algo = GEMV_BLOCKS[v.trans_b], "gemv"
+    else:
+        return out
+    for isa in isas:
+        vl = 16 if isa == "avx512" else 8
+        for rows, vecs in blocks:
+            if d is not None and vecs > 1 and (vecs - 1) * vl >= d.ow:
+                continue  # a chunk wider than the row: only padding lanes
+            try:
+                out.append(DirectSchedule(algo=algo, isa=isa, rows=rows, vecs=vecs))
+            except ValueError:
+                continue
+    return out

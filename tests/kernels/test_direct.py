@@ -1,0 +1,84 @@
+"""The direct kernels (depthwise convolution, matrix-vector product) against the float64
+reference within the float32 error bound of their sums, on odd shapes (rows and columns
+that no register block divides, strides, asymmetric padding-free and padded kernels, a
+channel multiplier), bit for bit the same at 1 and 2 threads, and offered by the tuner."""
+
+import numpy as np
+import pytest
+from kernel_checks import assert_within_bound, random_inputs, run
+
+from tessera.kernels import compile_kernel, ops
+from tessera.kernels.direct import depthwise_of, direct_space, gemv_of
+from tessera.kernels.machine import cpu_isas
+from tessera.kernels.schedule import DirectSchedule
+from tessera.kernels.tuner import rank
+
+ISAS = tuple(cpu_isas())
+
+DEPTHWISE = [
+    ops.Conv2dShape(batch=2, in_channels=6, out_channels=6, height=13, width=19, kernel=(3, 3), padding=(1, 1), groups=6),
+    ops.Conv2dShape(batch=1, in_channels=5, out_channels=5, height=17, width=23, kernel=(7, 7), padding=(3, 3), groups=5),
+    ops.Conv2dShape(batch=1, in_channels=4, out_channels=4, height=15, width=21, kernel=(3, 3), stride=(2, 2),
+                    padding=(1, 1), groups=4),
+    ops.Conv2dShape(batch=1, in_channels=3, out_channels=3, height=11, width=40, kernel=(5, 3), stride=(1, 3),
+                    padding=(2, 0), groups=3),
+    # a channel multiplier (2 outputs per input channel) and one input channel (a stem)
+    ops.Conv2dShape(batch=2, in_channels=3, out_channels=6, height=9, width=9, kernel=(3, 3), padding=(1, 1), groups=3),
+    ops.Conv2dShape(batch=1, in_channels=1, out_channels=5, height=10, width=33, kernel=(3, 3), padding=(1, 1)),
+]
+
+
+@pytest.mark.parametrize("s", DEPTHWISE, ids=lambda s: s.label())
+@pytest.mark.parametrize("isa", ISAS)
+def test_depthwise_kernel_within_bound_and_thread_invariant(s, isa):
+    op = ops.conv2d(s)
+    d = depthwise_of(op)
+    assert (d.sh, d.sw, d.ph, d.pw) == (*s.stride, *s.padding)
+    inputs = random_inputs(op, seed=3)
+    outs = []
+    for rows, vecs in ((1, 1), (3, 2)):  # 3 rows: a block past the last output row
+        kernel = compile_kernel(op, DirectSchedule(algo="depthwise", isa=isa, rows=rows, vecs=vecs))
+        for threads in (1, 2):
+            out = run(kernel, op, inputs, threads)
+            assert_within_bound(out, op, inputs)
+            outs.append(out)
+    np.testing.assert_array_equal(outs[0], outs[1])  # threads take whole planes: the same sums
+    np.testing.assert_array_equal(outs[2], outs[3])
+
+
+GEMV = [(1, 37, 29, False), (1, 200, 77, False), (1, 45, 300, True), (1, 129, 64, True)]
+
+
+@pytest.mark.parametrize("m, n, k, trans_b", GEMV)
+@pytest.mark.parametrize("isa", ISAS)
+def test_gemv_kernel_within_bound_and_thread_invariant(m, n, k, trans_b, isa):
+    op = ops.gemm(m, n, k, trans_b=trans_b)
+    assert gemv_of(op).trans_b == trans_b
+    inputs = random_inputs(op, seed=5)
+    for rows, vecs in ((4, 2), (6, 1)) if trans_b else ((4, 2), (8, 1)):  # k tails, n tails
+        kernel = compile_kernel(op, DirectSchedule(algo="gemv", isa=isa, rows=rows, vecs=vecs))
+        one, two = run(kernel, op, inputs, 1), run(kernel, op, inputs, 2)
+        assert_within_bound(one, op, inputs)
+        np.testing.assert_array_equal(one, two)  # each y[n] summed in one thread, in one order
+
+
+def test_direct_kernels_are_offered_only_where_they_apply(machine):
+    dw = ops.conv2d(DEPTHWISE[0])
+    dense = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=4, out_channels=4, height=8, width=8, kernel=(3, 3)))
+    assert {s.algo for s in direct_space(dw, isas=ISAS)} == {"depthwise"}
+    assert direct_space(dense, isas=ISAS) == []
+    assert direct_space(ops.gemm(2, 64, 64), isas=ISAS) == []
+    assert {s.algo for s in direct_space(ops.gemm(1, 64, 64), isas=ISAS)} == {"gemv"}
+    ranked = rank(dw, threads=1, machine=machine)
+    assert any(t.schedule.kind == "direct" for t in ranked)
+    assert all(t.predicted > 0 for t in ranked)
+
+
+def test_a_direct_schedule_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="direct kernel 'winograd'"):
+        DirectSchedule(algo="winograd")
+    with pytest.raises(ValueError, match=r"needs \d+ vector registers; avx2 has 16"):
+        DirectSchedule(algo="depthwise", isa="avx2", rows=4, vecs=8)
+    dense = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=4, out_channels=4, height=8, width=8, kernel=(3, 3)))
+    with pytest.raises(ValueError, match="one input channel per group"):
+        compile_kernel(dense, DirectSchedule(algo="depthwise"))
