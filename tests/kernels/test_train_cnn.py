@@ -4,7 +4,7 @@ forward and backward, on Tessera's kernels, and its losses equal those of the sa
 
 import torch
 
-from tessera.bench.kernels import train_pair
+from tessera.bench.kernels_training import train_pair
 from tessera.kernels import Conv2d, Linear
 from tessera.kernels import torch_ops as T
 
