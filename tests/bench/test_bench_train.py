@@ -71,3 +71,12 @@ def test_train_bench_checkpoint_section(tmp_path, monkeypatch):
     paths = write_results(result, tmp_path, plot_train)
     assert "Checkpoints: tokens/s with a checkpoint every N steps" in paths[1].read_text()
     assert paths[2].stat().st_size > 0
+
+
+def test_spread_of_zero_peaks_is_zero_not_an_error():
+    # a --quick model's memory growth can be 0 MiB on every repeat (CI saw it)
+    from tessera.bench.train import _spread
+
+    assert _spread([0.0])["spread_pct"] == 0.0
+    assert _spread([0.0, 0.0, 2.0])["spread_pct"] == 100.0  # relative to the largest
+    assert _spread([1.0, 2.0, 3.0])["spread_pct"] == 100.0

@@ -274,12 +274,15 @@ def _rank_run(variant: str, cfg: TrainBenchConfig) -> dict:
 
 
 def _spread(values: list[float]) -> dict:
+    """Median, range and the range as a percentage of the median (of the largest value when the
+    median is 0: a --quick model's peak can stay inside the resident set taken as its baseline)."""
     mid = statistics.median(values)
+    width = max(values) - min(values)
     return {
         "median": mid,
         "min": min(values),
         "max": max(values),
-        "spread_pct": 100 * (max(values) - min(values)) / mid,
+        "spread_pct": 100 * width / (mid or max(values) or 1.0),
     }
 
 
