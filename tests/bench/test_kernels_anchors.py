@@ -149,3 +149,20 @@ def test_tvm_trials_flag(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "kernels", "--tvm-trials", "-1"])
     assert "expected an integer >= 0, got -1" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(tvm_anchor.tvm_status() is not None, reason="apache-tvm not installed (extra tessera[tvm])")
+def test_a_finished_tvm_tuning_is_kept_and_reused(tmp_path):
+    """The second run builds TVM's best from the kept database, times it, and says so; the
+    tuning's curve and time are the first run's."""
+    first = tvm_anchor.tvm_measure("gemm", (16, 16, 16), 1, 2, repeats=3, cache=str(tmp_path))
+    assert "error" not in first, first
+    assert first["tuning_reused"] is False and first["measured_trials"] >= 1
+    kept = list(tmp_path.iterdir())
+    assert [p.name for p in kept] == [tvm_anchor.cache_key("gemm", (16, 16, 16), 1, 2)]  # no temporary left
+    again = tvm_anchor.tvm_measure("gemm", (16, 16, 16), 1, 2, repeats=3, cache=str(tmp_path))
+    assert again["tuning_reused"] is True and again["tuned_at"] is not None
+    assert again["curve"] == first["curve"] and again["tuning_s"] == first["tuning_s"]
+    assert again["seconds"] > 0
+    # another trial budget is another tuning
+    assert tvm_anchor.cache_key("gemm", (16, 16, 16), 1, 3) != kept[0].name

@@ -1,4 +1,4 @@
-"""The direct kernels (depthwise convolution, matrix-vector product) against the float64
+"""The direct kernels (depthwise and grouped convolution, matrix-vector product) against the float64
 reference within the float32 error bound of their sums, on odd shapes (rows and columns
 that no register block divides, strides, asymmetric padding-free and padded kernels, a
 channel multiplier), bit for bit the same at 1 and 2 threads, and offered by the tuner."""
@@ -8,7 +8,7 @@ import pytest
 from kernel_checks import assert_within_bound, random_inputs, run
 
 from tessera.kernels import compile_kernel, ops
-from tessera.kernels.direct import depthwise_of, direct_space, gemv_of
+from tessera.kernels.direct import depthwise_of, direct_space, gemv_of, grouped_of
 from tessera.kernels.machine import cpu_isas
 from tessera.kernels.schedule import DirectSchedule
 from tessera.kernels.tuner import rank
@@ -22,6 +22,12 @@ DEPTHWISE = [
                     padding=(1, 1), groups=4),
     ops.Conv2dShape(batch=1, in_channels=3, out_channels=3, height=11, width=40, kernel=(5, 3), stride=(1, 3),
                     padding=(2, 0), groups=3),
+    # stride 2 on rows of 71 and 40 columns: the plane's vector split by parity (32 columns at a
+    # time, then a scalar tail), from an odd (padding 1) and an even (padding 2) first column
+    ops.Conv2dShape(batch=1, in_channels=2, out_channels=2, height=9, width=71, kernel=(3, 3), stride=(2, 2),
+                    padding=(1, 1), groups=2),
+    ops.Conv2dShape(batch=1, in_channels=2, out_channels=2, height=6, width=40, kernel=(5, 5), stride=(2, 2),
+                    padding=(2, 2), groups=2),
     # a channel multiplier (2 outputs per input channel) and one input channel (a stem)
     ops.Conv2dShape(batch=2, in_channels=3, out_channels=6, height=9, width=9, kernel=(3, 3), padding=(1, 1), groups=3),
     ops.Conv2dShape(batch=1, in_channels=1, out_channels=5, height=10, width=33, kernel=(3, 3), padding=(1, 1)),
@@ -46,6 +52,30 @@ def test_depthwise_kernel_within_bound_and_thread_invariant(s, isa):
     np.testing.assert_array_equal(outs[2], outs[3])
 
 
+GROUPED = [
+    # ResNeXt-like (4 in, 4 out per group), odd plane
+    ops.Conv2dShape(batch=2, in_channels=8, out_channels=8, height=13, width=19, kernel=(3, 3), padding=(1, 1), groups=2),
+    # stride 2, unequal in/out per group (3 in, 6 out), a 5x3 kernel without padding on one axis
+    ops.Conv2dShape(batch=1, in_channels=9, out_channels=18, height=15, width=21, kernel=(5, 3), stride=(2, 2),
+                    padding=(0, 1), groups=3),
+]
+
+
+@pytest.mark.parametrize("s", GROUPED, ids=lambda s: s.label())
+@pytest.mark.parametrize("isa", ISAS)
+def test_grouped_kernel_within_bound_and_thread_invariant(s, isa):
+    op = ops.conv2d(s)
+    d = grouped_of(op)
+    assert (d.g, d.cig, d.cog) == (s.groups, s.in_channels // s.groups, s.out_channels // s.groups)
+    assert depthwise_of(op) is None
+    inputs = random_inputs(op, seed=4)
+    for rows, vecs in ((1, 1), (3, 2)):
+        kernel = compile_kernel(op, DirectSchedule(algo="grouped", isa=isa, rows=rows, vecs=vecs))
+        one, two = run(kernel, op, inputs, 1), run(kernel, op, inputs, 2)
+        assert_within_bound(one, op, inputs)
+        np.testing.assert_array_equal(one, two)  # each output plane summed in one thread, in one order
+
+
 GEMV = [(1, 37, 29, False), (1, 200, 77, False), (1, 45, 300, True), (1, 129, 64, True)]
 
 
@@ -66,6 +96,7 @@ def test_direct_kernels_are_offered_only_where_they_apply(machine):
     dw = ops.conv2d(DEPTHWISE[0])
     dense = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=4, out_channels=4, height=8, width=8, kernel=(3, 3)))
     assert {s.algo for s in direct_space(dw, isas=ISAS)} == {"depthwise"}
+    assert {s.algo for s in direct_space(ops.conv2d(GROUPED[0]), isas=ISAS)} == {"grouped"}
     assert direct_space(dense, isas=ISAS) == []
     assert direct_space(ops.gemm(2, 64, 64), isas=ISAS) == []
     assert {s.algo for s in direct_space(ops.gemm(1, 64, 64), isas=ISAS)} == {"gemv"}
@@ -82,3 +113,5 @@ def test_a_direct_schedule_refuses_what_it_cannot_run():
     dense = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=4, out_channels=4, height=8, width=8, kernel=(3, 3)))
     with pytest.raises(ValueError, match="one input channel per group"):
         compile_kernel(dense, DirectSchedule(algo="depthwise"))
+    with pytest.raises(ValueError, match="groups of several input channels"):
+        compile_kernel(dense, DirectSchedule(algo="grouped"))

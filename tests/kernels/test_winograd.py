@@ -52,6 +52,8 @@ SHAPES = [
     ops.Conv2dShape(batch=2, in_channels=3, out_channels=4, height=6, width=13, kernel=(3, 3)),
     ops.Conv2dShape(batch=1, in_channels=16, out_channels=20, height=17, width=70, kernel=(3, 3), padding=(1, 1)),
     ops.Conv2dShape(batch=1, in_channels=4, out_channels=3, height=7, width=7, kernel=(3, 3), padding=(2, 2)),
+    # a row of 40 columns, no padding: the vector split of F(2)'s plane (32 at a time) from an even column
+    ops.Conv2dShape(batch=1, in_channels=3, out_channels=5, height=5, width=40, kernel=(3, 3)),
 ]
 ISAS = tuple(cpu_isas())
 

@@ -205,13 +205,15 @@ def _tvm_rows(plan: KernelsPlan, rows: list[dict], progress: bool) -> str | None
     for row, kind, spec in tqdm(jobs, desc="tvm", disable=not progress):
         if row is None:
             continue
-        got = tvm_anchor.tvm_measure(kind, spec, 1, plan.tvm_trials, plan.repeats)
+        got = tvm_anchor.tvm_measure(kind, spec, 1, plan.tvm_trials, plan.repeats, cache=tvm_anchor.default_cache())
         if "error" in got:
             row["tvm_error"] = got["error"]
             errors.append(f"{row['shape']}: {got['error']}")
             continue
         row["tvm_gflops"] = round(row["flops"] / got["seconds"] / GIGA, 2)
         row["tvm_tuning_s"] = round(got["tuning_s"], 1)
+        row["tvm_tuning_reused"] = got["tuning_reused"]  # tuned by an earlier run (its database kept)
+        row["tvm_tuned_at"] = got["tuned_at"]
         row["tvm_tuned"] = got["tuned"]
         row["tvm_trials"] = plan.tvm_trials
         row["tvm_measured_trials"] = got["measured_trials"]
@@ -346,7 +348,9 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
         "matmul per group.",
         f"TVM: MetaSchedule, {plan.tvm_trials} trials per shape, target llvm -mcpu={tvm_mcpu()}, 1 thread; "
         + (f"absent: {tvm_note}." if tvm_note is not None
-           else "its tuning time and speed-versus-trials curve are recorded per shape."
+           else "its tuning time and speed-versus-trials curve are recorded per shape; a finished tuning is kept "
+           "(MetaSchedule's database) and a later run times TVM's best from it, saying so (tvm_tuning_reused, "
+           "tvm_tuned_at)."
            if plan.tvm_gemms or plan.tvm_convs else "not run: this plan has no TVM shapes."),
         "A win: Tessera >= 0.95x the best anchor measured for that shape and thread count.",
         f"Whole run {time.perf_counter() - began:.0f} s on {machine.cores} cores.",

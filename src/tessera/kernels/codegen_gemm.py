@@ -75,17 +75,41 @@ class _Gen:
             f"      for (long j = 0; j < TK_NR; ++j) {{ if (b_n[nb + j] != b_n[nb] + j * step) step = 0; {checks} }} }}\n"
             f"    pstep[p] = step; }}"
         )
+        self.fills.append(self._runs_fill(panels))
         self.fills.append(
             f"  for (long p = 0; p < {panels}; ++p) {{ long nb = p * TK_NR, ok = 1;\n"
             f"    for (long j = 1; j < TK_NR && nb + j < {self.N}; ++j) if (c_n[nb + j] != c_n[nb] + j) ok = 0;\n"
             f"    cpanel[p] = ok; }}"
         )
 
+    def _runs_fill(self, panels: int) -> str:
+        """C filling ``pruns``: each panel's columns cut into maximal unit runs (offsets step
+        by 1, each guard's index by a constant 0 or 1); a column that starts no such step is a
+        run of one (its guards checked as constants)."""
+        self.decls.append(f"static tk_runs pruns[{panels}];")
+        ng = len(self.guards)
+        steps = " ".join(
+            f"{{ long d = g{q}_n[n + 1] - g{q}_n[n]; if (d == 1) u |= {1 << q}; else if (d != 0) ok = 0; }}"
+            for q in range(ng)
+        )
+        same = " ".join(f"if (g{q}_n[n + 1] - g{q}_n[n] != ((u >> {q}) & 1)) break;" for q in range(ng))
+        return (
+            f"  for (long p = 0; p < {panels}; ++p) {{ long nb = p * TK_NR, cols = tk_min(TK_NR, {self.N} - nb), j = 0;"
+            " tk_runs *r = pruns + p; r->count = 0;\n"
+            "    while (j < cols) { long n = nb + j, len = 1, u = 0, ok = 1;\n"
+            f"      if (j + 1 < cols && b_n[n + 1] - b_n[n] == 1) {{ {steps} }} else ok = 0;\n"
+            "      if (!ok) u = 0;\n"
+            "      else for (len = 1; j + len < cols; ++len) { n = nb + j + len - 1;"
+            f" if (b_n[n + 1] - b_n[n] != 1) break; {same} }}\n"
+            "      r->start[r->count] = (unsigned char)j; r->len[r->count] = (unsigned char)len;"
+            " r->unit[r->count] = (unsigned char)u; r->count++; j += len; } }"
+        )
+
     # ---- packing -------------------------------------------------------------------------
     def pack_b_call(self, n0: str, nc: str, dst: str) -> str:
         if self.b_rows:
             return f"tk_pack_b_rows(Bbt, b_k + pc, {n0}, {nc}, kc, {dst});"
-        return f"tk_pack_b_table(Bbt, b_k + pc, b_n, pstep, {n0}, {nc}, kc, &gd, {dst});"
+        return f"tk_pack_b_table(Bbt, b_k + pc, b_n, pstep, pruns, {n0}, {nc}, kc, &gd, {dst});"
 
     def pack_a_call(self, m0: str, mc: str, dst: str) -> str:
         return f"tk_pack_a(Abt, a_m + {m0}, a_k + pc, {mc}, kc, {dst});"

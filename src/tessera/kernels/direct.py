@@ -1,11 +1,13 @@
-"""Operators with a kernel of their own: a depthwise convolution and a matrix-vector product
-(GEMV). Both are recognised in the IR (the operators ``ops.conv2d`` and ``ops.gemm`` build),
+"""Operators with a kernel of their own: a depthwise or grouped convolution and a
+matrix-vector product (GEMV). Both are recognised in the IR (the operators ``ops.conv2d`` and ``ops.gemm`` build),
 so the tuner offers their ``DirectSchedule`` beside the micro-kernel and loop-nest lowerings
 and the model decides between them; the kernels are ``csrc/tessera_depthwise.h`` and
 ``csrc/tessera_gemv.h``, sized at compile time by the defines written here.
 
 Why these two: a depthwise convolution has one input channel per output, so the implicit
-GEMM has a reduction of only KH x KW and a generic loop nest guards every tap; a GEMV reads
+GEMM has a reduction of only KH x KW and a generic loop nest guards every tap (a grouped one,
+a few input channels per group, has the same problem a few times over: the same kernel sums
+over the group's channels, ``grouped``); a GEMV reads
 every element of its matrix once, so packing it for the micro-kernel (as the GEMM loops do)
 doubles the memory traffic of an operator that is nothing but memory traffic.
 """
@@ -65,6 +67,13 @@ def depthwise_of(op: Operator) -> ConvSizes | None:
     return d if d is not None and d.cig == 1 else None
 
 
+def grouped_of(op: Operator) -> ConvSizes | None:
+    """The sizes of ``op`` when it is a grouped convolution (more than one group) with more
+    than one input channel per group."""
+    d = conv_of(op)
+    return d if d is not None and d.g > 1 and d.cig > 1 else None
+
+
 def gemv_of(op: Operator) -> Gemv | None:
     """The sizes of ``op`` when it is ``ops.gemm`` with one row (M = 1)."""
     if op.name not in ("gemm_nn", "gemm_nt", "gemm_tn", "gemm_tt"):
@@ -75,20 +84,24 @@ def gemv_of(op: Operator) -> Gemv | None:
     return Gemv(n=ext["n"], k=ext["k"], trans_b=op.name.endswith("t"))
 
 
+_RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of}
+
+
 def applies(op: Operator, algo: str) -> bool:
-    return (depthwise_of(op) if algo == "depthwise" else gemv_of(op)) is not None
+    return _RECOGNISERS[algo](op) is not None
 
 
 def generate_direct(op: Operator, s: DirectSchedule) -> str:
     """C source of ``op`` under ``s`` (the defines of the kernel's header, then the header)."""
     vec = 512 if s.isa == "avx512" else 256
-    if s.algo == "depthwise":
-        d = depthwise_of(op)
+    if s.algo in ("depthwise", "grouped"):
+        d = _RECOGNISERS[s.algo](op)
         if d is None:
-            raise ValueError(f"{op.name}: the depthwise kernel takes a conv2d with one input channel per group")
-        defines = {"DW_N": d.n, "DW_G": d.g, "DW_COG": d.cog, "DW_H": d.h, "DW_W": d.w, "DW_OH": d.oh,
-                   "DW_OW": d.ow, "DW_KH": d.kh, "DW_KW": d.kw, "DW_SH": d.sh, "DW_SW": d.sw, "DW_PH": d.ph,
-                   "DW_PW": d.pw, "DW_RB": s.rows, "DW_U": s.vecs}
+            what = "one input channel per group" if s.algo == "depthwise" else "groups of several input channels"
+            raise ValueError(f"{op.name}: the {s.algo} kernel takes a conv2d with {what}")
+        defines = {"DW_N": d.n, "DW_G": d.g, "DW_COG": d.cog, "DW_CIG": d.cig, "DW_H": d.h, "DW_W": d.w,
+                   "DW_OH": d.oh, "DW_OW": d.ow, "DW_KH": d.kh, "DW_KW": d.kw, "DW_SH": d.sh, "DW_SW": d.sw,
+                   "DW_PH": d.ph, "DW_PW": d.pw, "DW_RB": s.rows, "DW_U": s.vecs}
         header = "tessera_depthwise.h"
     else:
         v = gemv_of(op)
@@ -110,9 +123,9 @@ GEMV_BLOCKS = {False: tuple((r, u) for r in (4, 8) for u in (2, 4, 8)),
 
 def direct_space(op: Operator, *, isas: tuple[str, ...]) -> list[DirectSchedule]:
     out = []
-    d, v = depthwise_of(op), gemv_of(op)
+    d, v = depthwise_of(op) or grouped_of(op), gemv_of(op)
     if d is not None:
-        blocks, algo = DEPTHWISE_BLOCKS, "depthwise"
+        blocks, algo = DEPTHWISE_BLOCKS, ("depthwise" if d.cig == 1 else "grouped")
     elif v is not None:
         blocks, algo = GEMV_BLOCKS[v.trans_b], "gemv"
     else:

@@ -24,7 +24,7 @@ FMA pipes, vector or scalar, its trip count against the vector length) and each 
 level's traffic from footprints (the data the loops inside a level touch, times the trips
 of the loops outside it).
 
-Direct kernels (``direct``): a depthwise convolution's register blocks (their FMAs against
+Direct kernels (``direct``): a depthwise or grouped convolution's register blocks (their FMAs against
 their vector loads and broadcasts, two of each a cycle) plus the copy of each input plane
 into its padded buffer, against the bytes of input, output and weights from the level they
 fit in; a GEMV's matrix bytes from the level it fits in against its FMAs at the rate its
@@ -39,7 +39,7 @@ import math
 
 from tessera.kernels.codegen_loops import _loops, unit_axes
 from tessera.kernels.contraction import analyse
-from tessera.kernels.direct import depthwise_of, gemv_of
+from tessera.kernels.direct import conv_of, gemv_of
 from tessera.kernels.ir import Operator, accesses, drop_unit_axes
 from tessera.kernels.machine import Machine
 from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule, Schedule, WinogradSchedule
@@ -236,20 +236,22 @@ def predict_loops(op: Operator, s: LoopSchedule, m: Machine, threads: int) -> fl
 
 
 def _predict_depthwise(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
-    d = depthwise_of(op)
+    """Depthwise and grouped (the block's work once per input channel of the group)."""
+    d = conv_of(op)
     vl = 16 if s.isa == "avx512" else 8
     chunk = s.vecs * vl
     qrows = (s.rows - 1) * d.sh + d.kh
-    fmas = s.rows * d.kh * d.kw * s.vecs
-    loads = qrows * d.kw * s.vecs + s.rows * d.kh * d.kw  # input vectors + weight broadcasts
+    fmas = s.rows * d.kh * d.kw * s.vecs * d.cig
+    loads = (qrows * d.kw * s.vecs + s.rows * d.kh * d.kw) * d.cig  # input vectors + weight broadcasts
     block_cycles = max(fmas, loads) / FMA_PIPES + s.rows * s.vecs + 6
     blocks = -(-d.oh // s.rows) * -(-d.ow // chunk)
-    items, planes = d.n * d.g * d.cog, d.n * d.g
-    fill_cycles = d.h * d.w * (1.0 / vl if d.sw == 1 else 1.5)
+    items, planes = d.n * d.g * d.cog, d.n * d.g * d.cig
+    # the plane copy: a row memcpy (stride 1), a vector split by parity (stride 2, AVX-512), else scalar
+    fill_cycles = d.h * d.w * (1.0 / vl if d.sw == 1 else 2.0 / vl if (d.sw == 2 and vl == 16) else 1.5)
     t_eff = max(1, min(threads, items))
     speed = _balance(items, t_eff)
     t_compute = (items * blocks * block_cycles + planes * fill_cycles) * _cycle(m, s.isa) / speed
-    nbytes = 4.0 * (planes * d.h * d.w + items * (d.oh * d.ow + d.kh * d.kw))
+    nbytes = 4.0 * (planes * d.h * d.w + items * (d.oh * d.ow + d.cig * d.kh * d.kw))
     t_mem = nbytes / m.bandwidth(_level(m, nbytes, t_eff), t_eff)
     return CALL_SECONDS + max(t_compute, t_mem)
 
@@ -273,7 +275,7 @@ def predict(op: Operator, schedule: Schedule, m: Machine, threads: int = 1) -> f
     if isinstance(schedule, GemmSchedule):
         return predict_gemm(op, schedule, m, threads)
     if isinstance(schedule, DirectSchedule):
-        predictor = _predict_depthwise if schedule.algo == "depthwise" else _predict_gemv
+        predictor = _predict_gemv if schedule.algo == "gemv" else _predict_depthwise
         return predictor(op, schedule, m, threads)
     if isinstance(schedule, WinogradSchedule):
         from tessera.kernels.winograd import predict_winograd  # it builds on this module's GEMM model

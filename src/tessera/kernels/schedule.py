@@ -134,7 +134,7 @@ class LoopSchedule:
         return f"loops {'>'.join(self.order)} tiles[{tiles}] par{self.parallel} simd{int(self.vectorize)} u{self.unroll}"
 
 
-DIRECT_ALGOS = ("depthwise", "gemv")
+DIRECT_ALGOS = ("depthwise", "grouped", "gemv")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +154,7 @@ class DirectSchedule:
             raise ValueError(f"direct kernel {self.algo!r}; choose one of {', '.join(DIRECT_ALGOS)}")
         if self.rows < 1 or self.vecs < 1:
             raise ValueError(f"register block {self.rows}x{self.vecs} must be at least 1x1")
-        live = self.rows * self.vecs + self.vecs + 1 if self.algo == "depthwise" else self.vecs + 2
+        live = self.rows * self.vecs + self.vecs + 1 if self.algo != "gemv" else self.vecs + 2
         if live > regs:
             raise ValueError(f"register block {self.rows}x{self.vecs} needs {live} vector registers; {self.isa} has {regs}")
 

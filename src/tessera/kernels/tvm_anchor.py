@@ -2,14 +2,25 @@
 written in TE, tuned by MetaSchedule for LLVM code on this CPU, the best schedule built and
 timed. Besides the final time it records the tuning curve: after every batch of measured
 candidates, the trials so far, the tuning seconds so far and the best time MetaSchedule's
-own runner has measured so far (its mean over the runner's repeats)."""
+own runner has measured so far (its mean over the runner's repeats).
+
+A tuning of a thousand trials takes about an hour a shape on this machine, so a finished
+tuning is kept (``cache``: MetaSchedule's database, its curve and tuning time, under a key of
+the operator, target, threads, trial budget and TVM version), as a deployment keeps TVM's
+tuning log; a later run builds the best schedule from it and times it in that run, and the
+row says the tuning was reused and when it ran. A tuning is written to a temporary folder and
+renamed only once complete: an interrupted one leaves nothing behind."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import os
+import shutil
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -96,9 +107,46 @@ def _curve_callback(curve: list[dict], began: float):
     return Curve()
 
 
-def _tune_and_time(kind: str, spec, threads: int, trials: int, repeats: int) -> dict:
-    """In a child process: tune with MetaSchedule (``trials`` measured candidates), build the
-    best, time it (median of ``repeats`` after a warm-up)."""
+def default_cache() -> str:
+    """Where the benchmark keeps finished tunings: ``$TESSERA_TVM_CACHE`` or ~/.cache/tessera/tvm."""
+    return os.environ.get("TESSERA_TVM_CACHE") or str(Path.home() / ".cache" / "tessera" / "tvm")
+
+
+def cache_key(kind: str, spec, threads: int, trials: int) -> str:
+    """The folder name of one tuning: operator, target, threads, trials and TVM's version."""
+    import tvm
+
+    what = json.dumps([kind, repr(spec), tvm_mcpu(), threads, trials, tvm.__version__])
+    return f"{kind}-{hashlib.sha256(what.encode()).hexdigest()[:16]}"
+
+
+def _tune(func, target, threads: int, trials: int, work_dir: str) -> tuple[dict, object]:
+    """MetaSchedule's tuning into ``work_dir``: ({tuning_s, curve}, the database)."""
+    from tvm.s_tir import meta_schedule as ms
+
+    curve: list[dict] = []
+    began = time.perf_counter()
+    # generous build/run timeouts: on a loaded 2-core machine a worker's start alone can pass 30 s
+    database = ms.tune_tir(
+        mod=func,
+        target=target,
+        work_dir=work_dir,
+        max_trials_global=trials,
+        num_trials_per_iter=min(64, trials),
+        builder=ms.builder.LocalBuilder(timeout_sec=300),
+        runner=ms.runner.LocalRunner(timeout_sec=120),
+        measure_callbacks=[
+            *ms.measure_callback.MeasureCallback.create("default"),
+            _curve_callback(curve, began),
+        ],
+        num_tuning_cores=threads,
+    )
+    return {"tuning_s": time.perf_counter() - began, "curve": curve}, database
+
+
+def _tune_and_time(kind: str, spec, threads: int, trials: int, repeats: int, cache: str | None = None) -> dict:
+    """In a child process: tune with MetaSchedule (``trials`` measured candidates) or take the
+    tuning kept in ``cache``, build the best, time it (median of ``repeats`` after a warm-up)."""
     import statistics
 
     os.environ["TVM_NUM_THREADS"] = str(threads)
@@ -107,26 +155,25 @@ def _tune_and_time(kind: str, spec, threads: int, trials: int, repeats: int) -> 
 
     func, in_shapes, out_shape = _gemm_module(*spec) if kind == "gemm" else _conv_module(spec)
     target = _target(threads)
-    curve: list[dict] = []
-    began = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        # generous build/run timeouts: on a loaded 2-core machine a worker's start alone can pass 30 s
-        database = ms.tune_tir(
-            mod=func,
-            target=target,
-            work_dir=tmp,
-            max_trials_global=trials,
-            num_trials_per_iter=min(64, trials),
-            builder=ms.builder.LocalBuilder(timeout_sec=300),
-            runner=ms.runner.LocalRunner(timeout_sec=120),
-            measure_callbacks=[
-                *ms.measure_callback.MeasureCallback.create("default"),
-                _curve_callback(curve, began),
-            ],
-            num_tuning_cores=threads,
-        )
+    kept = Path(cache) / cache_key(kind, spec, threads, trials) if cache else None
+    if cache:
+        os.makedirs(cache, exist_ok=True)
+    if kept is not None and (kept / "meta.json").exists():
+        meta = json.loads((kept / "meta.json").read_text())
+        database = ms.database.JSONDatabase(work_dir=str(kept), allow_missing=False)
         sch = ms.tir_integration.compile_tir(database, func, target)
-    tuning = time.perf_counter() - began
+    else:
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            meta, database = _tune(func, target, threads, trials, tmp)
+            sch = ms.tir_integration.compile_tir(database, func, target)
+            if kept is not None:
+                meta["tuned_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+                Path(tmp, "meta.json").write_text(json.dumps(meta))
+                shutil.rmtree(kept, ignore_errors=True)
+                os.replace(tmp, kept)  # complete, or not there at all
+                os.makedirs(tmp)  # for TemporaryDirectory's own clean-up
+        meta["reused"] = False
+    curve = meta["curve"]
     lib = tvm.compile(sch.mod if sch is not None else func, target=target)
     dev = tvm.cpu(0)
     args = [tvm.runtime.tensor(x, dev) for x in _rng_inputs(*in_shapes)]
@@ -140,7 +187,9 @@ def _tune_and_time(kind: str, spec, threads: int, trials: int, repeats: int) -> 
         times.append(time.perf_counter() - t0)
     return {
         "seconds": statistics.median(times),
-        "tuning_s": tuning,
+        "tuning_s": meta["tuning_s"],
+        "tuning_reused": meta.get("reused", True),
+        "tuned_at": meta.get("tuned_at"),
         "tuned": sch is not None,
         "measured_trials": curve[-1]["trials"] if curve else 0,
         "curve": curve,
@@ -148,14 +197,15 @@ def _tune_and_time(kind: str, spec, threads: int, trials: int, repeats: int) -> 
     }
 
 
-def tvm_measure(kind: str, spec, threads: int, trials: int, repeats: int = 5) -> dict:
+def tvm_measure(kind: str, spec, threads: int, trials: int, repeats: int = 5, cache: str | None = None) -> dict:
     """TVM's tuned time of one operator and its tuning curve, run in a fresh child process
-    (TVM's thread pool and its crashes stay out of ours); {"error": why} when it fails."""
+    (TVM's thread pool and its crashes stay out of ours); {"error": why} when it fails.
+    ``cache``: a folder where finished tunings are kept and reused (None: tune every time)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     try:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            return pool.submit(_tune_and_time, kind, spec, threads, trials, repeats).result()
+            return pool.submit(_tune_and_time, kind, spec, threads, trials, repeats, cache).result()
     except Exception as exc:  # a failing optional anchor is reported in the results, not raised
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]}

@@ -55,7 +55,7 @@ def generate_winograd(op: Operator, s: WinogradSchedule) -> str:
 
 def predict_transforms(op: Operator, s: WinogradSchedule, m: Machine, threads: int) -> float:
     """The transforms' seconds (the GEMM's are the GEMM model's): their vector loads, FMAs and
-    stores at two a cycle, the weights' scalar transform, and the scratch they write."""
+    stores at two a cycle, the weights' transform, and the scratch they write."""
     from tessera.kernels.model import CALL_SECONDS, _balance, _cycle
 
     d = winograd_of(op)
@@ -64,10 +64,13 @@ def predict_transforms(op: Operator, s: WinogradSchedule, m: Machine, threads: i
     twv = -(-tw // vl) * vl
     nz = NONZEROS[s.m]
     t = tiles(d, s.m)
-    weights = d.cog * d.cig * (9 * a + 3 * a * a)  # scalar FMAs, about one a cycle
+    # weights: per output channel and VL input channels, the 9 VL-wide filter gather (scalar
+    # moves, two a cycle), then (3 + a) vector transforms of up to 3a FMAs (two a cycle)
+    weights = d.cog * -(-d.cig // vl) * (9 * vl / 2 + (3 + a) * 3 * a / 2)
     stage1 = s.m * (twv + vl) / vl * (2 * a + nz["bt"])
     stage2 = twv / vl * a * (2 * a + nz["bt"])
-    inputs = d.n * d.cig * (1.5 * d.h * d.w + th * (stage1 + stage2) / 2)
+    fill = 2.0 / vl if (s.m == 2 and vl == 16) else 1.5  # the plane's phase split: vector (F2, AVX-512) or scalar
+    inputs = d.n * d.cig * (fill * d.h * d.w + th * (stage1 + stage2) / 2)
     outputs = d.n * d.cog * (th * twv / vl * (a * (a + nz["at"] + s.m) + s.m * (a + nz["at"] + s.m)) / 2
                              + d.oh * d.ow)
     t_eff = max(1, threads)

@@ -136,15 +136,33 @@ TK_INLINE int tk_in_bounds(const tk_guards *g, long n, long k) {
     return ok;
 }
 
+/* The unit runs of B's NR-panels (the tables are built with the kernel): panel p's columns
+ * split into runs[p].count runs; run r starts at column start[r], has len[r] columns whose
+ * offsets step by 1, and along it guard q's index steps by (unit >> q) & 1. A run's in-bounds
+ * columns are then one interval, found from its first column, and copied as a vector block. */
+typedef struct {
+    unsigned char count;
+    unsigned char start[TK_NR], len[TK_NR], unit[TK_NR];
+} tk_runs;
+
+TK_INLINE void tk_copy_run(float *restrict d, const float *restrict s, long n) {
+    long i = 0;
+    for (; i + TK_VL <= n; i += TK_VL) tk_store(d + i, tk_load(s + i));
+    for (; i < n; ++i) d[i] = s[i];
+}
+
 /* Pack a kc x nc block of B addressed by tables (columns noff[n0..n0+nc), rows koff[0..kc)).
  * pstep[p] is the constant offset step of NR-panel p of the whole N range, or 0 when the
- * panel is not a strided run (the tables are built with the kernel). */
+ * panel is not a strided run; runs[p] its unit runs (a panel that crosses an output row of a
+ * convolution, or one the zero padding cuts). */
 static void tk_pack_b_table(const float *restrict B, const long *restrict koff,
-                            const long *restrict noff, const long *restrict pstep, long n0, long nc,
+                            const long *restrict noff, const long *restrict pstep,
+                            const tk_runs *restrict runs, long n0, long nc,
                             long kc, const tk_guards *g, float *restrict Bp) {
     for (long jr = 0; jr < nc; jr += TK_NR) {
         long nr = tk_min(TK_NR, nc - jr), nb = n0 + jr;
         long step = nr == TK_NR ? pstep[nb / TK_NR] : 0;
+        const tk_runs *pr = runs + nb / TK_NR;
         float *dst = Bp + jr * kc;
         for (long k = 0; k < kc; ++k) {
             float *d = dst + k * TK_NR;
@@ -158,9 +176,19 @@ static void tk_pack_b_table(const float *restrict B, const long *restrict koff,
                 }
                 continue;
             }
-            for (long j = 0; j < TK_NR; ++j) {
-                long n = nb + j;
-                d[j] = (j < nr && tk_in_bounds(g, n, k)) ? src[noff[n]] : 0.0f;
+            for (int j = 0; j < TK_NV; ++j) tk_store(d + j * TK_VL, tk_zero());
+            for (int r = 0; r < pr->count; ++r) {
+                long j0 = pr->start[r], lo = 0, hi = pr->len[r];
+                for (int q = 0; q < TK_NG; ++q) {
+                    long v = (long)g->gn[q][nb + j0] + g->gk[q][k] + g->gb[q];
+                    if ((pr->unit[r] >> q) & 1) {  /* index v + i for column j0 + i: in bounds for -v <= i < lim - v */
+                        lo = lo > -v ? lo : -v;
+                        hi = hi < g->lim[q] - v ? hi : g->lim[q] - v;
+                    } else if (v < 0 || v >= g->lim[q]) {
+                        hi = 0;
+                    }
+                }
+                if (lo < hi) tk_copy_run(d + j0 + lo, src + noff[nb + j0 + lo], hi - lo);
             }
         }
     }

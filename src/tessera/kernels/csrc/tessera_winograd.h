@@ -69,18 +69,29 @@ void wg_set_gemm(wg_gemm_fn fn) { wg_gemm = fn; }
 
 void tk_init(void) {}
 
-/* U[xi][k][c] = G g_kc G^T; in0 is the weight [K, C, 3, 3]. */
+/* U[xi][k][c] = G g_kc G^T; in0 is the weight [K, C, 3, 3]. Vectorised across TK_VL input
+ * channels of one output channel (U's c is contiguous): their 3x3 filters are gathered into
+ * nine vectors, then both products with G are vector FMAs. */
 static void wg_weights(const float *restrict w, float *restrict U, int nthreads) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (long k = 0; k < WG_K; ++k) {
-        for (long c = 0; c < WG_C; ++c) {
-            const float *g = w + (k * WG_C + c) * 9;
-            float t[WG_A][3], u[WG_A][WG_A];
-            for (int a = 0; a < WG_A; ++a)
-                for (int s = 0; s < 3; ++s) t[a][s] = WG_G[a][0] * g[s] + WG_G[a][1] * g[3 + s] + WG_G[a][2] * g[6 + s];
-            for (int a = 0; a < WG_A; ++a)
-                for (int b = 0; b < WG_A; ++b) u[a][b] = t[a][0] * WG_G[b][0] + t[a][1] * WG_G[b][1] + t[a][2] * WG_G[b][2];
-            for (int xi = 0; xi < WG_XI; ++xi) U[(long)xi * WG_K * WG_C + k * WG_C + c] = u[xi / WG_A][xi % WG_A];
+        for (long c0 = 0; c0 < WG_C; c0 += TK_VL) {
+            long count = tk_min(TK_VL, WG_C - c0);
+            float gt[9][TK_VL] __attribute__((aligned(64)));
+            for (long c = 0; c < TK_VL; ++c)
+                for (int j = 0; j < 9; ++j) gt[j][c] = c < count ? w[(k * WG_C + c0 + c) * 9 + j] : 0.0f;
+            tk_vf t[WG_A][3];
+            for (int s = 0; s < 3; ++s) {  /* t = G g, column s of the filter at a time */
+                tk_vf in[3] = {tk_load(gt[s]), tk_load(gt[3 + s]), tk_load(gt[6 + s])}, out[WG_A];
+                WG_APPLY(WG_G, WG_A, 3, in, out);
+                for (int a = 0; a < WG_A; ++a) t[a][s] = out[a];
+            }
+            for (int a = 0; a < WG_A; ++a) {  /* u = t G^T, row a at a time */
+                tk_vf out[WG_A];
+                WG_APPLY(WG_G, WG_A, 3, t[a], out);
+                for (int b = 0; b < WG_A; ++b)
+                    tk_store_n(U + ((long)(a * WG_A + b) * WG_K + k) * WG_C + c0, out[b], count);
+            }
         }
     }
 }
@@ -89,6 +100,10 @@ static void wg_fill(float *restrict buf, const float *restrict x) {
     for (long h = 0; h < WG_H; ++h) {
         const float *src = x + h * WG_W;
         float *row = buf + (WG_PH + h) * WG_CP;
+        if (WG_M == 2) {
+            tk_split2(row, row + WG_PHASE, src, WG_W, WG_PW);
+            continue;
+        }
         for (long w = 0; w < WG_W; ++w) {
             long j = WG_PW + w;
             row[(j % WG_M) * WG_PHASE + j / WG_M] = src[w];
