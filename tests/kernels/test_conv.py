@@ -9,6 +9,7 @@ from kernel_checks import assert_within_bound, random_inputs, run
 
 from tessera.kernels import compile_kernel, ops, reference
 from tessera.kernels.codegen_loops import default_loop_schedule
+from tessera.kernels.machine import cpu_isas
 from tessera.kernels.schedule import GemmSchedule, LoopSchedule
 
 SHAPES = [
@@ -32,12 +33,32 @@ def _check(op, schedule, threads=2, seed=0):
     return out
 
 
-@pytest.mark.parametrize("s", SHAPES, ids=lambda s: s.label())
+# rows of 38 and 20 stride-2 outputs: B's packing copies runs of up to 32 columns, taking every
+# second input element (the vector path from 17 on), cut by the zero padding at both ends
+WIDE_STRIDED = [
+    ops.Conv2dShape(batch=1, in_channels=2, out_channels=3, height=5, width=75, kernel=(3, 3), stride=(2, 2),
+                    padding=(1, 1)),
+    ops.Conv2dShape(batch=1, in_channels=2, out_channels=4, height=9, width=40, kernel=(7, 7), stride=(2, 2),
+                    padding=(3, 3)),
+]
+
+
+@pytest.mark.parametrize("s", SHAPES + WIDE_STRIDED, ids=lambda s: s.label())
 def test_conv_implicit_gemm_and_direct(s):
     op = ops.conv2d(s)
     implicit = _check(op, GEMM)
     direct = _check(op, default_loop_schedule(op, threads=2))
     np.testing.assert_allclose(implicit, direct, rtol=1e-4, atol=1e-5)  # both within the bound of the same sum
+
+
+@pytest.mark.parametrize("s", WIDE_STRIDED, ids=lambda s: s.label())
+def test_stride_two_runs_packed_with_vectors(s):
+    # NR = 32 on the widest ISA here: runs of 17 or more stride-2 columns take the vector gather
+    op = ops.conv2d(s)
+    isa = "avx512" if "avx512" in cpu_isas() else "avx2"
+    wide = _check(op, GemmSchedule(isa=isa, mr=4, nr=32, mc=8, nc=64, kc=16, parallel="jr"))
+    plain = _check(op, default_loop_schedule(op, threads=2))
+    np.testing.assert_allclose(wide, plain, rtol=1e-4, atol=1e-5)  # both within the bound of the same sum
 
 
 def test_conv_batch_loop_and_other_orders():

@@ -129,6 +129,9 @@ class _Worker:
         self.proc.wait(timeout=600)
 
 
+SETTLE_S = 0.2  # libgomp's idle threads spin far less than this before they sleep
+
+
 def run_devito(st, shape_name: str, grid, threads: int, rounds: int, tessera: dict | None = None) -> dict:
     """Check Devito's answer on a small grid against the float64 reference; then, with
     ``tessera`` (the case's compiled kernel: {"lib": path}), Devito and Tessera each in a
@@ -140,7 +143,6 @@ def run_devito(st, shape_name: str, grid, threads: int, rounds: int, tessera: di
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(threads),
-        OMP_WAIT_POLICY="PASSIVE",  # an idle worker's threads sleep while the other one runs
         DEVITO_LANGUAGE="openmp",
         DEVITO_AUTOTUNING="aggressive",
         DEVITO_LOGGING="WARNING",
@@ -171,6 +173,10 @@ def run_devito(st, shape_name: str, grid, threads: int, rounds: int, tessera: di
                     order = (devito, ours) if r % 2 == 0 else (ours, devito)
                     for worker in order:
                         got = worker.run()
+                        # each runs OpenMP's default wait policy, as its users do (a passive one
+                        # puts threads to sleep at every barrier, which costs a kernel with many);
+                        # the pause lets the one that just ran stop spinning before the other starts
+                        time.sleep(SETTLE_S)
                         if worker is ours:
                             times["tessera_seconds"].append(got["seconds"])
                         else:

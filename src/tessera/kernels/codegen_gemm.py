@@ -83,26 +83,29 @@ class _Gen:
         )
 
     def _runs_fill(self, panels: int) -> str:
-        """C filling ``pruns``: each panel's columns cut into maximal unit runs (offsets step
-        by 1, each guard's index by a constant 0 or 1); a column that starts no such step is a
-        run of one (its guards checked as constants)."""
+        """C filling ``pruns``: each panel's columns cut into maximal runs (offsets stepping
+        by one constant from 1 to 255, each guard's index by a constant from 0 to 255); a
+        column that starts no such step is a run of one (its guards checked as constants)."""
         self.decls.append(f"static tk_runs pruns[{panels}];")
         ng = len(self.guards)
-        steps = " ".join(
-            f"{{ long d = g{q}_n[n + 1] - g{q}_n[n]; if (d == 1) u |= {1 << q}; else if (d != 0) ok = 0; }}"
+        slopes = " ".join(
+            f"{{ long d = g{q}_n[n + 1] - g{q}_n[n]; if (d < 0 || d > 255) ok = 0; sl[{q}] = d; }}"
             for q in range(ng)
         )
-        same = " ".join(f"if (g{q}_n[n + 1] - g{q}_n[n] != ((u >> {q}) & 1)) break;" for q in range(ng))
+        same = " ".join(f"if (g{q}_n[n + 1] - g{q}_n[n] != sl[{q}]) break;" for q in range(ng))
         return (
             f"  for (long p = 0; p < {panels}; ++p) {{ long nb = p * TK_NR, cols = tk_min(TK_NR, {self.N} - nb), j = 0;"
             " tk_runs *r = pruns + p; r->count = 0;\n"
-            "    while (j < cols) { long n = nb + j, len = 1, u = 0, ok = 1;\n"
-            f"      if (j + 1 < cols && b_n[n + 1] - b_n[n] == 1) {{ {steps} }} else ok = 0;\n"
-            "      if (!ok) u = 0;\n"
+            "    while (j < cols) { long n = nb + j, len = 1, st = 0, ok = 0, sl[4] = {0, 0, 0, 0};\n"
+            "      if (j + 1 < cols) { st = b_n[n + 1] - b_n[n]; ok = st >= 1 && st <= 255; }\n"
+            f"      if (ok) {{ {slopes} }}\n"
+            "      if (!ok) { st = 1; sl[0] = sl[1] = sl[2] = sl[3] = 0; }\n"
             "      else for (len = 1; j + len < cols; ++len) { n = nb + j + len - 1;"
-            f" if (b_n[n + 1] - b_n[n] != 1) break; {same} }}\n"
-            "      r->start[r->count] = (unsigned char)j; r->len[r->count] = (unsigned char)len;"
-            " r->unit[r->count] = (unsigned char)u; r->count++; j += len; } }"
+            f" if (b_n[n + 1] - b_n[n] != st) break; {same} }}\n"
+            "      int c = r->count; r->start[c] = (unsigned char)j; r->len[c] = (unsigned char)len;"
+            " r->step[c] = (unsigned char)st;\n"
+            "      for (int q = 0; q < 4; ++q) r->slope[c][q] = (unsigned char)sl[q];\n"
+            "      r->count++; j += len; } }"
         )
 
     # ---- packing -------------------------------------------------------------------------

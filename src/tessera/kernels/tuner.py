@@ -98,7 +98,9 @@ def rank(op: Operator, *, threads: int, machine: Machine) -> list[Trial]:
 def _family(s: Schedule) -> tuple:
     if isinstance(s, GemmSchedule):
         return (s.isa, s.mr, s.nr)
-    return (s.kind, s.isa) if s.kind == "direct" else (s.kind,)
+    if s.kind == "direct":
+        return (s.kind, s.isa)
+    return (s.kind, s.m) if s.kind == "winograd" else (s.kind,)  # F(2) and F(4) are two algorithms
 
 
 def shortlist(trials: list[Trial], top_k: int, per_family: int = 2) -> list[Trial]:
@@ -132,7 +134,7 @@ REJECT_AFTER_S = 0.05  # ... when it took this long (cold-call costs are then a 
 
 def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int, best: float) -> None:
     """Median of up to ``repeats`` timed runs (about a second per candidate at most) after
-    a timed warm-up run. A candidate whose long warm-up run is already far slower than the
+    a timed warm-up run and an untimed one. A candidate whose long warm-up run is already far slower than the
     best median found keeps that one time (its cold cost, a few per cent above a warm one at
     that length): the rank stays right, and large shapes tune in a fraction of the time."""
     first = kernel.time(*inputs, threads=threads, repeats=1, warmup=0)[0]
@@ -140,7 +142,9 @@ def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int, best: flo
         trial.times, trial.measured = [first], first
         return
     reps = max(3, min(repeats, int(1.0 / max(first, 1e-6))))
-    trial.times = kernel.time(*inputs, threads=threads, repeats=reps, warmup=0)
+    # one more untimed run: a kernel with scratch of its own (Winograd's transforms) is still
+    # warming its caches and pages on the second call (1.9 ms, then 1.3-1.4 at 64ch 56x56)
+    trial.times = kernel.time(*inputs, threads=threads, repeats=reps, warmup=1)
     trial.measured = statistics.median(trial.times)
 
 

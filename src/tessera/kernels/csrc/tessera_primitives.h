@@ -136,13 +136,15 @@ TK_INLINE int tk_in_bounds(const tk_guards *g, long n, long k) {
     return ok;
 }
 
-/* The unit runs of B's NR-panels (the tables are built with the kernel): panel p's columns
- * split into runs[p].count runs; run r starts at column start[r], has len[r] columns whose
- * offsets step by 1, and along it guard q's index steps by (unit >> q) & 1. A run's in-bounds
- * columns are then one interval, found from its first column, and copied as a vector block. */
+/* The runs of B's NR-panels (the tables are built with the kernel): panel p's columns split
+ * into runs[p].count runs; run r starts at column start[r], has len[r] columns whose offsets
+ * step by step[r] (1, or a convolution's stride), and along it guard q's index steps by
+ * slope[r][q] >= 0. A run's in-bounds columns are then one interval, found from its first
+ * column, and copied as a vector block (step 1), a vector gather of the even elements (step
+ * 2, AVX-512) or element by element. */
 typedef struct {
     unsigned char count;
-    unsigned char start[TK_NR], len[TK_NR], unit[TK_NR];
+    unsigned char start[TK_NR], len[TK_NR], step[TK_NR], slope[TK_NR][4];
 } tk_runs;
 
 TK_INLINE void tk_copy_run(float *restrict d, const float *restrict s, long n) {
@@ -151,9 +153,25 @@ TK_INLINE void tk_copy_run(float *restrict d, const float *restrict s, long n) {
     for (; i < n; ++i) d[i] = s[i];
 }
 
+/* d[i] = s[2 i], i < n; the vector loop reads s[2 i + 31] only while it is below s[2 (n - 1)]. */
+TK_INLINE void tk_copy_run2(float *restrict d, const float *restrict s, long n) {
+    long i = 0;
+#if TK_VEC == 512
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    for (; i + 17 <= n; i += 16)
+        _mm512_storeu_ps(d + i, _mm512_permutex2var_ps(_mm512_loadu_ps(s + 2 * i), even,
+                                                        _mm512_loadu_ps(s + 2 * i + 16)));
+#endif
+    for (; i < n; ++i) d[i] = s[2 * i];
+}
+
+/* ceil(a / c) and floor(a / c) for c > 0 and any sign of a (C division truncates). */
+TK_INLINE long tk_ceil_div(long a, long c) { return a >= 0 ? (a + c - 1) / c : -((-a) / c); }
+TK_INLINE long tk_floor_div(long a, long c) { return a >= 0 ? a / c : -((-a + c - 1) / c); }
+
 /* Pack a kc x nc block of B addressed by tables (columns noff[n0..n0+nc), rows koff[0..kc)).
  * pstep[p] is the constant offset step of NR-panel p of the whole N range, or 0 when the
- * panel is not a strided run; runs[p] its unit runs (a panel that crosses an output row of a
+ * panel is not a strided run; runs[p] its runs (a panel that crosses an output row of a
  * convolution, or one the zero padding cuts). */
 static void tk_pack_b_table(const float *restrict B, const long *restrict koff,
                             const long *restrict noff, const long *restrict pstep,
@@ -180,15 +198,25 @@ static void tk_pack_b_table(const float *restrict B, const long *restrict koff,
             for (int r = 0; r < pr->count; ++r) {
                 long j0 = pr->start[r], lo = 0, hi = pr->len[r];
                 for (int q = 0; q < TK_NG; ++q) {
-                    long v = (long)g->gn[q][nb + j0] + g->gk[q][k] + g->gb[q];
-                    if ((pr->unit[r] >> q) & 1) {  /* index v + i for column j0 + i: in bounds for -v <= i < lim - v */
-                        lo = lo > -v ? lo : -v;
-                        hi = hi < g->lim[q] - v ? hi : g->lim[q] - v;
+                    long v = (long)g->gn[q][nb + j0] + g->gk[q][k] + g->gb[q], c = pr->slope[r][q];
+                    if (c) {  /* index v + c i for column j0 + i: in bounds for -v <= c i <= lim - 1 - v */
+                        long a = tk_ceil_div(-v, c), b = tk_floor_div(g->lim[q] - 1 - v, c) + 1;
+                        lo = lo > a ? lo : a;
+                        hi = hi < b ? hi : b;
                     } else if (v < 0 || v >= g->lim[q]) {
                         hi = 0;
                     }
                 }
-                if (lo < hi) tk_copy_run(d + j0 + lo, src + noff[nb + j0 + lo], hi - lo);
+                if (lo >= hi) continue;
+                const float *s = src + noff[nb + j0 + lo];
+                long st = pr->step[r];
+                if (st == 1) {
+                    tk_copy_run(d + j0 + lo, s, hi - lo);
+                } else if (st == 2) {
+                    tk_copy_run2(d + j0 + lo, s, hi - lo);
+                } else {
+                    for (long i = 0; i < hi - lo; ++i) d[j0 + lo + i] = s[i * st];
+                }
             }
         }
     }
