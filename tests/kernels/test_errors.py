@@ -34,6 +34,23 @@ def test_kernel_checks_its_inputs():
         kernel(a, b, threads=0)
 
 
+def test_a_bound_call_checks_once_and_writes_its_output():
+    kernel = compile_kernel(OP, GemmSchedule())
+    rng = np.random.default_rng(1)
+    a, b = (rng.standard_normal(t.shape, dtype=np.float32) for t in OP.inputs)
+    call, out = kernel.bind(a, b, threads=2)
+    out[:] = np.nan
+    call()
+    np.testing.assert_array_equal(out, kernel(a, b, threads=2))  # one binary, one order of sums
+    b[:] = 0  # the call reads the arrays it was bound to, as they are when it runs
+    call()
+    assert not out.any()
+    with pytest.raises(ValueError, match="not contiguous"):
+        kernel.bind(np.ones((7, 5), np.float32).T, b)
+    with pytest.raises(ValueError, match="threads must be"):
+        kernel.bind(a, b, threads=0)
+
+
 def _fake_compiler(tmp_path, script: str):
     path = tmp_path / "fakecc"
     path.write_text("#!/bin/sh\n" + script)

@@ -166,7 +166,9 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
     tuned = tune(op, threads=threads, machine=machine, top_k=plan.top_k, repeats=plan.repeats)
     kernel = compile_kernel(op, tuned.best)
     inputs = random_inputs(op)
-    seconds = _median_seconds(lambda: kernel(*inputs, threads=threads), plan.repeats)
+    # a bound call (checks, output and pointers once), as the BLAS anchors' prepared calls are
+    call, _ = kernel.bind(*inputs, threads=threads)
+    seconds = _median_seconds(call, plan.repeats)
     row = {
         "kind": kind, "shape": label, "threads": threads, "gflops": round(flops / seconds / GIGA, 2),
         "seconds": seconds, "predicted_s": predict(op, tuned.best, machine, threads),
@@ -341,7 +343,10 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
         f"Anchors: OpenBLAS, BLIS and AMD's AOCL-BLAS through ctypes ({plan.blas_kernel_set} kernel set), torch's GEMM through MKL "
         "(torch.mm), MKL's packed SGEMM and oneDNN's matmul (weights packed/reordered once, outside the timing), "
         "torch's conv through its default dispatch, oneDNN forced and oneDNN on a reordered weight; torch's anchor "
-        "is its best path per shape. Thread counts are set once around each timing loop.",
+        "is its best path per shape. Thread counts are set once around each timing loop. Tessera's kernel is "
+        "timed as a bound call (checks, output and pointers once), as the BLAS anchors' prepared calls and "
+        "torch.mm(out=) are; torch's convolutions allocate their output in each call (their oneDNN paths take no "
+        "out=).",
         "Code paths: OpenBLAS's openblas_get_corename / get_config, BLIS's bli_arch_query_id, threadpoolctl; torch's "
         "from MKL_VERBOSE / ONEDNN_VERBOSE and the ATen ops of one call per path in a child process, after the timings.",
         "numpy is a sanity row, not an anchor; its conv is im2col (sliding windows of the padded input) + one "

@@ -73,6 +73,15 @@ class Kernel:
         return self.op.inputs
 
     def __call__(self, *inputs, out=None, threads: int = 1):
+        call, out = self.bind(*inputs, out=out, threads=threads)
+        call()
+        return out
+
+    def bind(self, *inputs, out=None, threads: int = 1):
+        """(a call with no arguments that runs the kernel on ``inputs`` into ``out``, ``out``):
+        the checks, the output's allocation and the pointer conversions done once, here, as a
+        BLAS library's prepared call has them (timing loops use it: a matrix-vector product's
+        whole run is a few times the cost of the checks)."""
         specs = self.op.inputs
         if len(inputs) != len(specs):
             raise ValueError(f"{self.op.name} takes {len(specs)} inputs ({', '.join(t.name for t in specs)}), got {len(inputs)}")
@@ -87,19 +96,25 @@ class Kernel:
                 out = torch.empty(spec.shape, dtype=torch.float32)
             else:
                 out = np.empty(spec.shape, dtype=np.float32)
-        optr = _pointer(out, spec, "output", self.op.name)
-        self._fn(ctypes.c_void_p(optr), *[ctypes.c_void_p(p) for p in ptrs], ctypes.c_int(threads))
-        return out
+        args = [ctypes.c_void_p(_pointer(out, spec, "output", self.op.name)), *[ctypes.c_void_p(p) for p in ptrs],
+                ctypes.c_int(threads)]  # fmt: skip
+        fn = self._fn
+
+        def call(_alive=(out, inputs)):  # the arrays behind the pointers live as long as the call
+            fn(*args)
+
+        return call, out
 
     def time(self, *inputs, threads: int = 1, repeats: int = 5, warmup: int = 1) -> list[float]:
-        """Seconds per call, ``repeats`` of them (after ``warmup`` untimed calls)."""
-        out = None
+        """Seconds per call, ``repeats`` of them (after ``warmup`` untimed calls), of the bound
+        call (``bind``)."""
+        call, _ = self.bind(*inputs, threads=threads)
         for _ in range(warmup):
-            out = self(*inputs, out=out, threads=threads)
+            call()
         times = []
         for _ in range(repeats):
             began = time.perf_counter()
-            out = self(*inputs, out=out, threads=threads)
+            call()
             times.append(time.perf_counter() - began)
         return times
 
