@@ -44,9 +44,22 @@ def _model_headline(model: str, rows: list[dict], facts: dict) -> dict:
         )
         out |= {"best_peer": f"{best}@{facts['best_batch'][best]}", "tessera_over_best_peer": round(med, 3),
                 "tessera_over_best_peer_range": [round(min(ratios), 3), round(max(ratios), 3)]}  # fmt: skip
+    shared: dict[str, list[dict]] = {}
     for r in rows:
         if r["model"] == model and r["phase"] == "shared_rate":
-            out[f"{r['system']}_p99_at_shared_rate_s"] = round(r["p99_s"], 4)
+            shared.setdefault(r["system"], []).append(r)
+    for system, mine in shared.items():  # median over the repeats, and their range
+        p99 = [r["p99_s"] for r in mine]
+        out[f"{system}_p99_at_shared_rate_s"] = round(statistics.median(p99), 4)
+        out[f"{system}_p99_at_shared_rate_range_s"] = [round(min(p99), 4), round(max(p99), 4)]
+    if "tessera" in shared and "best_peer" in out:
+        # repeat i offered the same arrivals to both: the ratio of their p99s, repeat by repeat
+        peer = shared.get(out["best_peer"].split("@")[0], [])
+        pairs = {r.get("repeat", 0): r["p99_s"] for r in peer}
+        ratios = [r["p99_s"] / pairs[r.get("repeat", 0)] for r in shared["tessera"] if pairs.get(r.get("repeat", 0))]
+        if ratios:
+            out["tessera_p99_over_best_peer_at_shared_rate"] = round(statistics.median(ratios), 3)
+            out["tessera_p99_over_best_peer_at_shared_rate_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
     layouts = {}
     for r in rows:
         if r["model"] == model and r["phase"] == "workers":
@@ -84,7 +97,8 @@ def result(plan, rows, systems, absent, models, memory) -> BenchResult:
         f"{plan.sweep_requests} validation requests per configuration, batch sizes {plan.batch_sizes}; finals: "
         f"{plan.saturation_requests} requests x {plan.repeats} repeats from {plan.concurrency} closed-loop "
         f"clients after {plan.warmup_requests} warm-up; shared rate: {plan.shared_requests} open-loop Poisson "
-        f"requests at {plan.shared_fraction:.0%} of the best peer's sweep saturation",
+        f"requests x {plan.repeats} repeats (repeat i the same arrivals for every system; p99 the median over "
+        f"repeats, its range beside) at {plan.shared_fraction:.0%} of the best peer's sweep saturation",
         "servers pinned to one core with 1 torch thread and 1 ONNX Runtime thread (its default pool pins a "
         "worker to every core, whatever the process's affinity), the load generator to another core; the cores "
         "each server's threads could use, read back from /proc, are in the systems table",
