@@ -163,7 +163,8 @@ def _tune_and_time(kind: str, spec, threads: int, trials: int, repeats: int, cac
         database = ms.database.JSONDatabase(work_dir=str(kept), allow_missing=False)
         sch = ms.tir_integration.compile_tir(database, func, target)
     else:
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        tmp = tempfile.mkdtemp(dir=cache)
+        try:
             meta, database = _tune(func, target, threads, trials, tmp)
             sch = ms.tir_integration.compile_tir(database, func, target)
             if kept is not None:
@@ -171,7 +172,8 @@ def _tune_and_time(kind: str, spec, threads: int, trials: int, repeats: int, cac
                 Path(tmp, "meta.json").write_text(json.dumps(meta))
                 shutil.rmtree(kept, ignore_errors=True)
                 os.replace(tmp, kept)  # complete, or not there at all
-                os.makedirs(tmp)  # for TemporaryDirectory's own clean-up
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone already when it became the kept tuning
         meta["reused"] = False
     curve = meta["curve"]
     lib = tvm.compile(sch.mod if sch is not None else func, target=target)

@@ -153,18 +153,6 @@ TK_INLINE void tk_copy_run(float *restrict d, const float *restrict s, long n) {
     for (; i < n; ++i) d[i] = s[i];
 }
 
-/* d[i] = s[2 i], i < n; the vector loop reads s[2 i + 31] only while it is below s[2 (n - 1)]. */
-TK_INLINE void tk_copy_run2(float *restrict d, const float *restrict s, long n) {
-    long i = 0;
-#if TK_VEC == 512
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    for (; i + 17 <= n; i += 16)
-        _mm512_storeu_ps(d + i, _mm512_permutex2var_ps(_mm512_loadu_ps(s + 2 * i), even,
-                                                        _mm512_loadu_ps(s + 2 * i + 16)));
-#endif
-    for (; i < n; ++i) d[i] = s[2 * i];
-}
-
 /* ceil(a / c) and floor(a / c) for c > 0 and any sign of a (C division truncates). */
 TK_INLINE long tk_ceil_div(long a, long c) { return a >= 0 ? (a + c - 1) / c : -((-a) / c); }
 TK_INLINE long tk_floor_div(long a, long c) { return a >= 0 ? a / c : -((-a + c - 1) / c); }

@@ -58,6 +58,26 @@ TK_INLINE void tk_store_n(float *dst, tk_vf v, long n) {
 #endif
 }
 
+#if TK_VEC == 512
+/* Lanes 2i (evens) or 2i + 1 (odds) of two 16-float vectors a | b, in order. */
+TK_INLINE __m512 tk_evens(__m512 a, __m512 b) {
+    return _mm512_permutex2var_ps(a, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), b);
+}
+TK_INLINE __m512 tk_odds(__m512 a, __m512 b) {
+    return _mm512_permutex2var_ps(a, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), b);
+}
+#endif
+
+/* d[i] = s[2 i], i < n (a stride-2 run); the vector loop reads s[2 i + 31] only while it is
+ * below s[2 (n - 1)]. */
+TK_INLINE void tk_copy_run2(float *restrict d, const float *restrict s, long n) {
+    long i = 0;
+#if TK_VEC == 512
+    for (; i + 17 <= n; i += 16) _mm512_storeu_ps(d + i, tk_evens(_mm512_loadu_ps(s + 2 * i), _mm512_loadu_ps(s + 2 * i + 16)));
+#endif
+    for (; i < n; ++i) d[i] = s[2 * i];
+}
+
 /* Split row[0..n) by column parity into two phases: padded column pad + w goes to phase
  * (pad + w) % 2 at position (pad + w) / 2 of `phase0` / `phase1` (a stride-2 kernel's input
  * plane, so that every tap of neighbouring outputs is one contiguous load). AVX-512 moves 32
@@ -65,13 +85,11 @@ TK_INLINE void tk_store_n(float *dst, tk_vf v, long n) {
 TK_INLINE void tk_split2(float *restrict phase0, float *restrict phase1, const float *restrict row, long n, long pad) {
     long w = 0;
 #if TK_VEC == 512
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     float *first = (pad % 2) ? phase1 : phase0, *second = (pad % 2) ? phase0 : phase1;
     for (; w + 32 <= n; w += 32) {
         __m512 a = _mm512_loadu_ps(row + w), b = _mm512_loadu_ps(row + w + 16);
-        _mm512_storeu_ps(first + (pad + w) / 2, _mm512_permutex2var_ps(a, even, b));
-        _mm512_storeu_ps(second + (pad + w + 1) / 2, _mm512_permutex2var_ps(a, odd, b));
+        _mm512_storeu_ps(first + (pad + w) / 2, tk_evens(a, b));
+        _mm512_storeu_ps(second + (pad + w + 1) / 2, tk_odds(a, b));
     }
 #endif
     for (; w < n; ++w) {
