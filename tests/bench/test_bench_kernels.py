@@ -13,12 +13,16 @@ def test_quick_kernels_bench(tmp_path, measured_machine):
     # the session's machine and kernel cache (tests/conftest.py): tests/kernels trains the same
     # ResNet-8 (test_train_cnn) and tunes the same shapes, so each kernel compiles once a session
     result = run_kernels_bench(QUICK, progress=False, machine=measured_machine, fresh_cache=False)
-    assert {(r["kind"], r["threads"]) for r in result.rows} == {(k, t) for k in ("gemm", "conv") for t in (1, 2)}
+    assert {(r["kind"], r["threads"]) for r in result.rows} == {
+        (k, t) for k in ("gemm", "conv") for t in (1, 2)
+    }
     for row in result.rows:
         assert row["gflops"] > 0 and row["torch_gflops"] > 0 and row["numpy_gflops"] > 0
         assert row["measured_candidates"] >= QUICK.top_k and row["tuning_s"] > 0
         # the ratio is to the best anchor present, and that anchor's code path is named
-        assert row["best_anchor_gflops"] == max(row.get(f"{a}_gflops", 0) for a in ("openblas", "blis", "aocl_blis", "torch", "tvm"))
+        assert row["best_anchor_gflops"] == max(
+            row.get(f"{a}_gflops", 0) for a in ("openblas", "blis", "aocl_blis", "torch", "tvm")
+        )
         assert row["best_anchor_path"] not in ("", "unknown")
     h = result.headline
     # a ratio of two timings (the peak measured for 50 ms, the SGEMM later): on a loaded
@@ -28,6 +32,10 @@ def test_quick_kernels_bench(tmp_path, measured_machine):
     assert 0 <= h["win_fraction_vs_best_anchor"] <= 1 and h["shapes"] == len(result.rows)
     assert "tvm" in h or h["tvm_shapes"] >= 1  # either measured or why not stated
     assert h["geomean_vs_best_anchor"] > 0 and h["anchor_code_paths"]["torch_cpu_capability"]
+    # every case timed in QUICK.rounds rounds; the headline gives each round's figures and their range
+    assert all(len(r["rounds"]) == QUICK.rounds for r in result.rows)
+    assert h["timing_rounds"] == QUICK.rounds and len(h["win_fraction_rounds"]) == QUICK.rounds
+    assert h["win_fraction_range"] == [min(h["win_fraction_rounds"]), max(h["win_fraction_rounds"])]
     # the same 4 ResNet-8 steps as test_train_cnn (gap measured <= 3e-6 there, held to 1e-4);
     # 1e-3 checks the benchmark's plumbing and is still 10x under one step's loss change (~1e-2)
     assert result.extra["training"]["max_abs_gap"] < 1e-3

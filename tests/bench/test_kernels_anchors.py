@@ -151,7 +151,9 @@ def test_tvm_trials_flag(monkeypatch, capsys):
     assert "expected an integer >= 0, got -1" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(tvm_anchor.tvm_status() is not None, reason="apache-tvm not installed (extra tessera[tvm])")
+@pytest.mark.skipif(
+    tvm_anchor.tvm_status() is not None, reason="apache-tvm not installed (extra tessera[tvm])"
+)
 def test_a_finished_tvm_tuning_is_kept_and_reused(tmp_path):
     """The second run builds TVM's best from the kept database, times it, and says so; the
     tuning's curve and time are the first run's."""
@@ -166,3 +168,47 @@ def test_a_finished_tvm_tuning_is_kept_and_reused(tmp_path):
     assert again["seconds"] > 0
     # another trial budget is another tuning
     assert tvm_anchor.cache_key("gemm", (16, 16, 16), 1, 3) != kept[0].name
+
+
+def test_timing_rounds_are_combined_by_median_and_scored_round_by_round():
+    # three rounds of one case: Tessera 10, 30, 20; OpenBLAS 20, 20, 40; torch's paths (mkl,
+    # onednn) best at onednn in the medians even where mkl wins a round
+    rounds = [
+        {
+            "gflops": 10.0,
+            "seconds": 3.0,
+            "openblas_gflops": 20.0,
+            "torch_mkl_gflops": 9.0,
+            "torch_onednn_gflops": 8.0,
+            "torch_path": "mkl",
+            "torch_gflops": 9.0,
+        },
+        {
+            "gflops": 30.0,
+            "seconds": 1.0,
+            "openblas_gflops": 20.0,
+            "torch_mkl_gflops": 1.0,
+            "torch_onednn_gflops": 5.0,
+            "torch_path": "onednn",
+            "torch_gflops": 5.0,
+        },
+        {
+            "gflops": 20.0,
+            "seconds": 2.0,
+            "openblas_gflops": 40.0,
+            "torch_mkl_gflops": 2.0,
+            "torch_onednn_gflops": 6.0,
+            "torch_path": "onednn",
+            "torch_gflops": 6.0,
+        },
+    ]
+    row = {"kind": "gemm", "shape": "g", "threads": 1, **ka.median_of_rounds(rounds)}
+    assert (row["gflops"], row["seconds"], row["openblas_gflops"]) == (20.0, 2.0, 20.0)
+    assert (row["torch_path"], row["torch_gflops"]) == ("onednn", 6.0)
+    assert [r["torch_gflops"] for r in row["rounds"]] == [9.0, 5.0, 6.0]
+    # round by round: 10/20 (loss), 30/20 (win), 20/40 (loss); the medians: 20/20 (win)
+    h = ka.rounds_headline([row])
+    assert h["win_fraction_rounds"] == [0.0, 1.0, 0.0] and h["win_fraction_range"] == [0.0, 1.0]
+    assert h["geomean_rounds"] == [0.5, 1.5, 0.5]
+    ka.best_anchor(row)
+    assert row["win"] and row["vs_best_anchor"] == 1.0

@@ -85,6 +85,12 @@ class KernelsPlan:
     machine_seconds: float = 0.3
     top_k: int = 5
     repeats: int = 5
+    # timing rounds per case (tuned once): Tessera then every anchor, again; a row's figures are
+    # medians over rounds, and the headline gives each round's win fraction and geomean (the
+    # spread). On this VM the second core comes and goes for seconds at a time (a 2-thread GEMM
+    # tuned at one thread's speed, then at twice it minutes later): rounds keep each comparison
+    # near in time and show how much the figures move
+    rounds: int = 3
     # OpenBLAS's and BLIS's kernel set: "widest" (this CPU's widest ISA), "auto" (their own pick)
     blas_kernel_set: str = "widest"
     settle_s: float = ka.SETTLE_S  # pause after each multi-threaded anchor loop (idle workers stop spinning)
@@ -99,6 +105,8 @@ class KernelsPlan:
     def __post_init__(self):
         if self.settle_s < 0:
             raise ValueError(f"settle_s={self.settle_s}: a pause cannot be negative (0 for none)")
+        if self.rounds < 1:
+            raise ValueError(f"rounds={self.rounds}: each case needs at least 1 timing round")
         if self.tvm_trials < 1:
             raise ValueError(f"tvm_trials={self.tvm_trials}: MetaSchedule needs at least 1 measured trial per shape")
         for name, m, n, k in self.gemm_shapes:
@@ -111,7 +119,7 @@ QUICK = KernelsPlan(
     gemm_sizes=(128, 256), gemm_shapes=(), conv_batches=(1,),  # each new shape compiles its shortlist
     convs=((64, 64, 14, 3, 1, 1), (128, 256, 14, 1, 2, 0), (32, 32, 14, 3, 1, 1, 32)),
     machine_seconds=0.05, top_k=3, repeats=3, tvm_trials=8, tvm_gemms=(), tvm_convs=(),  # TVM: > 2 min alone
-    settle_s=0.0,  # a plumbing check, not figures
+    settle_s=0.0, rounds=2,  # a plumbing check, not figures (2 rounds: the spread's plumbing)
     validation=("gemm:256",), validation_samples=6, train_steps=4,
 )
 
@@ -168,10 +176,14 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
     inputs = random_inputs(op)
     # a bound call (checks, output and pointers once), as the BLAS anchors' prepared calls are
     call, _ = kernel.bind(*inputs, threads=threads)
-    seconds = _median_seconds(call, plan.repeats)
+    rounds = []
+    for _ in range(plan.rounds):
+        seconds = _median_seconds(call, plan.repeats)
+        got = anchor_set.measure(kind, spec, threads, flops, _median_seconds, plan.repeats, plan.settle_s)
+        rounds.append({"gflops": round(flops / seconds / GIGA, 2), "seconds": seconds, **got})
     row = {
-        "kind": kind, "shape": label, "threads": threads, "gflops": round(flops / seconds / GIGA, 2),
-        "seconds": seconds, "predicted_s": predict(op, tuned.best, machine, threads),
+        "kind": kind, "shape": label, "threads": threads, **ka.median_of_rounds(rounds),
+        "predicted_s": predict(op, tuned.best, machine, threads),
         "schedule": tuned.best.short(), "algorithm": algorithm(tuned.best),
         "model_algorithm": algorithm(min(tuned.trials, key=lambda t: t.predicted).schedule),
         "tuning_s": round(tuned.wall_seconds, 2), "space": tuned.space_size,
@@ -182,7 +194,6 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
     }
     if kind == "gemm":
         row["mnk"] = list(spec)
-    row |= anchor_set.measure(kind, spec, threads, flops, _median_seconds, plan.repeats, plan.settle_s)
     return row
 
 
@@ -262,6 +273,7 @@ def _headline(rows, machine, validation, tvm_note, curves, anchor_report, absent
             round(top["gflops"] * GIGA / peak, 3) if top else None),
         **({f"sgemm_{top['shape'].split('^')[0]}_vs_best_anchor_1_thread": top["vs_best_anchor"]} if top else {}),
         **ka.anchor_headline(rows, absent, anchor_report),
+        **ka.rounds_headline(rows),
         "shapes": len(rows),
         "tuning_seconds_per_shape_median": round(statistics.median(r["tuning_s"] for r in rows), 2),
         "tuning_seconds_per_shape_max": round(max(r["tuning_s"] for r in rows), 2),
@@ -340,6 +352,9 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
     notes = [
         f"Tessera: tuned in the run (the model ranks the whole space, the best {plan.top_k} predicted plus the best "
         f"of the other lowering are compiled and timed, median of up to {plan.repeats}); anchors: median of repeats.",
+        f"Timing rounds: each case tuned once, then timed in {plan.rounds} rounds (Tessera, then every anchor, "
+        "again); a row's figures are medians over its rounds; win_fraction_rounds and geomean_rounds are each "
+        "round's own figures (their range is the run's spread).",
         f"Anchors: OpenBLAS, BLIS and AMD's AOCL-BLAS through ctypes ({plan.blas_kernel_set} kernel set), torch's GEMM through MKL "
         "(torch.mm), MKL's packed SGEMM and oneDNN's matmul (weights packed/reordered once, outside the timing), "
         "torch's conv through its default dispatch, oneDNN forced and oneDNN on a reordered weight; torch's anchor "

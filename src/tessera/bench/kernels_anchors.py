@@ -163,6 +163,49 @@ def attach_code_paths(rows: list[dict], specs: dict, anchor_set: AnchorSet) -> d
     return {"libraries": libs, "torch": report, "numpy": numpy_path}
 
 
+def median_of_rounds(rounds: list[dict]) -> dict:
+    """One case's timing rounds (each Tessera's and every anchor's GFLOP/s) as one row: each
+    figure the median over rounds, torch's path the best of its paths' medians, the rounds kept."""
+    keys = [k for k in rounds[0] if (k.endswith("gflops") and k != "torch_gflops") or k == "seconds"]
+    row = {k: statistics.median(r[k] for r in rounds) for k in keys}
+    torch_paths = {
+        k.removeprefix("torch_").removesuffix("_gflops"): v for k, v in row.items() if k.startswith("torch_")
+    }
+    if torch_paths:
+        row["torch_path"] = max(torch_paths, key=torch_paths.get)
+        row["torch_gflops"] = torch_paths[row["torch_path"]]
+    kept = [k for k in keys if k != "seconds"] + (["torch_gflops"] if torch_paths else [])
+    row["rounds"] = [{k: r[k] for k in kept} for r in rounds]
+    return row
+
+
+def round_rows(rows: list[dict], i: int) -> list[dict]:
+    """The rows as timing round ``i`` measured them (torch's anchor: its best path in that round)."""
+    out = []
+    for row in rows:
+        mine = {**row, **row["rounds"][i]}
+        best_anchor(mine)
+        out.append(mine)
+    return out
+
+
+def rounds_headline(rows: list[dict]) -> dict:
+    """Each timing round's win fraction and geomean over the best anchor, with their range."""
+    n = min((len(r.get("rounds", ())) for r in rows), default=0)
+    if n == 0:
+        return {}
+    per = [anchor_headline(round_rows(rows, i), {}, {}) for i in range(n)]
+    wins = [p["win_fraction_vs_best_anchor"] for p in per]
+    geo = [p["geomean_vs_best_anchor"] for p in per]
+    return {
+        "timing_rounds": n,
+        "win_fraction_rounds": wins,
+        "win_fraction_range": [min(wins), max(wins)],
+        "geomean_rounds": geo,
+        "geomean_range": [min(geo), max(geo)],
+    }
+
+
 def best_anchor(row: dict) -> None:
     """The row's best anchor (over ANCHORS present) and Tessera's ratio to it."""
     present = {a: row[f"{a}_gflops"] for a in ANCHORS if row.get(f"{a}_gflops")}
