@@ -69,6 +69,12 @@ def test_small_serve_bench(tmp_path):
     assert low <= head["tessera_p99_at_shared_rate_s"] <= high
     low, high = head["tessera_p99_over_best_peer_at_shared_rate_range"]
     assert 0 < low <= head["tessera_p99_over_best_peer_at_shared_rate"] <= high
+    # the compute bound: the FMA peak measured on the servers' core around the finals, and each
+    # system's useful rate under it (the workload's unpadded FLOPs a request x its saturation)
+    assert head["fma_peak_gflops_1_core"] and head["gflop_per_request"] > 0
+    # (no server computes faster than the FMA peak: both fractions below 1, the ceiling above it)
+    assert 0 < head["best_peer_fraction_of_peak"] < 1 and 0 < head["tessera_fraction_of_peak"] < 1
+    assert head["peak_over_best_peer"] > 1
     # a generous wall-clock bound: "well under a millisecond"; measured ~10 us (test_dp_scheduler)
     assert result.headline["dp_plan_us_per_request"] < 1000
     memory = result.extra["memory_plan"]  # the plan on the workload's batches, in process
@@ -78,3 +84,22 @@ def test_small_serve_bench(tmp_path):
     data = json.loads(paths[0].read_text())
     assert data["headline"][model]["best_batch"] and data["rows"]
     assert paths[2].stat().st_size > 10_000
+
+
+def test_request_flops_match_torch_flop_counter(tmp_path):
+    # every multiply-add the unpadded forward does, attention's included (eager attention, so
+    # torch's counter sees its two matmuls; no pooler: the served embedding is pooled tokens)
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import AutoModel
+
+    from tessera.bench.serve import request_gflop
+    from tessera.serve.synthetic import EncoderSpec, build_encoder
+
+    spec = EncoderSpec(layers=2, hidden=64, heads=4, intermediate=96, vocab_size=1000, max_length=512)
+    build_encoder(tmp_path, spec)
+    model = AutoModel.from_pretrained(tmp_path, attn_implementation="eager", add_pooling_layer=False).eval()
+    for tokens in (5, 37):
+        with FlopCounterMode(display=False) as counter, torch.inference_mode():
+            model(input_ids=torch.randint(5, 900, (1, tokens)))
+        assert counter.get_total_flops() == round(request_gflop(spec, tokens) * 1e9)

@@ -39,6 +39,7 @@ default thread pool at its best batch size.
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -125,6 +126,35 @@ def workload(plan: ServeBenchPlan, spec: EncoderSpec, n: int, seed: int) -> tupl
     lengths = [rng.randint(plan.min_tokens, plan.max_tokens) for _ in range(n)]
     texts = [words(k, seed=seed * 100_003 + i, vocab_size=spec.vocab_size) for i, k in enumerate(lengths)]
     return texts, lengths
+
+
+def request_gflop(spec: EncoderSpec, tokens: int) -> float:
+    """The multiply-adds (x2) of one unpadded request of ``tokens`` tokens: every layer's Q, K,
+    V and output projections and its MLP on each token, and attention's QK^T and PV."""
+    h, inner = spec.hidden, spec.intermediate or 4 * spec.hidden
+    dense = 2 * tokens * (4 * h * h + 2 * h * inner)
+    attention = 4 * tokens * tokens * h
+    return spec.layers * (dense + attention) / 1e9
+
+
+def fma_peak_gflops(core: int | None, seconds: float = 0.5) -> float | None:
+    """The FP32 FMA peak of one thread on ``core`` (the servers' core), measured now: the rate
+    any exact float32 server there is bounded by. None where Tessera's kernels cannot build."""
+    import os
+
+    from tessera.kernels.machine import _bench_lib, cpu_isas
+
+    isas = cpu_isas()
+    if not isas:
+        return None
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        if core is not None and before is not None:
+            os.sched_setaffinity(0, {core})
+        return round(_bench_lib(isas[-1]).tk_peak_gflops(1, seconds), 1)
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, before)
 
 
 def model_folder(spec: EncoderSpec, cache: Path = CACHE) -> Path:
@@ -360,8 +390,14 @@ class _Bench:
         configs = (
             [(p, best[p]) for p in peers] + ([] if lean else [("one_by_one", None)]) + [("tessera", None)]
         )
+        peak = [fma_peak_gflops(self.server_core)]  # around the finals: the VM's speed drifts
         self.finals(configs, shared_rate)
-        return {"best_batch": best, "peers_ranked": ranked, "shared_rate_rps": shared_rate}
+        peak.append(fma_peak_gflops(self.server_core))
+        lengths = [n for r in range(self.plan.repeats)
+                   for n in workload(self.plan, self.spec, self.plan.saturation_requests, _seed(self.plan, "final", r))[1]]  # fmt: skip
+        return {"best_batch": best, "peers_ranked": ranked, "shared_rate_rps": shared_rate,
+                "gflop_per_request": statistics.fmean(request_gflop(self.spec, n) for n in lengths),
+                "fma_peak_gflops": [p for p in peak if p]}  # fmt: skip
 
 
 def run_serve_bench(

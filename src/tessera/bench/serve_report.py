@@ -44,6 +44,7 @@ def _model_headline(model: str, rows: list[dict], facts: dict) -> dict:
         )
         out |= {"best_peer": f"{best}@{facts['best_batch'][best]}", "tessera_over_best_peer": round(med, 3),
                 "tessera_over_best_peer_range": [round(min(ratios), 3), round(max(ratios), 3)]}  # fmt: skip
+        out |= _compute_bound(facts, {s: statistics.median(r["throughput_rps"] for r in by[s]) for s in ("tessera", best)}, best)
     shared: dict[str, list[dict]] = {}
     for r in rows:
         if r["model"] == model and r["phase"] == "shared_rate":
@@ -78,6 +79,21 @@ def _model_headline(model: str, rows: list[dict], facts: dict) -> dict:
                 "range": _spread([a / b for a, b in zip(ours, peer, strict=True)])["range"],
             }  # fmt: skip
     return out
+
+
+def _compute_bound(facts: dict, rps: dict[str, float], best: str) -> dict:
+    """What the FMA peak allows: each system's useful GFLOP/s (saturation x the workload's
+    GFLOP a request, unpadded) as a fraction of the peak measured on the servers' core around
+    the finals, and the peak over the best peer's rate: the most any exact float32 server on
+    that core could reach over that peer."""
+    per, peaks = facts.get("gflop_per_request"), facts.get("fma_peak_gflops")
+    if not per or not peaks:
+        return {}
+    peak = max(peaks)
+    theirs, ours = rps[best] * per, rps["tessera"] * per
+    return {"gflop_per_request": round(per, 2), "fma_peak_gflops_1_core": peaks,
+            "tessera_fraction_of_peak": round(ours / peak, 3), "best_peer_fraction_of_peak": round(theirs / peak, 3),
+            "peak_over_best_peer": round(peak / theirs, 3)}  # fmt: skip
 
 
 def result(plan, rows, systems, absent, models, memory) -> BenchResult:
