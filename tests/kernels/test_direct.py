@@ -1,4 +1,4 @@
-"""The direct kernels (depthwise and grouped convolution, matrix-vector product) against the float64
+"""The direct kernels (depthwise, grouped and flat convolution, matrix-vector product) against the float64
 reference within the float32 error bound of their sums, on odd shapes (rows and columns
 that no register block divides, strides, asymmetric padding-free and padded kernels, a
 channel multiplier), bit for bit the same at 1 and 2 threads, and offered by the tuner."""
@@ -8,7 +8,7 @@ import pytest
 from kernel_checks import assert_within_bound, random_inputs, run
 
 from tessera.kernels import compile_kernel, ops
-from tessera.kernels.direct import depthwise_of, direct_space, gemv_of, grouped_of
+from tessera.kernels.direct import depthwise_of, direct_space, flat_of, gemv_of, grouped_of
 from tessera.kernels.machine import cpu_isas
 from tessera.kernels.schedule import DirectSchedule
 from tessera.kernels.tuner import rank
@@ -76,6 +76,41 @@ def test_grouped_kernel_within_bound_and_thread_invariant(s, isa):
         np.testing.assert_array_equal(one, two)  # each output plane summed in one thread, in one order
 
 
+FLAT = [
+    # one group, stride 1: rows of 19 (so the flat positions of a block cross several rows), 2 images
+    ops.Conv2dShape(batch=2, in_channels=5, out_channels=8, height=13, width=19, kernel=(3, 3), padding=(1, 1)),
+    # stride 2 on odd and even planes, a 5x3 kernel with padding on one axis only
+    ops.Conv2dShape(batch=1, in_channels=3, out_channels=4, height=15, width=21, kernel=(5, 3), stride=(2, 2),
+                    padding=(0, 1)),
+    ops.Conv2dShape(batch=1, in_channels=6, out_channels=16, height=10, width=40, kernel=(3, 3), stride=(2, 2),
+                    padding=(1, 1)),
+    # a 7x7 stride-2 stem (3 input channels, padding 3) and a grouped conv (3 groups of 4 in, 8 out)
+    ops.Conv2dShape(batch=1, in_channels=3, out_channels=8, height=23, width=17, kernel=(7, 7), stride=(2, 2),
+                    padding=(3, 3)),
+    ops.Conv2dShape(batch=2, in_channels=12, out_channels=24, height=7, width=7, kernel=(3, 3), padding=(1, 1),
+                    groups=3),
+    # stride 1 on rows and 2 on columns
+    ops.Conv2dShape(batch=1, in_channels=2, out_channels=4, height=9, width=30, kernel=(3, 3), stride=(1, 2),
+                    padding=(1, 1)),
+]
+
+
+@pytest.mark.parametrize("s", FLAT, ids=lambda s: s.label())
+@pytest.mark.parametrize("isa", ISAS)
+def test_flat_kernel_within_bound_and_thread_invariant(s, isa):
+    op = ops.conv2d(s)
+    d = flat_of(op)
+    assert (d.sh, d.sw, d.ph, d.pw, d.g) == (*s.stride, *s.padding, s.groups)
+    inputs = random_inputs(op, seed=6)
+    wide = (8, 2) if d.cog % 8 == 0 and isa == "avx512" else (4, 3) if isa == "avx512" else (4, 2)  # 16 registers on AVX2
+    for rows, vecs in ((4, 1), wide):
+        kernel = compile_kernel(op, DirectSchedule(algo="flat", isa=isa, rows=rows, vecs=vecs))
+        one, two = run(kernel, op, inputs, 1), run(kernel, op, inputs, 2)
+        assert_within_bound(one, op, inputs)
+        np.testing.assert_array_equal(one, two)  # each block of positions summed in one thread, in one order
+        np.testing.assert_array_equal(run(kernel, op, inputs, 1), one)  # the kept planes: a second call agrees
+
+
 GEMV = [(1, 37, 29, False), (1, 200, 77, False), (1, 45, 300, True), (1, 129, 64, True)]
 
 
@@ -96,8 +131,12 @@ def test_direct_kernels_are_offered_only_where_they_apply(machine):
     dw = ops.conv2d(DEPTHWISE[0])
     dense = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=4, out_channels=4, height=8, width=8, kernel=(3, 3)))
     assert {s.algo for s in direct_space(dw, isas=ISAS)} == {"depthwise"}
-    assert {s.algo for s in direct_space(ops.conv2d(GROUPED[0]), isas=ISAS)} == {"grouped"}
-    assert direct_space(dense, isas=ISAS) == []
+    assert {s.algo for s in direct_space(ops.conv2d(GROUPED[0]), isas=ISAS)} == {"grouped", "flat"}
+    assert {s.algo for s in direct_space(dense, isas=ISAS)} == {"flat"}
+    # stride 3: not the flat kernel's (its phase planes take strides 1 and 2)
+    strided = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=4, out_channels=4, height=9, width=9, kernel=(3, 3),
+                                         stride=(3, 3)))
+    assert direct_space(strided, isas=ISAS) == []
     assert direct_space(ops.gemm(2, 64, 64), isas=ISAS) == []
     assert {s.algo for s in direct_space(ops.gemm(1, 64, 64), isas=ISAS)} == {"gemv"}
     ranked = rank(dw, threads=1, machine=machine)
@@ -115,3 +154,7 @@ def test_a_direct_schedule_refuses_what_it_cannot_run():
         compile_kernel(dense, DirectSchedule(algo="depthwise"))
     with pytest.raises(ValueError, match="groups of several input channels"):
         compile_kernel(dense, DirectSchedule(algo="grouped"))
+    with pytest.raises(ValueError, match="3 rows must divide the 4 output channels"):
+        compile_kernel(dense, DirectSchedule(algo="flat", rows=3, vecs=1))
+    with pytest.raises(ValueError, match="several input channels a group, stride 1 or 2"):
+        compile_kernel(ops.conv2d(DEPTHWISE[0]), DirectSchedule(algo="flat"))

@@ -1,15 +1,19 @@
-"""Operators with a kernel of their own: a depthwise or grouped convolution and a
+"""Operators with a kernel of their own: a depthwise, grouped or flat convolution and a
 matrix-vector product (GEMV). Both are recognised in the IR (the operators ``ops.conv2d`` and ``ops.gemm`` build),
 so the tuner offers their ``DirectSchedule`` beside the micro-kernel and loop-nest lowerings
-and the model decides between them; the kernels are ``csrc/tessera_depthwise.h`` and
-``csrc/tessera_gemv.h``, sized at compile time by the defines written here.
+and the model decides between them; the kernels are ``csrc/tessera_depthwise.h``,
+``csrc/tessera_flatconv.h`` and ``csrc/tessera_gemv.h``, sized at compile time by the defines
+written here.
 
-Why these two: a depthwise convolution has one input channel per output, so the implicit
+Why these: a depthwise convolution has one input channel per output, so the implicit
 GEMM has a reduction of only KH x KW and a generic loop nest guards every tap (a grouped one,
 a few input channels per group, has the same problem a few times over: the same kernel sums
-over the group's channels, ``grouped``); a GEMV reads
-every element of its matrix once, so packing it for the micro-kernel (as the GEMM loops do)
-doubles the memory traffic of an operator that is nothing but memory traffic.
+over the group's channels, ``grouped``); the implicit GEMM of any other convolution packs an
+im2col block per call, which at stride 2, on small planes and on groups of 16-32 channels costs
+as much as the arithmetic (``flat`` reads its B rows straight from padded phase planes
+instead); a GEMV reads every element of its matrix once, so packing it for the micro-kernel
+(as the GEMM loops do) doubles the memory traffic of an operator that is nothing but memory
+traffic.
 """
 
 from __future__ import annotations
@@ -74,6 +78,13 @@ def grouped_of(op: Operator) -> ConvSizes | None:
     return d if d is not None and d.g > 1 and d.cig > 1 else None
 
 
+def flat_of(op: Operator) -> ConvSizes | None:
+    """The sizes of ``op`` when the flat direct convolution (``csrc/tessera_flatconv.h``) takes
+    it: a convolution with several input channels per group (one group or more), stride 1 or 2."""
+    d = conv_of(op)
+    return d if d is not None and d.cig > 1 and d.sh in (1, 2) and d.sw in (1, 2) else None
+
+
 def gemv_of(op: Operator) -> Gemv | None:
     """The sizes of ``op`` when it is ``ops.gemm`` with one row (M = 1)."""
     if op.name not in ("gemm_nn", "gemm_nt", "gemm_tn", "gemm_tt"):
@@ -84,7 +95,7 @@ def gemv_of(op: Operator) -> Gemv | None:
     return Gemv(n=ext["n"], k=ext["k"], trans_b=op.name.endswith("t"))
 
 
-_RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of}
+_RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of, "flat": flat_of}
 
 
 def applies(op: Operator, algo: str) -> bool:
@@ -103,6 +114,16 @@ def generate_direct(op: Operator, s: DirectSchedule) -> str:
                    "DW_OH": d.oh, "DW_OW": d.ow, "DW_KH": d.kh, "DW_KW": d.kw, "DW_SH": d.sh, "DW_SW": d.sw,
                    "DW_PH": d.ph, "DW_PW": d.pw, "DW_RB": s.rows, "DW_U": s.vecs}
         header = "tessera_depthwise.h"
+    elif s.algo == "flat":
+        d = flat_of(op)
+        if d is None:
+            raise ValueError(f"{op.name}: the flat kernel takes a conv2d of several input channels a group, stride 1 or 2")
+        if d.cog % s.rows:
+            raise ValueError(f"flat kernel: {s.rows} rows must divide the {d.cog} output channels of a group")
+        defines = {"FC_N": d.n, "FC_G": d.g, "FC_COG": d.cog, "FC_CIG": d.cig, "FC_H": d.h, "FC_W": d.w,
+                   "FC_OH": d.oh, "FC_OW": d.ow, "FC_KH": d.kh, "FC_KW": d.kw, "FC_SH": d.sh, "FC_SW": d.sw,
+                   "FC_PH": d.ph, "FC_PW": d.pw, "FC_MR": s.rows, "FC_NV": s.vecs}
+        header = "tessera_flatconv.h"
     else:
         v = gemv_of(op)
         if v is None:
@@ -117,12 +138,14 @@ def generate_direct(op: Operator, s: DirectSchedule) -> str:
 
 # the register blocks offered per kernel (rows, vecs); the schedule refuses those that do not fit
 DEPTHWISE_BLOCKS = tuple((r, u) for r in (1, 2, 3, 4) for u in (1, 2, 4))
+# flat: output channels (broadcast) x vectors of output positions; the rows must divide a group's channels
+FLAT_BLOCKS = ((4, 3), (4, 4), (4, 6), (8, 1), (8, 2), (8, 3), (16, 1))
 GEMV_BLOCKS = {False: tuple((r, u) for r in (4, 8) for u in (2, 4, 8)),
                True: tuple((r, u) for r in (2, 4, 6) for u in (1, 2))}
 
 
 def direct_space(op: Operator, *, isas: tuple[str, ...]) -> list[DirectSchedule]:
-    out = []
+    out = _flat_space(op, isas)
     d, v = depthwise_of(op) or grouped_of(op), gemv_of(op)
     if d is not None:
         blocks, algo = DEPTHWISE_BLOCKS, ("depthwise" if d.cig == 1 else "grouped")
@@ -137,6 +160,24 @@ def direct_space(op: Operator, *, isas: tuple[str, ...]) -> list[DirectSchedule]
                 continue  # a chunk wider than the row: only padding lanes
             try:
                 out.append(DirectSchedule(algo=algo, isa=isa, rows=rows, vecs=vecs))
+            except ValueError:
+                continue
+    return out
+
+
+def _flat_space(op: Operator, isas: tuple[str, ...]) -> list[DirectSchedule]:
+    d = flat_of(op)
+    if d is None:
+        return []
+    out = []
+    for isa in isas:
+        vl = 16 if isa == "avx512" else 8
+        positions = d.oh * (-(-(max(d.pw + d.w, (d.ow - 1) * d.sw + d.kw)) // d.sw))
+        for rows, vecs in FLAT_BLOCKS:
+            if d.cog % rows or (vecs > 1 and (vecs - 1) * vl >= positions):
+                continue  # rows must divide the group's channels; no block of padding lanes only
+            try:
+                out.append(DirectSchedule(algo="flat", isa=isa, rows=rows, vecs=vecs))
             except ValueError:
                 continue
     return out

@@ -256,6 +256,29 @@ def _predict_depthwise(op: Operator, s: DirectSchedule, m: Machine, threads: int
     return CALL_SECONDS + max(t_compute, t_mem)
 
 
+def _predict_flat(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
+    """The flat direct convolution: its tiles' FMAs (the dropped columns included) against their
+    loads (a vector of positions per NV, a weight broadcast per row, each k), the plane copy, the
+    weight streamed once per block of positions, and the scatter of the output."""
+    d = conv_of(op)
+    vl = 16 if s.isa == "avx512" else 8
+    nr = s.vecs * vl
+    wq = -(-max(d.pw + d.w, (d.ow - 1) * d.sw + d.kw) // d.sw)
+    blocks = -(-(d.oh * wq) // nr)
+    k = d.cig * d.kh * d.kw
+    items = d.n * d.g * blocks
+    step_cycles = max(s.rows * s.vecs / FMA_PIPES, (s.rows + s.vecs) / LOADS_PER_CYCLE)
+    tile_cycles = k * step_cycles + 2 * s.rows * s.vecs * -(-k // 128)  # + the partial sums' store/add
+    t_eff = max(1, min(threads, items))
+    speed = _balance(items, t_eff)
+    fill = d.n * d.g * d.cig * d.h * d.w * (1.0 / vl if d.sw == 1 else 2.0 / vl) + items * d.cog * nr
+    t_compute = (items * (d.cog // s.rows) * tile_cycles + fill) * _cycle(m, s.isa) / speed
+    weight = 4.0 * d.g * d.cog * k
+    nbytes = 4.0 * (d.n * d.g * (d.cig * d.h * d.w + d.cog * d.oh * d.ow)) + weight * blocks * d.n
+    t_mem = nbytes / m.bandwidth(_level(m, weight, t_eff), t_eff)
+    return CALL_SECONDS + max(t_compute, t_mem)
+
+
 def _predict_gemv(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
     v = gemv_of(op)
     vl = 16 if s.isa == "avx512" else 8
@@ -275,7 +298,7 @@ def predict(op: Operator, schedule: Schedule, m: Machine, threads: int = 1) -> f
     if isinstance(schedule, GemmSchedule):
         return predict_gemm(op, schedule, m, threads)
     if isinstance(schedule, DirectSchedule):
-        predictor = _predict_gemv if schedule.algo == "gemv" else _predict_depthwise
+        predictor = {"gemv": _predict_gemv, "flat": _predict_flat}.get(schedule.algo, _predict_depthwise)
         return predictor(op, schedule, m, threads)
     if isinstance(schedule, WinogradSchedule):
         from tessera.kernels.winograd import predict_winograd  # it builds on this module's GEMM model

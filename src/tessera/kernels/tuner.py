@@ -99,7 +99,7 @@ def _family(s: Schedule) -> tuple:
     if isinstance(s, GemmSchedule):
         return (s.isa, s.mr, s.nr)
     if s.kind == "direct":
-        return (s.kind, s.isa)
+        return (s.kind, s.algo, s.isa)
     return (s.kind, s.m) if s.kind == "winograd" else (s.kind,)  # F(2) and F(4) are two algorithms
 
 
@@ -115,12 +115,17 @@ def shortlist(trials: list[Trial], top_k: int, per_family: int = 2) -> list[Tria
             count[fam] = count.get(fam, 0) + 1
         if len(picked) == top_k:
             break
-    kinds = {t.schedule.kind for t in picked}
+    kinds = {_lowering(t.schedule) for t in picked}
     for t in trials[top_k:]:
-        if t.schedule.kind not in kinds:
+        if _lowering(t.schedule) not in kinds:
             picked.append(t)
-            kinds.add(t.schedule.kind)
+            kinds.add(_lowering(t.schedule))
     return picked
+
+
+def _lowering(s: Schedule) -> str:
+    """The micro-kernel, the loops, Winograd, or one direct kernel (each direct kernel its own)."""
+    return f"direct:{s.algo}" if s.kind == "direct" else s.kind
 
 
 def random_inputs(op: Operator, seed: int = 0) -> list[np.ndarray]:
