@@ -142,16 +142,15 @@ def fma_peak_gflops(core: int | None, seconds: float = 0.5) -> float | None:
     any exact float32 server there is bounded by. None where Tessera's kernels cannot build."""
     import os
 
-    from tessera.kernels.machine import _bench_lib, cpu_isas
+    from tessera.kernels.machine import cpu_isas, peak_flops
 
-    isas = cpu_isas()
-    if not isas:
+    if not cpu_isas():
         return None
     before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
         if core is not None and before is not None:
             os.sched_setaffinity(0, {core})
-        return round(_bench_lib(isas[-1]).tk_peak_gflops(1, seconds), 1)
+        return round(peak_flops(1, seconds=seconds) / 1e9, 1)
     finally:
         if before is not None:
             os.sched_setaffinity(0, before)

@@ -85,6 +85,13 @@ def flat_of(op: Operator) -> ConvSizes | None:
     return d if d is not None and d.cig > 1 and d.sh in (1, 2) and d.sw in (1, 2) else None
 
 
+def flat_positions(d: ConvSizes) -> int:
+    """The output positions the flat kernel computes for one image and group: OH rows of WQ
+    columns, WQ the phase planes' padded row width (``FC_WQ`` in ``csrc/tessera_flatconv.h``)."""
+    wq = -(-max(d.pw + d.w, (d.ow - 1) * d.sw + d.kw) // d.sw)
+    return d.oh * wq
+
+
 def gemv_of(op: Operator) -> Gemv | None:
     """The sizes of ``op`` when it is ``ops.gemm`` with one row (M = 1)."""
     if op.name not in ("gemm_nn", "gemm_nt", "gemm_tn", "gemm_tt"):
@@ -172,7 +179,7 @@ def _flat_space(op: Operator, isas: tuple[str, ...]) -> list[DirectSchedule]:
     out = []
     for isa in isas:
         vl = 16 if isa == "avx512" else 8
-        positions = d.oh * (-(-(max(d.pw + d.w, (d.ow - 1) * d.sw + d.kw)) // d.sw))
+        positions = flat_positions(d)
         for rows, vecs in FLAT_BLOCKS:
             if d.cog % rows or (vecs > 1 and (vecs - 1) * vl >= positions):
                 continue  # rows must divide the group's channels; no block of padding lanes only

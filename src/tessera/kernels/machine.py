@@ -219,6 +219,12 @@ def dram_buffer_bytes(sizes: dict) -> int:
     return max(32 * sizes["L3"], 1 << 30)
 
 
+def peak_flops(threads: int, *, seconds: float = 0.3, isa: str | None = None) -> float:
+    """FP32 FMA FLOP/s of ``threads`` threads, measured now with ``measure``'s micro-benchmark
+    (a benchmark's compute bound from its own run, on the cores its process may use)."""
+    return _bench_lib(isa or cpu_isas()[-1]).tk_peak_gflops(threads, seconds) * 1e9
+
+
 def dram_bandwidth(threads: int, *, seconds: float = 0.3, isa: str | None = None) -> tuple[float, float]:
     """(read, write) DRAM bytes/s on ``threads`` threads, measured now with the same
     micro-benchmark as ``measure`` (a benchmark's roofline from its own quiet run)."""

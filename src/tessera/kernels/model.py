@@ -39,7 +39,7 @@ import math
 
 from tessera.kernels.codegen_loops import _loops, unit_axes
 from tessera.kernels.contraction import analyse
-from tessera.kernels.direct import conv_of, gemv_of
+from tessera.kernels.direct import conv_of, flat_positions, gemv_of
 from tessera.kernels.ir import Operator, accesses, drop_unit_axes
 from tessera.kernels.machine import Machine
 from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule, Schedule, WinogradSchedule
@@ -263,8 +263,7 @@ def _predict_flat(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> 
     d = conv_of(op)
     vl = 16 if s.isa == "avx512" else 8
     nr = s.vecs * vl
-    wq = -(-max(d.pw + d.w, (d.ow - 1) * d.sw + d.kw) // d.sw)
-    blocks = -(-(d.oh * wq) // nr)
+    blocks = -(-flat_positions(d) // nr)
     k = d.cig * d.kh * d.kw
     items = d.n * d.g * blocks
     step_cycles = max(s.rows * s.vecs / FMA_PIPES, (s.rows + s.vecs) / LOADS_PER_CYCLE)
