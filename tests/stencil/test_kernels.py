@@ -18,6 +18,8 @@ SCHEDULES = [
     StencilSchedule(split=2, split_level="row", tx=7),
     StencilSchedule(ry=2, ty=5, tz=2),  # 5 rows: two jammed pairs and one row alone
     StencilSchedule(ry=4, ty=8, split=2, split_level="tile"),
+    StencilSchedule(rz=2, ry=2, tz=3, ty=5),  # 3 planes x 5 rows: a 2x2 block, its leftovers 2x1, 1x2, 1x1
+    StencilSchedule(rz=4, tz=4, ty=2, tx=7, split=2, split_level="row", isa="avx2"),  # x blocks of 7: tails only
 ]
 CASES = [("star7", "constant"), ("star25", "point"), ("ete37", "class"), ("ete73", "point")]
 
@@ -56,8 +58,9 @@ def test_avx512_schedule_when_available():
     if "avx512" not in cpu_isas():
         pytest.skip("no AVX-512 on this CPU")
     st, u, co = _inputs("ete73", "point", seed=2)
-    s = StencilSchedule(isa="avx512", split=3, split_level="tile", ty=4)
-    assert np.array_equal(compile_stencil(st, GRID, s, contract=False)(u, co), ref.apply_float32(st, u, co))
+    for s in (StencilSchedule(isa="avx512", split=3, split_level="tile", ty=4),
+              StencilSchedule(isa="avx512", rz=2, ry=2, tz=4, ty=4)):
+        assert np.array_equal(compile_stencil(st, GRID, s, contract=False)(u, co), ref.apply_float32(st, u, co))
 
 
 def test_reference_differs_when_the_order_does():

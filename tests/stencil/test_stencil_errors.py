@@ -8,6 +8,7 @@ from tessera.stencil import (
     Stencil,
     StencilSchedule,
     compile_stencil,
+    compile_wave,
     make_stencil,
     padded_shape,
     weight_arrays,
@@ -57,6 +58,10 @@ def test_bad_schedules():
         StencilSchedule(ty=0)
     with pytest.raises(ValueError, match="time_block=2 applies to the wave kernel only"):
         compile_stencil(make_stencil("star7"), (3, 3, 3), StencilSchedule(time_block=2))
+    with pytest.raises(ValueError, match="rz=0 must be an int >= 1"):
+        StencilSchedule(rz=0)
+    with pytest.raises(ValueError, match="rz=2, ry=1: the wave kernel computes one row at a time"):
+        compile_wave(make_stencil("star7"), (3, 3, 3), StencilSchedule(rz=2))
 
 
 def test_a_wave_grid_narrower_than_the_stencil(capsys):

@@ -59,3 +59,20 @@ def test_incore_bound_counts_fmas_and_distinct_loads(machine):
     assert abs(two / one - 3.5 / 4) < 1e-12
     cycle = 2 * vl * 2 / machine.peak(1, isa)
     assert abs(one - 16 * 16 * 64 / vl * 4 * cycle) < 1e-15
+
+
+def test_z_jamming_shares_loads_across_planes(machine):
+    """ete73: 73 field values a row alone; a 2 x 2 block (two planes x two rows) shares the
+    values of the star's z and y lines and the yz diagonals, so it loads fewer per row than
+    two rows jammed, and four planes x two rows fewer still."""
+    from tessera.stencil import make_stencil
+    from tessera.stencil.model import _field_loads
+
+    st = make_stencil("ete73", "constant")
+    grid = (16, 16, 64)
+    alone, rows2, block22, block42 = (_field_loads(st, grid, ry, rz) for ry, rz in ((1, 1), (2, 1), (2, 2), (2, 4)))
+    assert alone == 73
+    assert alone > rows2 > block22 > block42
+    # star-7 by hand: a 2 x 2 block of rows loads its own x neighbours (2 x 4 = 8) and the
+    # x-centre values of the 4 rows and their 8 z / y neighbours (12): 20 values, 5 a row
+    assert _field_loads(make_stencil("star7", "constant"), grid, 2, 2) == 5.0

@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from tessera.kernels.schedule import ISAS
 from tessera.stencil.schedule import StencilSchedule, split_points
 from tessera.stencil.stencil import Stencil
 
 HELPERS = "static inline long tk_min(long a, long b) { return a < b ? a : b; }\n"
 NOVEC = '__attribute__((optimize("no-tree-vectorize"))) '
+# the explicit loop's vectors: ``vf`` in registers, ``vfu`` its unaligned view for loads and stores
+VECTOR_TYPES = """typedef float vf __attribute__((vector_size({bytes})));
+typedef float vfu __attribute__((vector_size({bytes}), aligned(4)));
+#define LD(p) (*(const vfu *)(p))
+#define ST(p, a) (*(vfu *)(p) = (a))"""
 
 
 def _literal(value: float) -> str:
@@ -31,22 +37,41 @@ class _Layout:
         nz, ny, nx = shape
         self.py, self.px = ny + 2 * self.h, nx + 2 * self.h
         self.index = {name: i for i, name in enumerate(stencil.arrays)}
+        # the distinct scalar coefficients, each a vector constant of the explicit loop
+        self.constants = {c: f"K{i}" for i, c in enumerate(dict.fromkeys(
+            _literal(p.coeff) for p in stencil.points if not isinstance(p.coeff, str)))}
 
     def offset(self, off) -> int:
         dz, dy, dx = off
         return (dz * self.py + dy) * self.px + dx
 
-    def term(self, p, row: int = 0, acc: str = "acc") -> str:
-        """``acc += c * u`` of point ``p`` for the ``row``-th of the rows jammed together."""
-        nx = self.shape[2]
-        if isinstance(p.coeff, str):
-            coeff = f"c{self.index[p.coeff]}[ci + {row * nx} + x]"
-        else:
-            coeff = _literal(p.coeff)
-        return f"{acc} = {acc} + {coeff} * v[x + ({self.offset(p.offset) + row * self.px})];"
+    def field_row(self, row: tuple[int, int]) -> int:
+        """Offset of jammed row (plane k, row j) from the block's first row, in the field and output."""
+        k, j = row
+        return (k * self.py + j) * self.px
 
-    def decls(self) -> str:
-        return "\n".join(f"  const float *restrict c{i} = coefs[{i}];" for i in range(len(self.index)))
+    def coeff_row(self, row: tuple[int, int]) -> int:
+        """The same in a coefficient array (interior shape, no halo)."""
+        k, j = row
+        _, ny, nx = self.shape
+        return (k * ny + j) * nx
+
+    def term(self, p, row: tuple[int, int] = (0, 0), acc: str = "acc", vector: bool = False) -> str:
+        """``acc += c * u`` of point ``p`` for jammed row ``row``; ``vector``: one vector of
+        the explicit loop (``q`` points at the field's x, every address a constant off it)."""
+        field = self.offset(p.offset) + self.field_row(row)
+        if isinstance(p.coeff, str):
+            arr, at = f"c{self.index[p.coeff]}", f"ci + {self.coeff_row(row)} + x"
+            coeff = f"LD({arr} + {at})" if vector else f"{arr}[{at}]"
+        else:
+            coeff = self.constants[_literal(p.coeff)] if vector else _literal(p.coeff)
+        value = f"LD(q + {field})" if vector else f"v[x + ({field})]"
+        return f"{acc} = {acc} + {coeff} * {value};"
+
+    def decls(self, vector: bool = False) -> str:
+        arrays = [f"  const float *restrict c{i} = coefs[{i}];" for i in range(len(self.index))]
+        consts = [f"  const vf {name} = (vf){{}} + {lit};" for lit, name in self.constants.items()] if vector else []
+        return "\n".join(arrays + consts)
 
     def row_ptrs(self, out: str = "out", src: str = "u") -> str:
         nz, ny, nx = self.shape
@@ -56,17 +81,49 @@ class _Layout:
                 f"const long ci = (z * {ny} + y) * {nx}; (void)ci;")
 
 
+def _rows(rz: int, ry: int) -> list[tuple[int, int]]:
+    return [(k, j) for k in range(rz) for j in range(ry)]
+
+
 def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: str, init: str | None = None,
             rows: int = 1) -> str:
-    """The x loop over ``rows`` consecutive rows at once (unroll-and-jam over y: a field value
-    the rows share is loaded once); each row's terms are still added in point order."""
+    """The ``omp simd`` x loop over ``rows`` consecutive rows at once (the wave kernel's and
+    the scalar build's); each row's terms are added in point order."""
     pragma = "#pragma omp simd\n" if s.vectorize else ""
-    px = lay.px
-    starts = [init if init is not None else ("0.0f" if first else f"o[x + {j * px}]") for j in range(rows)]
-    decl = " ".join(f"float acc{j} = {st};" for j, st in enumerate(starts))
-    body = "\n    ".join(lay.term(p, j, f"acc{j}") for p in points for j in range(rows))
-    store = " ".join(f"o[x + {j * px}] = acc{j};" for j in range(rows))
+    block = _rows(1, rows)
+    starts = [init if init is not None else ("0.0f" if first else f"o[x + {lay.field_row(r)}]") for r in block]
+    decl = " ".join(f"float acc{i} = {st};" for i, st in enumerate(starts))
+    body = "\n    ".join(lay.term(p, r, f"acc{i}") for p in points for i, r in enumerate(block))
+    store = " ".join(f"o[x + {lay.field_row(r)}] = acc{i};" for i, r in enumerate(block))
     return f"{pragma}for (long x = {lo}; x < {hi}; ++x) {{\n    {decl}\n    {body}\n    {store}\n}}"
+
+
+def _vector_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: str,
+                 block: list[tuple[int, int]]) -> str:
+    """The explicit x loop over the jammed rows ``block`` (plane, row): whole vectors of the
+    ISA's width in GCC's vector extension, then the leftover x one at a time. Every field
+    address is a constant off one pointer ``q``, so the compiler keeps one induction
+    variable and folds each offset into its load; a value the rows share is one address,
+    loaded once. Each row's terms are still added in point order, one rounding per multiply
+    and per add (or per FMA when contraction is on), exactly as the scalar loop."""
+    vl = ISAS[s.isa][0]
+    accs = [f"a{i}" for i in range(len(block))]
+
+    def body(vector: bool) -> str:
+        if vector:
+            starts = ["(vf){}" if first else f"LD(o + x + {lay.field_row(r)})" for r in block]
+            decl = " ".join(f"vf {a} = {st};" for a, st in zip(accs, starts, strict=True))
+            store = " ".join(f"ST(o + x + {lay.field_row(r)}, {a});" for a, r in zip(accs, block, strict=True))
+        else:
+            starts = ["0.0f" if first else f"o[x + {lay.field_row(r)}]" for r in block]
+            decl = " ".join(f"float {a} = {st};" for a, st in zip(accs, starts, strict=True))
+            store = " ".join(f"o[x + {lay.field_row(r)}] = {a};" for a, r in zip(accs, block, strict=True))
+        terms = "\n    ".join(lay.term(p, r, a, vector) for p in points for a, r in zip(accs, block, strict=True))
+        return f"{decl}\n    {terms}\n    {store}"
+
+    return (f"{{ long x = {lo};\n"
+            f"for (; x + {vl} <= {hi}; x += {vl}) {{\n    const float *q = v + x; (void)q;\n    {body(True)}\n}}\n"
+            f"for (; x < {hi}; ++x) {{\n    {body(False)}\n}} }}")
 
 
 def _passes(stencil: Stencil, s: StencilSchedule) -> list[tuple]:
@@ -75,18 +132,26 @@ def _passes(stencil: Stencil, s: StencilSchedule) -> list[tuple]:
 
 def _nest(lay: _Layout, s: StencilSchedule, groups) -> str:
     """The z, y, x-block loops of one tile; ``groups``: (points, first pass?) x loops in each
-    row. Rows go ``s.ry`` at a time, the tile's remaining rows one at a time."""
+    row. Rows go in blocks of ``s.rz`` planes x ``s.ry`` rows, the tile's leftover rows and
+    planes in smaller blocks (``s.rz`` x 1, then 1 x ``s.ry`` and 1 x 1)."""
     nx = lay.shape[2]
     tx = s.tx or nx
 
-    def rows(n: int, step: str) -> str:
-        loops = "\n".join(_x_loop(lay, g, first, s, "bx", "x1", rows=n) for g, first in groups)
-        return (f"for (; {step}; y += {n})\n"
+    def rows(rz: int, ry: int, step: str) -> str:
+        if s.vectorize:
+            loops = "\n".join(_vector_loop(lay, g, first, s, "bx", "x1", _rows(rz, ry)) for g, first in groups)
+        else:
+            loops = "\n".join(_x_loop(lay, g, first, s, "bx", "x1", rows=ry) for g, first in groups)
+        return (f"for (; {step}; y += {ry})\n"
                 f"for (long bx = 0; bx < {nx}; bx += {tx}) {{\nconst long x1 = tk_min(bx + {tx}, {nx});\n"
                 f"{lay.row_ptrs()}\n{loops}\n}}")
 
-    jammed = rows(s.ry, f"y + {s.ry} <= y1") + "\n" if s.ry > 1 else ""
-    return f"for (long z = bz; z < z1; ++z) {{\nlong y = by;\n{jammed}{rows(1, 'y < y1')}\n}}"
+    def planes(rz: int) -> str:
+        jammed = rows(rz, s.ry, f"y + {s.ry} <= y1") + "\n" if s.ry > 1 else ""
+        return f"{{\nlong y = by;\n{jammed}{rows(rz, 1, 'y < y1')}\n}}"
+
+    blocked = f"for (; z + {s.rz} <= z1; z += {s.rz}) {planes(s.rz)}\n" if s.rz > 1 else ""
+    return f"{{ long z = bz;\n{blocked}for (; z < z1; ++z) {planes(1)}\n}}"
 
 
 def _tiles(lay: _Layout, s: StencilSchedule, inner: str) -> str:
@@ -111,8 +176,9 @@ def generate_apply(stencil: Stencil, shape: tuple[int, int, int], s: StencilSche
     return "\n".join([
         f"/* stencil {stencil.signature()} grid {shape}\n * schedule: {s.short()} */", HELPERS,
         "void tk_init(void) {}",
+        VECTOR_TYPES.format(bytes=4 * ISAS[s.isa][0]) if s.vectorize else "",
         f"{attr}void tk_run(float *restrict out, const float *restrict u, const float *const *coefs, int nthreads) {{",
-        "  (void)coefs; (void)nthreads;", lay.decls(), nests, "}",
+        "  (void)coefs; (void)nthreads;", lay.decls(s.vectorize), nests, "}",
     ]) + "\n"
 
 

@@ -124,6 +124,9 @@ def compile_wave(stencil: Stencil, shape, schedule: StencilSchedule | None = Non
                  contract: bool = True) -> WaveKernel:
     shape = check_grid(shape)
     schedule = schedule or StencilSchedule()
+    if schedule.rz != 1 or schedule.ry != 1:
+        raise ValueError(f"rz={schedule.rz}, ry={schedule.ry}: the wave kernel computes one row at a time; "
+                         "use rz=1, ry=1 (row jamming applies to compile_stencil)")
     compiled, lib = _build(generate_wave(stencil, shape, schedule), schedule.isa, "wave", contract)
     fn = lib.tk_wave
     fn.restype = None

@@ -8,7 +8,7 @@ Per sweep of an interior of P points:
                + grid-level decomposition: P x (split - 1) x (4 field + 8 output) more
     memory time  = reads / (read bandwidth x stream efficiency) + writes / write bandwidth
     compute time = per vector: field loads x FIELD_LOAD_CYCLES + other loads / 2, per thread
-                   (field loads: the distinct values of ``ry`` jammed rows, per row)
+                   (field loads: the distinct values of the ``rz`` x ``ry`` jammed rows, per row)
     time = max(memory, compute) + passes x (per-row loop set-up) + the call
 
 Field reads: 1 per point when the planes the tiles touch (tz + 2r whole planes per thread)
@@ -94,15 +94,16 @@ def traffic(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: in
             write += (passes - 1) * 4.0
     widest = max(arrays) if s.split_level != "row" else sum(arrays)
     n = len(stencil.points)
-    loads = _field_loads(stencil, shape, s.ry) + sum(arrays) + passes  # field, coefficients, the output
+    loads = _field_loads(stencil, shape, s.ry, s.rz) + sum(arrays) + passes  # field, coefficients, the output
     return Traffic(read, write, loads, 2.0 * n, widest + 2)
 
 
-def _field_loads(stencil: Stencil, shape, ry: int) -> float:
-    """Distinct field values an x iteration loads per row when ``ry`` rows are jammed."""
-    py, px = shape[1] + 2 * stencil.halo, shape[2] + 2 * stencil.halo
-    offsets = {(dz * py + dy) * px + dx for dz, dy, dx in (p.offset for p in stencil.points)}
-    return len({o + j * px for o in offsets for j in range(ry)}) / ry
+def _field_loads(stencil: Stencil, shape, ry: int, rz: int = 1) -> float:
+    """Distinct field values an x iteration loads per row when ``rz`` planes x ``ry`` rows
+    are jammed."""
+    offsets = {p.offset for p in stencil.points}
+    block = {(dz + k, dy + j, dx) for dz, dy, dx in offsets for k in range(rz) for j in range(ry)}
+    return len(block) / (ry * rz)
 
 
 def stream_efficiency(streams: int, run_bytes: float) -> float:
@@ -127,7 +128,7 @@ def predict_stencil(stencil: Stencil, shape, s: StencilSchedule, m: Machine, thr
     tx = s.tx or nx
     fill = tx / (math.ceil(tx / vl) * vl)
     passes = len(_pass_arrays(stencil, s))
-    field = _field_loads(stencil, shape, s.ry)
+    field = _field_loads(stencil, shape, s.ry, s.rz)
     per_vector = field * FIELD_LOAD_CYCLES[s.isa] + (t.loads - field) / LOADS_PER_CYCLE
     t_compute = points * per_vector / (vl * fill) * cycle * busy / threads
     t_rows = nz * ny * math.ceil(nx / tx) * passes * ROW_CYCLES * cycle / threads
@@ -136,7 +137,7 @@ def predict_stencil(stencil: Stencil, shape, s: StencilSchedule, m: Machine, thr
 
 def incore_seconds(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int = 1) -> float:
     """The in-core bound of one sweep under ``s``: per vector of outputs, its FMAs (one a
-    point of the stencil) and its loads (the distinct field values of ``s.ry`` jammed rows,
+    point of the stencil) and its loads (the distinct field values of the jammed rows,
     per row, plus each coefficient array and the output once) at the core's peak of two of
     each a cycle; the threads' cores in parallel. No schedule of that register blocking can
     beat it; ``roofline_seconds`` is the DRAM bound."""
@@ -144,7 +145,7 @@ def incore_seconds(stencil: Stencil, shape, s: StencilSchedule, m: Machine, thre
     isa_vl = 16 if s.isa == "avx512" else 8
     cycle = 2 * isa_vl * 2 / m.peak(1, s.isa)
     fmas = len(stencil.points)
-    loads = _field_loads(stencil, shape, s.ry) + len(stencil.arrays) + 1
+    loads = _field_loads(stencil, shape, s.ry, s.rz) + len(stencil.arrays) + 1
     return points / isa_vl * max(fmas, loads) / 2 * cycle / threads
 
 

@@ -3,10 +3,13 @@
 
 - spatial blocking: tiles ``tz`` x ``ty`` x ``tx`` of the interior (``tx = 0``: whole rows),
   the tiles (z-blocks x y-blocks) spread over OpenMP threads;
-- unroll-and-jam over y: ``ry`` rows computed in one x loop, so a field value they share
-  (an offset's row is another row's neighbour) is loaded once;
-- vectorisation along x, the unit-stride axis (``omp simd``; off: the loop is compiled
-  with GCC's tree vectoriser disabled);
+- unroll-and-jam over y and z (register blocking): ``rz`` planes x ``ry`` rows computed in
+  one x loop, so a field value they share (an offset's row is another row's neighbour) is
+  loaded once and serves several outputs;
+- vectorisation along x, the unit-stride axis: an explicit loop of whole vectors (GCC's
+  vector extension, every address a constant off one pointer) and the leftover points one
+  at a time; off: a plain loop compiled with GCC's tree vectoriser disabled. (The wave
+  kernel vectorises with ``omp simd`` and computes one row at a time.)
 - stencil decomposition: ``split`` sub-stencils, consecutive runs of the points holding
   about the same number of coefficient arrays each, applied one after another, each adding
   onto the same output (so each pass streams fewer arrays); ``split_level`` says where the
@@ -37,6 +40,7 @@ class StencilSchedule:
     ty: int = 16
     tx: int = 0  # 0: whole rows
     ry: int = 1  # rows computed together (unroll-and-jam over y)
+    rz: int = 1  # planes computed together (unroll-and-jam over z)
     vectorize: bool = True
     split: int = 1
     split_level: str = "tile"
@@ -47,7 +51,7 @@ class StencilSchedule:
     def __post_init__(self):
         if self.isa not in ISAS:
             raise ValueError(f"unknown vector ISA {self.isa!r}; choose one of {', '.join(ISAS)}")
-        for name in ("tz", "ty", "ry", "split", "time_block"):
+        for name in ("tz", "ty", "ry", "rz", "split", "time_block"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
@@ -66,7 +70,7 @@ class StencilSchedule:
     def short(self) -> str:
         split = f" split{self.split}@{self.split_level}" if self.split > 1 else ""
         tb = f" T{self.time_block}" if self.time_block > 1 else ""
-        jam = f" ry{self.ry}" if self.ry > 1 else ""
+        jam = (f" rz{self.rz}" if self.rz > 1 else "") + (f" ry{self.ry}" if self.ry > 1 else "")
         return f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'}{jam} simd{int(self.vectorize)}{split}{tb}"
 
     @staticmethod

@@ -20,7 +20,8 @@ from tessera.stencil.model import predict_stencil
 from tessera.stencil.schedule import SPLIT_LEVELS, StencilSchedule
 from tessera.stencil.stencil import Stencil, check_grid, padded_shape
 
-TZ, TY, RY = (1, 2, 4, 8), (4, 8, 16, 32, 64), (1, 2, 4)
+TZ, TY, RY, RZ = (1, 2, 4, 8), (4, 8, 16, 32, 64), (1, 2, 4), (1, 2, 4)
+MAX_JAMMED = 8  # rz x ry accumulators at most (of the 16 or 32 vector registers)
 SPLITS = (2, 3, 4, 6, 8, 12)
 
 
@@ -56,11 +57,13 @@ def schedule_space(stencil: Stencil, shape, isas: tuple[str, ...]) -> list[Stenc
     nz, ny, _ = shape
     splits = [1] + [k for k in SPLITS if stencil.variable and k <= len(stencil.points)]
     out = []
-    for isa, tz, ty, ry, vec, split in itertools.product(isas, TZ, TY, RY, (True, False), splits):
-        if tz > nz or ty > max(ny, TY[0]) or ry > ty:
+    for isa, tz, ty, ry, rz, vec, split in itertools.product(isas, TZ, TY, RY, RZ, (True, False), splits):
+        if tz > nz or ty > max(ny, TY[0]) or ry > ty or rz > tz or ry * rz > MAX_JAMMED:
+            continue
+        if rz > 1 and (split > 1 or not vec):  # z jamming: undecomposed vector kernels only
             continue
         levels = SPLIT_LEVELS if split > 1 else ("tile",)
-        out.extend(StencilSchedule(tz=tz, ty=ty, ry=ry, vectorize=vec, split=split, split_level=lv, isa=isa)
+        out.extend(StencilSchedule(tz=tz, ty=ty, ry=ry, rz=rz, vectorize=vec, split=split, split_level=lv, isa=isa)
                    for lv in levels)
     return out
 
