@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -203,17 +202,11 @@ def run_case(plan: StencilPlan, shape_name: str, kind: str, machine, log: Bandwi
     return rows
 
 
-def _available_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def run_large_rows(plan: StencilPlan, machine, log: BandwidthLog) -> tuple[list[dict], list[str]]:
     """Tessera alone on a ``large_grid``^3 interior, for each case whose arrays (field,
     output and coefficients) fit in ``large_memory_fraction`` of the memory available now;
     the others are named as skipped."""
+    from tessera.kernels.machine import available_memory_bytes
     from tessera.stencil import make_stencil, padded_shape
     from tessera.stencil.tune import sample_inputs
 
@@ -223,7 +216,7 @@ def run_large_rows(plan: StencilPlan, machine, log: BandwidthLog) -> tuple[list[
         for kind in plan.kinds:
             st = make_stencil(shape_name, kind)
             need = 4 * (len(st.arrays) * math.prod(grid) + 2 * math.prod(padded_shape(grid, st.halo)))
-            budget = plan.large_memory_fraction * _available_bytes()
+            budget = plan.large_memory_fraction * available_memory_bytes()
             case = f"{_case_name(shape_name, kind)} {plan.large_grid}^3"
             if need > budget:
                 skipped.append(f"{case} ({need / 2**30:.1f} GiB > {budget / 2**30:.1f} GiB)")

@@ -87,35 +87,40 @@ def _rows(rz: int, ry: int) -> list[tuple[int, int]]:
 
 def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: str, init: str | None = None,
             rows: int = 1) -> str:
-    """The ``omp simd`` x loop over ``rows`` consecutive rows at once (the wave kernel's and
-    the scalar build's); each row's terms are added in point order."""
-    pragma = "#pragma omp simd\n" if s.vectorize else ""
+    """The plain x loop over ``rows`` consecutive rows at once (the build without vectors:
+    the function carries ``NOVEC``); each row's terms are added in point order."""
     block = _rows(1, rows)
     starts = [init if init is not None else ("0.0f" if first else f"o[x + {lay.field_row(r)}]") for r in block]
     decl = " ".join(f"float acc{i} = {st};" for i, st in enumerate(starts))
     body = "\n    ".join(lay.term(p, r, f"acc{i}") for p in points for i, r in enumerate(block))
     store = " ".join(f"o[x + {lay.field_row(r)}] = acc{i};" for i, r in enumerate(block))
-    return f"{pragma}for (long x = {lo}; x < {hi}; ++x) {{\n    {decl}\n    {body}\n    {store}\n}}"
+    return f"for (long x = {lo}; x < {hi}; ++x) {{\n    {decl}\n    {body}\n    {store}\n}}"
 
 
 def _vector_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: str,
-                 block: list[tuple[int, int]]) -> str:
+                 block: list[tuple[int, int]], init: tuple[str, str] | None = None) -> str:
     """The explicit x loop over the jammed rows ``block`` (plane, row): whole vectors of the
     ISA's width in GCC's vector extension, then the leftover x one at a time. Every field
     address is a constant off one pointer ``q``, so the compiler keeps one induction
     variable and folds each offset into its load; a value the rows share is one address,
     loaded once. Each row's terms are still added in point order, one rounding per multiply
-    and per add (or per FMA when contraction is on), exactly as the scalar loop."""
+    and per add (or per FMA when contraction is on), exactly as the scalar loop. ``init``:
+    the (vector, scalar) start of a one-row block's sum instead of 0 or the output."""
     vl = ISAS[s.isa][0]
     accs = [f"a{i}" for i in range(len(block))]
 
     def body(vector: bool) -> str:
-        if vector:
+        if init is not None:
+            starts = [init[0] if vector else init[1]]
+            assert len(block) == 1, "an init expression is for one row"
+        elif vector:
             starts = ["(vf){}" if first else f"LD(o + x + {lay.field_row(r)})" for r in block]
+        else:
+            starts = ["0.0f" if first else f"o[x + {lay.field_row(r)}]" for r in block]
+        if vector:
             decl = " ".join(f"vf {a} = {st};" for a, st in zip(accs, starts, strict=True))
             store = " ".join(f"ST(o + x + {lay.field_row(r)}, {a});" for a, r in zip(accs, block, strict=True))
         else:
-            starts = ["0.0f" if first else f"o[x + {lay.field_row(r)}]" for r in block]
             decl = " ".join(f"float {a} = {st};" for a, st in zip(accs, starts, strict=True))
             store = " ".join(f"o[x + {lay.field_row(r)}] = {a};" for a, r in zip(accs, block, strict=True))
         terms = "\n    ".join(lay.term(p, r, a, vector) for p in points for a, r in zip(accs, block, strict=True))
@@ -191,7 +196,11 @@ def generate_wave(stencil: Stencil, shape: tuple[int, int, int], s: StencilSched
     lay = _Layout(stencil, shape)
     nz, ny, nx = shape
     r, tb = max(1, stencil.radius), s.time_block
-    x_loop = _x_loop(lay, stencil.points, False, s, "0", str(nx), init="2.0f * v[x] - o[x]")
+    if s.vectorize:
+        x_loop = _vector_loop(lay, stencil.points, False, s, "0", str(nx), [(0, 0)],
+                              init=("2.0f * LD(q) - LD(o + x)", "2.0f * v[x] - o[x]"))
+    else:
+        x_loop = _x_loop(lay, stencil.points, False, s, "0", str(nx), init="2.0f * v[x] - o[x]")
     attr = "" if s.vectorize else NOVEC
     body = f"""
   for (long t0 = 0; t0 < steps; t0 += {tb}) {{
@@ -216,7 +225,8 @@ def generate_wave(stencil: Stencil, shape: tuple[int, int, int], s: StencilSched
     return "\n".join([
         f"/* wave {stencil.signature()} grid {shape}\n * schedule: {s.short()} */", HELPERS,
         "void tk_init(void) {}",
+        VECTOR_TYPES.format(bytes=4 * ISAS[s.isa][0]) if s.vectorize else "",
         f"{attr}void tk_wave(float *restrict a, float *restrict b, const float *const *coefs, const float *restrict src,"
         " long sz, long sy, long sx, long steps, int nthreads) {",
-        "  (void)coefs;", lay.decls(), body, "}",
+        "  (void)coefs;", lay.decls(s.vectorize), body, "}",
     ]) + "\n"

@@ -9,7 +9,7 @@
 - vectorisation along x, the unit-stride axis: an explicit loop of whole vectors (GCC's
   vector extension, every address a constant off one pointer) and the leftover points one
   at a time; off: a plain loop compiled with GCC's tree vectoriser disabled. (The wave
-  kernel vectorises with ``omp simd`` and computes one row at a time.)
+  kernel computes one row at a time.)
 - stencil decomposition: ``split`` sub-stencils, consecutive runs of the points holding
   about the same number of coefficient arrays each, applied one after another, each adding
   onto the same output (so each pass streams fewer arrays); ``split_level`` says where the
