@@ -13,6 +13,24 @@ from tessera.kernels.space import schedule_space
 from tessera.kernels.tuner import best_schedule, rank, spearman, tune
 
 
+def test_dram_buffers_fit_beside_the_work(monkeypatch):
+    """The DRAM probes stream 32x the LLC, but at most a quarter of the memory available now
+    and never under 1 GiB: a 480 MiB L3 on a 24 GiB machine asked 15 GiB before."""
+    from tessera.kernels import machine as m
+
+    assert m.available_memory_bytes() > 0  # read from /proc/meminfo (Linux)
+    gib = 1 << 30
+    l3 = 480 << 20
+    monkeypatch.setattr(m, "available_memory_bytes", lambda: 23 * gib)
+    assert m.dram_buffer_bytes({"L3": l3}) == 23 * gib // 4  # capped: 5.75 GiB, not 15
+    monkeypatch.setattr(m, "available_memory_bytes", lambda: 2 * gib)
+    assert m.dram_buffer_bytes({"L3": l3}) == gib  # the floor
+    monkeypatch.setattr(m, "available_memory_bytes", lambda: 64 * gib)
+    assert m.dram_buffer_bytes({"L3": 32 << 20}) == gib  # 32 x 32 MiB = 1 GiB, room to spare
+    monkeypatch.setattr(m, "available_memory_bytes", lambda: 0)  # no /proc/meminfo: the plain rule
+    assert m.dram_buffer_bytes({"L3": l3}) == 32 * l3
+
+
 def test_machine_parameters(machine):
     sizes, _ = cache_sizes()
     assert machine.cache_bytes == sizes and sizes["L1"] < sizes["L2"] < sizes["L3"]
