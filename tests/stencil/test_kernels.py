@@ -20,6 +20,7 @@ SCHEDULES = [
     StencilSchedule(ry=4, ty=8, split=2, split_level="tile"),
     StencilSchedule(rz=2, ry=2, tz=3, ty=5),  # 3 planes x 5 rows: a 2x2 block, its leftovers 2x1, 1x2, 1x1
     StencilSchedule(rz=4, tz=4, ty=2, tx=7, split=2, split_level="row", isa="avx2"),  # x blocks of 7: tails only
+    StencilSchedule(rz=2, tz=3, ty=2, vectorize=False),  # z blocks in the build without vectors
 ]
 CASES = [("star7", "constant"), ("star25", "point"), ("ete37", "class"), ("ete73", "point")]
 

@@ -85,50 +85,37 @@ def _rows(rz: int, ry: int) -> list[tuple[int, int]]:
     return [(k, j) for k in range(rz) for j in range(ry)]
 
 
-def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: str, init: str | None = None,
-            rows: int = 1) -> str:
-    """The plain x loop over ``rows`` consecutive rows at once (the build without vectors:
-    the function carries ``NOVEC``); each row's terms are added in point order."""
-    block = _rows(1, rows)
-    starts = [init if init is not None else ("0.0f" if first else f"o[x + {lay.field_row(r)}]") for r in block]
-    decl = " ".join(f"float acc{i} = {st};" for i, st in enumerate(starts))
-    body = "\n    ".join(lay.term(p, r, f"acc{i}") for p in points for i, r in enumerate(block))
-    store = " ".join(f"o[x + {lay.field_row(r)}] = acc{i};" for i, r in enumerate(block))
-    return f"for (long x = {lo}; x < {hi}; ++x) {{\n    {decl}\n    {body}\n    {store}\n}}"
-
-
-def _vector_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: str,
-                 block: list[tuple[int, int]], init: tuple[str, str] | None = None) -> str:
-    """The explicit x loop over the jammed rows ``block`` (plane, row): whole vectors of the
-    ISA's width in GCC's vector extension, then the leftover x one at a time. Every field
-    address is a constant off one pointer ``q``, so the compiler keeps one induction
-    variable and folds each offset into its load; a value the rows share is one address,
-    loaded once. Each row's terms are still added in point order, one rounding per multiply
-    and per add (or per FMA when contraction is on), exactly as the scalar loop. ``init``:
-    the (vector, scalar) start of a one-row block's sum instead of 0 or the output."""
-    vl = ISAS[s.isa][0]
+def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: str,
+            block: list[tuple[int, int]], init: tuple[str, str] | None = None) -> str:
+    """The x loop over the jammed rows ``block`` (plane, row). With ``s.vectorize``, whole
+    vectors of the ISA's width first, in GCC's vector extension: every field address is a
+    constant off one pointer ``q``, so the compiler keeps one induction variable and folds
+    each offset into its load, and a value the rows share is one address, loaded once.
+    Then (or throughout, without vectors: the function carries ``NOVEC``) the x one at a
+    time. Each row's terms are added in point order, one rounding per multiply and per add
+    (or per FMA when contraction is on), in both loops. ``init``: the (vector, scalar)
+    start of a one-row block's sum instead of 0 (first pass) or the output."""
+    assert init is None or len(block) == 1, "an init expression is for one row"
     accs = [f"a{i}" for i in range(len(block))]
 
     def body(vector: bool) -> str:
         if init is not None:
             starts = [init[0] if vector else init[1]]
-            assert len(block) == 1, "an init expression is for one row"
-        elif vector:
-            starts = ["(vf){}" if first else f"LD(o + x + {lay.field_row(r)})" for r in block]
+        elif first:
+            starts = ["(vf){}" if vector else "0.0f"] * len(block)
         else:
-            starts = ["0.0f" if first else f"o[x + {lay.field_row(r)}]" for r in block]
-        if vector:
-            decl = " ".join(f"vf {a} = {st};" for a, st in zip(accs, starts, strict=True))
-            store = " ".join(f"ST(o + x + {lay.field_row(r)}, {a});" for a, r in zip(accs, block, strict=True))
-        else:
-            decl = " ".join(f"float {a} = {st};" for a, st in zip(accs, starts, strict=True))
-            store = " ".join(f"o[x + {lay.field_row(r)}] = {a};" for a, r in zip(accs, block, strict=True))
+            starts = [f"LD(o + x + {lay.field_row(r)})" if vector else f"o[x + {lay.field_row(r)}]" for r in block]
+        kind = "vf" if vector else "float"
+        decl = " ".join(f"{kind} {a} = {st};" for a, st in zip(accs, starts, strict=True))
         terms = "\n    ".join(lay.term(p, r, a, vector) for p in points for a, r in zip(accs, block, strict=True))
+        store = " ".join((f"ST(o + x + {lay.field_row(r)}, {a});" if vector else f"o[x + {lay.field_row(r)}] = {a};")
+                         for a, r in zip(accs, block, strict=True))
         return f"{decl}\n    {terms}\n    {store}"
 
-    return (f"{{ long x = {lo};\n"
-            f"for (; x + {vl} <= {hi}; x += {vl}) {{\n    const float *q = v + x; (void)q;\n    {body(True)}\n}}\n"
-            f"for (; x < {hi}; ++x) {{\n    {body(False)}\n}} }}")
+    vl = ISAS[s.isa][0]
+    vectors = (f"for (; x + {vl} <= {hi}; x += {vl}) {{\n    const float *q = v + x; (void)q;\n    {body(True)}\n}}\n"
+               if s.vectorize else "")
+    return f"{{ long x = {lo};\n{vectors}for (; x < {hi}; ++x) {{\n    {body(False)}\n}} }}"
 
 
 def _passes(stencil: Stencil, s: StencilSchedule) -> list[tuple]:
@@ -143,10 +130,7 @@ def _nest(lay: _Layout, s: StencilSchedule, groups) -> str:
     tx = s.tx or nx
 
     def rows(rz: int, ry: int, step: str) -> str:
-        if s.vectorize:
-            loops = "\n".join(_vector_loop(lay, g, first, s, "bx", "x1", _rows(rz, ry)) for g, first in groups)
-        else:
-            loops = "\n".join(_x_loop(lay, g, first, s, "bx", "x1", rows=ry) for g, first in groups)
+        loops = "\n".join(_x_loop(lay, g, first, s, "bx", "x1", _rows(rz, ry)) for g, first in groups)
         return (f"for (; {step}; y += {ry})\n"
                 f"for (long bx = 0; bx < {nx}; bx += {tx}) {{\nconst long x1 = tk_min(bx + {tx}, {nx});\n"
                 f"{lay.row_ptrs()}\n{loops}\n}}")
@@ -196,11 +180,8 @@ def generate_wave(stencil: Stencil, shape: tuple[int, int, int], s: StencilSched
     lay = _Layout(stencil, shape)
     nz, ny, nx = shape
     r, tb = max(1, stencil.radius), s.time_block
-    if s.vectorize:
-        x_loop = _vector_loop(lay, stencil.points, False, s, "0", str(nx), [(0, 0)],
-                              init=("2.0f * LD(q) - LD(o + x)", "2.0f * v[x] - o[x]"))
-    else:
-        x_loop = _x_loop(lay, stencil.points, False, s, "0", str(nx), init="2.0f * v[x] - o[x]")
+    x_loop = _x_loop(lay, stencil.points, False, s, "0", str(nx), [(0, 0)],
+                     init=("2.0f * LD(q) - LD(o + x)", "2.0f * v[x] - o[x]"))
     attr = "" if s.vectorize else NOVEC
     body = f"""
   for (long t0 = 0; t0 < steps; t0 += {tb}) {{

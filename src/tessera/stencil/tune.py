@@ -60,7 +60,7 @@ def schedule_space(stencil: Stencil, shape, isas: tuple[str, ...]) -> list[Stenc
     for isa, tz, ty, ry, rz, vec, split in itertools.product(isas, TZ, TY, RY, RZ, (True, False), splits):
         if tz > nz or ty > max(ny, TY[0]) or ry > ty or rz > tz or ry * rz > MAX_JAMMED:
             continue
-        if rz > 1 and (split > 1 or not vec):  # z jamming: undecomposed vector kernels only
+        if rz > 1 and (split > 1 or not vec):  # z blocks where they pay: undecomposed vector kernels (a pruning)
             continue
         levels = SPLIT_LEVELS if split > 1 else ("tile",)
         out.extend(StencilSchedule(tz=tz, ty=ty, ry=ry, rz=rz, vectorize=vec, split=split, split_level=lv, isa=isa)
