@@ -70,3 +70,39 @@ def test_tessera_launch_runs_a_script_under_torchrun(tmp_path):
         report = json.loads(Path(f"{out}.rank{rank}.json").read_text())
         assert report["sum"] == 3.0 and report["extra"] == ["--flag", "x"]  # script args pass through
         assert report["ledger"] == {"all_reduce@dp": {"bytes": 4, "calls": 1}}
+
+
+
+def test_exit_waits_while_another_thread_is_runnable():
+    """release_device_meshes (run at exit) sleeps while another thread of the process is
+    runnable, so that a gloo worker preempted after its collective drops the collective's
+    tensors before the interpreter finalises; a parked thread does not hold it up, a thread
+    that never parks holds it up for the timeout only."""
+    import hashlib
+    import threading
+
+    from tessera.runtime.mesh import let_runnable_threads_park
+
+    parked = threading.Event()
+    waiter = threading.Thread(target=parked.wait)
+    waiter.start()
+    try:
+        assert let_runnable_threads_park(timeout_s=30.0)  # a thread waiting on an event is asleep
+    finally:
+        parked.set()
+        waiter.join()
+
+    began = threading.Event()
+
+    def busy():  # pbkdf2 releases the GIL: runnable, in C, for about a second on these cores
+        began.set()
+        hashlib.pbkdf2_hmac("sha256", b"tessera", b"salt", 4_000_000)
+
+    worker = threading.Thread(target=busy)
+    worker.start()
+    began.wait()
+    try:
+        assert not let_runnable_threads_park(timeout_s=0.05)  # still runnable: gives up at the bound
+        assert worker.is_alive()
+    finally:
+        worker.join()

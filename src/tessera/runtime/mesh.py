@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import atexit
 import math
+import os
+import threading
+import time
 from functools import cached_property
 
 import torch
@@ -47,6 +50,38 @@ def release_device_meshes() -> None:
         if hasattr(held, "clear"):
             held.clear()
     gc.collect()
+    let_runnable_threads_park()
+
+
+def let_runnable_threads_park(timeout_s: float = 0.5) -> bool:
+    """Sleep until no other thread of this process is runnable (Linux's /proc), ``timeout_s``
+    at most; True when none was left runnable. A gloo worker drops its finished collective
+    (and the tensors it holds) only after the collective has woken the caller; on busy cores
+    that worker can stay preempted until the interpreter is finalising, and a tensor freed
+    then aborts the process (the same SIGABRT; a core dump shows ``~AsyncAllgatherWork`` in
+    ``ProcessGroupGloo::runLoop`` taking the GIL inside ``Py_FinalizeEx``). Sleeping here hands
+    such a worker the core while the interpreter is whole."""
+    tasks = f"/proc/{os.getpid()}/task"
+    if not os.path.isdir(tasks):
+        return True
+    me = str(threading.get_native_id())
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runnable = False
+        for tid in os.listdir(tasks):
+            if tid == me:
+                continue
+            try:
+                with open(f"{tasks}/{tid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]  # the field after "(name)"
+            except (OSError, IndexError):
+                continue  # the thread ended meanwhile
+            runnable |= state == "R"
+        if not runnable:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
 
 
 atexit.register(release_device_meshes)
