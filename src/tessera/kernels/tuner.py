@@ -120,7 +120,20 @@ def shortlist(trials: list[Trial], top_k: int, per_family: int = 2) -> list[Tria
         if _lowering(t.schedule) not in kinds:
             picked.append(t)
             kinds.add(_lowering(t.schedule))
+    # an operand read straight from its matrix is where the model is least sure (cache sets,
+    # lines split by an odd row stride: 129x3071x767 was predicted at 210 GFLOP/s and ran at
+    # 80-93, B unpacked): when every micro-kernel picked leaves an operand unpacked, the best
+    # that packs both is timed too
+    gemms = [t for t in picked if isinstance(t.schedule, GemmSchedule)]
+    if gemms and not any(_packs_both(t.schedule) for t in gemms):
+        both = next((t for t in trials if isinstance(t.schedule, GemmSchedule) and _packs_both(t.schedule)), None)
+        if both is not None:
+            picked.append(both)
     return picked
+
+
+def _packs_both(s: GemmSchedule) -> bool:
+    return s.pack_a and s.pack_b
 
 
 def _lowering(s: Schedule) -> str:
