@@ -75,6 +75,18 @@ def test_spearman():
     assert math.isnan(spearman([1, 2], [1, 2]))
 
 
+def test_parallel_balance_counts_the_work_of_uneven_blocks():
+    """A parallel loop's speed-up is the work of the busiest thread under OpenMP's static split,
+    not the count of blocks: the last block is what is left of the extent."""
+    from tessera.kernels.model import _balance_blocks
+
+    assert _balance_blocks(512, 384, 2) == pytest.approx(512 / 384)  # 384 rows and 128: not 2x
+    assert _balance_blocks(512, 256, 2) == 2.0  # two equal blocks
+    assert _balance_blocks(512, 96, 2) == pytest.approx(512 / 288)  # 5 blocks of 96 and one of 32: 288 rows against 224
+    assert _balance_blocks(500, 100, 2) == pytest.approx(500 / 300)  # 5 blocks: the first thread takes 3
+    assert _balance_blocks(100, 384, 2) == 1.0 and _balance_blocks(512, 96, 1) == 1.0
+
+
 def test_shortlist_times_a_schedule_that_packs_both_operands():
     """When every micro-kernel schedule the model puts first reads an operand straight from its
     matrix, the best-ranked one that packs both is timed too (the model's cost of an unpacked

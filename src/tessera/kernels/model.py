@@ -72,6 +72,25 @@ def _balance(trips: int, threads: int) -> float:
     return trips / math.ceil(trips / threads) if trips else 1.0
 
 
+def _balance_blocks(extent: int, block: int, threads: int) -> float:
+    """Effective parallel speed-up of a loop over ``extent`` in blocks of ``block`` (the last one
+    what is left), split as OpenMP's static schedule splits it: the first ``trips % threads``
+    threads take one block more. The work is the blocks' sizes, not their count: 512 rows in
+    blocks of 384 give 384 rows to one thread and 128 to the other, a speed-up of 1.33 where
+    counting blocks says 2."""
+    trips = -(-extent // block)
+    if trips <= 1 or threads <= 1:
+        return 1.0
+    sizes = [block] * (trips - 1) + [extent - block * (trips - 1)]
+    q, r = divmod(trips, threads)
+    start, most = 0, 0
+    for t in range(min(threads, trips)):
+        count = q + (t < r)
+        most = max(most, sum(sizes[start:start + count]))
+        start += count
+    return extent / most
+
+
 @functools.lru_cache(maxsize=256)
 def _facts(op: Operator, fuse_n: bool):
     """The contraction, whether A / B may stay unpacked, and how B packs."""
@@ -118,8 +137,9 @@ def predict_gemm(op: Operator, s: GemmSchedule, m: Machine, threads: int) -> flo
     k_blocks, n_blocks, m_blocks = -(-K // kc), -(-N // nc), -(-M // mc)
     cycle = _cycle(m, s.isa)
     par = s.parallel if threads > 1 else "none"
-    trips = {"none": 1, "batch": BT, "jc": n_blocks, "ic": m_blocks, "jr": -(-nc // nr), "ir": -(-mc // mr)}[par]
-    speed = _balance(trips, threads) if par != "none" else 1.0
+    extent, block = {"none": (1, 1), "batch": (BT, 1), "jc": (np_, nc), "ic": (mp, mc), "jr": (nc, nr),
+                     "ir": (mc, mr)}[par]
+    speed = _balance_blocks(extent, block, threads) if par != "none" else 1.0
     t_eff = max(1, threads if par != "none" else 1)
     # the micro-kernel: its measured rate at this depth, else the issue / latency estimate
     flops = 2.0 * BT * mp * np_ * K
