@@ -75,6 +75,26 @@ def test_spearman():
     assert math.isnan(spearman([1, 2], [1, 2]))
 
 
+def test_model_charges_streams_from_a_shared_level_and_the_space_has_blis_mapping(machine):
+    """On a machine whose L3 runs at memory speed (the Intel VM of 2026-12-04: 15 GB/s from a
+    480 MiB L3), re-reading B's 4 MiB block per 192-row block of A costs more than re-reading a
+    tall A block per 512 columns of B (BLIS's mapping: A's micro-panel in L1, B's block in L2),
+    which the space now holds, parallel over ir too."""
+    import dataclasses
+
+    slow = dataclasses.replace(machine, cache_bytes={"L1": 48 << 10, "L2": 2 << 20, "L3": 480 << 20},
+                               read_bw={**machine.read_bw, "L3": machine.read_bw["DRAM"]})
+    op = ops.gemm(2048, 2048, 2048)
+    b_in_l3 = GemmSchedule(isa="avx2", mr=6, nr=16, mc=192, nc=2048, kc=512)
+    tall_a = GemmSchedule(isa="avx2", mr=6, nr=16, mc=2046, nc=512, kc=512, order="ic,pc,jc", inner="ir,jr")
+    assert predict(op, tall_a, slow) < predict(op, b_in_l3, slow)
+    # the exposed share grows with the bytes: the same schedule with B's block re-read twice as often
+    half_mc = dataclasses.replace(b_in_l3, mc=96)
+    assert predict(op, half_mc, slow) > predict(op, b_in_l3, slow)
+    space = schedule_space(op, threads=2, isas=("avx2",))
+    assert any(s.kind == "gemm" and s.mc >= 2000 and s.order == "ic,pc,jc" and s.parallel == "ir" for s in space)
+
+
 def test_parallel_balance_counts_the_work_of_uneven_blocks():
     """A parallel loop's speed-up is the work of the busiest thread under OpenMP's static split,
     not the count of blocks: the last block is what is left of the extent."""

@@ -15,9 +15,11 @@ from tessera.kernels.ir import Operator, drop_unit_axes
 from tessera.kernels.model import _facts
 from tessera.kernels.schedule import REGISTER_TILES, GemmSchedule, LoopSchedule, Schedule
 
-MC_TARGETS = (48, 96, 192, 384)
-NC_TARGETS = (256, 1024, 4096)
-KC_TARGETS = (128, 256, 512)
+# mc up to the whole of M: with "ic,pc,jc" and "ir,jr" (BLIS's own mapping, A's micro-panel in L1
+# against B's block in L2) a tall block of A is packed once per k block and B once in all
+MC_TARGETS = (48, 96, 192, 384, 1024, 4096)
+NC_TARGETS = (256, 512, 1024, 4096)
+KC_TARGETS = (128, 256, 384, 512)
 
 
 def _round(target: int, unit: int, limit: int) -> int:
@@ -38,7 +40,7 @@ def gemm_space(op: Operator, *, threads: int, isas: tuple[str, ...], unrolls=(4,
         BT, M, N, K = con.sizes
         # one thread: "ic" rather than "none" (the same speed: the loop's `omp for` on one thread),
         # so a binary tuned for one thread is the very binary a 2-thread tuning may pick (cache hit)
-        pars = ("ic",) if threads == 1 else tuple(p for p in ("ic", "jc", "jr", "batch") if p != "batch" or BT > 1)
+        pars = ("ic",) if threads == 1 else tuple(p for p in ("ic", "jc", "jr", "ir", "batch") if p != "batch" or BT > 1)
         for mr, nr in REGISTER_TILES[isa]:
             mcs = {_round(t, mr, M) for t in MC_TARGETS}
             ncs = {_round(t, nr, N) for t in NC_TARGETS}
