@@ -30,6 +30,11 @@ def test_quick_kernels_bench(tmp_path, measured_machine):
     # bound only catches a unit error (x1000), not performance
     assert 0 < h["sgemm_256_fraction_of_peak_1_thread"] < 10
     assert 0 <= h["win_fraction_vs_best_anchor"] <= 1 and h["shapes"] == len(result.rows)
+    # a GEMM row also times its schedule with the weight (B) packed once, beside MKL's packed SGEMM
+    gemm = [r for r in result.rows if r["kind"] == "gemm"]
+    assert all(r["tessera_prepacked_gflops"] > 0 for r in gemm)
+    assert all("tessera_prepacked_gflops" not in r for r in result.rows if r["kind"] == "conv")
+    assert h["prepacked_rows"] == sum(1 for r in gemm if r.get("torch_mkl_packed_gflops"))
     assert "tvm" in h or h["tvm_shapes"] >= 1  # either measured or why not stated
     assert h["geomean_vs_best_anchor"] > 0 and h["anchor_code_paths"]["torch_cpu_capability"]
     # every case timed in QUICK.rounds rounds; the headline gives each round's figures and their range

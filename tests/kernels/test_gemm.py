@@ -61,3 +61,37 @@ def test_gemm_as_a_plain_loop_nest():
               LoopSchedule(order=("m", "n", "k")), LoopSchedule(order=("m", "n", "k"), vectorize=False, unroll=4),
               LoopSchedule(order=("m.o", "n", "m.i", "k"), tiles=(("m", 4),), parallel=1)):
         assert_within_bound(run(compile_kernel(op, s), op, inputs, threads=2), op, inputs)
+
+
+@pytest.mark.parametrize("op,schedule", [
+    (ops.gemm(37, 29, 67), GemmSchedule(**SMALL)),
+    (ops.gemm(37, 29, 67), GemmSchedule(**SMALL, order="ic,pc,jc", inner="ir,jr", parallel="ir")),
+    (ops.gemm(23, 41, 19, trans_b=True), GemmSchedule(mc=16, nc=32, kc=8, mr=8, nr=8, parallel="jr")),
+    (ops.gemm(23, 41, 19, trans_a=True), GemmSchedule(mc=12, nc=48, kc=5, mr=4, nr=24, parallel="jc")),
+], ids=lambda x: x.name if hasattr(x, "axes") else x.short())
+def test_a_constant_operand_packed_once_gives_the_same_bits(op, schedule):
+    """A weight packed whole at bind (k block by k block, each block where the loops look for
+    it; tails of K, M and N included) and read packed by every call: the same sums in the same
+    order as packing it per call, so the same bits, at 1 and 2 threads, call after call."""
+    kernel, inputs = compile_kernel(op, schedule), random_inputs(op, seed=5)
+    plain = run(kernel, op, inputs, 2)
+    for index in (0, 1):
+        assert kernel.prepack_operand(index) == "AB"[index]
+        for threads in (1, 2):
+            call, out = kernel.bind(*[inputs[t.name] for t in op.inputs], threads=threads, constant=index)
+            call()
+            first = out.copy()
+            call()
+            assert np.array_equal(first, plain) and np.array_equal(out, plain)
+
+
+def test_prepacking_what_cannot_be_packed_whole_is_refused():
+    op = ops.batched_gemm(3, 11, 17, 13)
+    kernel = compile_kernel(op, GemmSchedule(**SMALL, fuse_n=False))
+    assert kernel.prepack_operand(1) is None  # a batch of weights: not one packed block
+    with pytest.raises(ValueError, match="constant=1 cannot be prepacked"):
+        kernel.bind(*random_inputs(op).values(), constant=1)
+    unpacked = compile_kernel(ops.gemm(7, 13, 5), GemmSchedule(pack_b=False))
+    assert unpacked.prepack_operand(1) is None and unpacked.prepack_operand(0) == "A"
+    with pytest.raises(ValueError, match="constant=3"):
+        unpacked.bind(*random_inputs(ops.gemm(7, 13, 5)).values(), constant=3)

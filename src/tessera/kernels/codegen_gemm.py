@@ -5,6 +5,14 @@ The generated file defines ``tk_init()`` (fills the tables; called once when loa
 ``tk_run(out, in0, in1, nthreads)``, inputs in the operator's order. All sizes are
 compile-time constants. A block packed outside the parallel loop is shared and packed by
 all threads together (one panel each, then a barrier); one packed inside it is private.
+
+For an operand that is a constant (a layer's weight) and can be packed whole (packed by the
+schedule, no batch, no zero padding), a second source (``prepacked="A"`` or ``"B"``) defines
+``tk_prepack(in, dst)``, which packs all of it once in the order the blocks are used (k block
+by k block, each a run of micro-panels: block (pc, jc) of B starts at ``pc * NP + jc * kc``),
+``tk_prepacked_floats`` its size, and ``tk_run_prepacked(out, in0, in1, packed, nthreads)``,
+the same loops reading the packed operand in place of packing it: what MKL's packed SGEMM
+and oneDNN's reordered weights do.
 """
 
 from __future__ import annotations
@@ -42,6 +50,14 @@ class _Gen:
         self.panels = -(-self.N // s.nr)
         self.pack_a = s.pack_a or None in self.a_scale
         self.pack_b = s.pack_b or not (self.b_rows and self.b_rs is not None)
+        self.prepacked: str | None = None  # "A" or "B" while the prepacked run is generated
+
+    def prepackable(self, which: str) -> bool:
+        """Can a prepacked run take operand ``which`` ("A" or "B") whole: packed by the
+        schedule, no batch, and (B) no zero padding to check."""
+        if self.BT != 1:
+            return False
+        return self.pack_a if which == "A" else (self.pack_b and not self.guards)
 
     def add(self, name: str, ctype: str, group: str, expr: Affine) -> None:
         decl, fill = _table(name, ctype, getattr(self.c, group), expr)
@@ -118,6 +134,10 @@ class _Gen:
         return f"tk_pack_a(Abt, a_m + {m0}, a_k + pc, {mc}, kc, {dst});"
 
     def pack_block(self, which: str, shared: bool) -> str:
+        if which == self.prepacked:  # the whole operand is packed already: find the block in it
+            if which == "A":
+                return f"Ap = AP + pc * {self.mp} + ic * kc;"
+            return f"Bp = BP + pc * {self.np} + jc * kc;"
         if which == "A":
             if not self.pack_a:
                 return ""
@@ -202,28 +222,33 @@ class _Gen:
                  for g, lim in enumerate(self.c.b.tensor.shape[d] for d in self.guards)]
         return " tk_guards gd; " + " ".join(parts)
 
-    def source(self, header: str) -> str:
+    @property
+    def mp(self) -> int:
+        return -(-self.M // self.s.mr) * self.s.mr
+
+    @property
+    def np(self) -> int:
+        return -(-self.N // self.s.nr) * self.s.nr
+
+    def run_function(self, prepacked: str | None) -> list[str]:
         s = self.s
-        self.tables()
+        self.prepacked = prepacked
         body = self.loops()
-        mcp, ncp = s.mc, s.nc
-        alloc = {"A": f"tk_alloc({mcp} * {s.kc})", "B": f"tk_alloc({ncp} * {s.kc})"}
-        shared = "".join(f"float *{w}s = {alloc[w]};" for w in "AB" if self.shared[w])
-        private = "".join(f"float *{w}p = {w}s;" if self.shared[w] else f"float *{w}p = {alloc[w]};" for w in "AB")
-        frees = "".join(f"free({w}p);" for w in "AB" if not self.shared[w])
-        free_shared = "".join(f"free({w}s);" for w in "AB" if self.shared[w])
+        alloc = {"A": f"tk_alloc({s.mc} * {s.kc})", "B": f"tk_alloc({s.nc} * {s.kc})"}
+        mine = [w for w in "AB" if w != prepacked]
+        shared = "".join(f"float *{w}s = {alloc[w]};" for w in mine if self.shared[w])
+        private = "".join(f"float *{w}p = {w}s;" if self.shared[w] else f"float *{w}p = {alloc[w]};" for w in mine)
+        if prepacked:
+            private += f"const float *{prepacked}p = 0;"
+        frees = "".join(f"free({w}p);" for w in mine if not self.shared[w])
+        free_shared = "".join(f"free({w}s);" for w in mine if self.shared[w])
         ins = [t.name for t in self.c.op.inputs]
         a_arg, b_arg = f"in{ins.index(self.c.a.tensor.name)}", f"in{ins.index(self.c.b.tensor.name)}"
-        return "\n".join([
-            f"/* {self.c.op.signature()}\n * schedule: {s.short()} */",
-            f"#define TK_VEC {256 if s.isa == 'avx2' else 512}",
-            f"#define TK_MR {s.mr}", f"#define TK_NR {s.nr}", f"#define TK_UNROLL {s.unroll}",
-            f"#define TK_NG {len(self.guards)}",
-            f'#include "{header}"',
-            *self.decls,
-            "void tk_init(void) {", *self.fills, "}",
-            "void tk_run(float *restrict out, const float *restrict in0, const float *restrict in1, int nthreads) {",
-            f"  const float *A = {a_arg}, *B = {b_arg}; float *C = out;",
+        name, extra = ("tk_run_prepacked", f" const float *restrict {prepacked}P,") if prepacked else ("tk_run", "")
+        self.prepacked = None
+        return [
+            f"void {name}(float *restrict out, const float *restrict in0, const float *restrict in1,{extra} int nthreads) {{",
+            f"  const float *A = {a_arg}, *B = {b_arg}; float *C = out; (void)A; (void)B;",
             "  nthreads = 1;" if s.parallel == "none" else "",
             f"  {shared}",
             "#pragma omp parallel num_threads(nthreads)",
@@ -234,12 +259,54 @@ class _Gen:
             "  }",
             f"  {free_shared}",
             "}",
+        ]
+
+    def prepack_functions(self, which: str) -> list[str]:
+        """``tk_prepack`` (the whole operand, k block by k block) and its size."""
+        s = self.s
+        ins = [t.name for t in self.c.op.inputs]
+        acc = self.c.a if which == "A" else self.c.b
+        arg = f"in{ins.index(acc.tensor.name)}"
+        rows = self.mp if which == "A" else self.np
+        pack = (self.pack_a_call("0", str(self.M), "dst + pc * " + str(rows)) if which == "A"
+                else self.pack_b_call("0", str(self.N), "dst + pc * " + str(rows)))
+        return [
+            f"const long tk_prepacked_floats = {rows}L * {self.K};",
+            f"const int tk_prepacked_input = {ins.index(acc.tensor.name)};",
+            f"void tk_prepack(const float *restrict {arg}, float *restrict dst) {{",
+            f"  const float *{'Abt' if which == 'A' else 'Bbt'} = {arg} + {'a' if which == 'A' else 'b'}_bt[0];",
+            "  tk_guards gd = {{0}, {0}, {0}, {0}}; (void)gd;",
+            f"  for (long pc = 0; pc < {self.K}; pc += {s.kc}) {{ long kc = tk_min({s.kc}, {self.K} - pc); {pack} }}",
+            "}",
+        ]
+
+    def source(self, header: str, prepacked: str | None = None) -> str:
+        s = self.s
+        self.tables()
+        if prepacked is not None and not self.prepackable(prepacked):
+            raise ValueError(f"{self.c.op.name}: operand {prepacked} cannot be prepacked under {s.short()} "
+                             "(it must be packed by the schedule, with no batch loop and, for B, no zero padding)")
+        run = [*self.prepack_functions(prepacked), *self.run_function(prepacked)] if prepacked else self.run_function(None)
+        return "\n".join([
+            f"/* {self.c.op.signature()}\n * schedule: {s.short()}" + (f", {prepacked} prepacked" if prepacked else "") + " */",
+            f"#define TK_VEC {256 if s.isa == 'avx2' else 512}",
+            f"#define TK_MR {s.mr}", f"#define TK_NR {s.nr}", f"#define TK_UNROLL {s.unroll}",
+            f"#define TK_NG {len(self.guards)}",
+            f'#include "{header}"',
+            *self.decls,
+            "void tk_init(void) {", *self.fills, "}",
+            *run,
         ]) + "\n"
 
 
-def generate_gemm(op, schedule: GemmSchedule, header: str = "tessera_primitives.h") -> str:
-    """C source of ``op`` (a contraction) under ``schedule``."""
-    return _Gen(analyse(op, fuse_n=schedule.fuse_n), schedule).source(header)
+def generate_gemm(op, schedule: GemmSchedule, header: str = "tessera_primitives.h", prepacked: str | None = None) -> str:
+    """C source of ``op`` (a contraction) under ``schedule``; with ``prepacked`` ("A" or "B"),
+    the source of the run that reads that operand packed whole by ``tk_prepack``."""
+    return _Gen(analyse(op, fuse_n=schedule.fuse_n), schedule).source(header, prepacked)
+
+
+def prepackable(op, schedule: GemmSchedule, which: str) -> bool:
+    return _Gen(analyse(op, fuse_n=schedule.fuse_n), schedule).prepackable(which)
 
 
 def effective_packing(op, schedule: GemmSchedule) -> tuple[bool, bool]:

@@ -4,14 +4,16 @@ ctypes, and call it on numpy arrays or torch tensors with their shapes and dtype
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from tessera.kernels.codegen_gemm import generate_gemm
+from tessera.kernels.codegen_gemm import generate_gemm, prepackable
 from tessera.kernels.codegen_loops import generate_loops
 from tessera.kernels.compiler import Compiled, compile_source, load
+from tessera.kernels.contraction import analyse
 from tessera.kernels.direct import generate_direct
 from tessera.kernels.ir import Operator, Tensor
 from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule, Schedule, WinogradSchedule
@@ -77,11 +79,15 @@ class Kernel:
         call()
         return out
 
-    def bind(self, *inputs, out=None, threads: int = 1):
+    def bind(self, *inputs, out=None, threads: int = 1, constant: int | None = None):
         """(a call with no arguments that runs the kernel on ``inputs`` into ``out``, ``out``):
         the checks, the output's allocation and the pointer conversions done once, here, as a
         BLAS library's prepared call has them (timing loops use it: a matrix-vector product's
-        whole run is a few times the cost of the checks)."""
+        whole run is a few times the cost of the checks). ``constant``: the index of an input
+        whose values will not change between calls (a weight), packed once here and read packed
+        by every call (GEMM schedules that pack that operand; see ``prepack_operand``)."""
+        if constant is not None:
+            return self._bind_prepacked(inputs, out, threads, constant)
         specs = self.op.inputs
         if len(inputs) != len(specs):
             raise ValueError(f"{self.op.name} takes {len(specs)} inputs ({', '.join(t.name for t in specs)}), got {len(inputs)}")
@@ -105,6 +111,34 @@ class Kernel:
 
         return call, out
 
+    def prepack_operand(self, index: int) -> str | None:
+        """"A" or "B" when input ``index`` can be packed once and read packed, else None."""
+        if not isinstance(self.schedule, GemmSchedule) or index not in range(len(self.op.inputs)):
+            return None
+        con = analyse(self.op, fuse_n=self.schedule.fuse_n)
+        which = {con.a.tensor.name: "A", con.b.tensor.name: "B"}.get(self.op.inputs[index].name)
+        return which if which and prepackable(self.op, self.schedule, which) else None
+
+    def _bind_prepacked(self, inputs, out, threads: int, index: int):
+        which = self.prepack_operand(index) if isinstance(index, int) else None
+        if which is None:
+            raise ValueError(f"{self.op.name}: constant={index!r} cannot be prepacked under {self.schedule.short()}; "
+                             "it must name an input the GEMM schedule packs (no batch loop, no zero padding)")
+        lib = _prepacked_lib(self.op, self.schedule, which)
+        _, out = self.bind(*inputs, out=out, threads=threads)  # the checks and the output
+        ptrs = [_pointer(x, t, "input", self.op.name) for x, t in zip(inputs, self.op.inputs, strict=True)]
+        floats = ctypes.c_long.in_dll(lib, "tk_prepacked_floats").value
+        packed = np.empty(floats, dtype=np.float32)
+        lib.tk_prepack(ctypes.c_void_p(ptrs[index]), ctypes.c_void_p(packed.ctypes.data))
+        args = [ctypes.c_void_p(_pointer(out, self.op.output.tensor, "output", self.op.name)),
+                *[ctypes.c_void_p(p) for p in ptrs], ctypes.c_void_p(packed.ctypes.data), ctypes.c_int(threads)]
+        fn = lib.tk_run_prepacked
+
+        def call(_alive=(out, inputs, packed, lib)):
+            fn(*args)
+
+        return call, out
+
     def time(self, *inputs, threads: int = 1, repeats: int = 5, warmup: int = 1) -> list[float]:
         """Seconds per call, ``repeats`` of them (after ``warmup`` untimed calls), of the bound
         call (``bind``)."""
@@ -117,6 +151,14 @@ class Kernel:
             call()
             times.append(time.perf_counter() - began)
         return times
+
+
+@functools.lru_cache(maxsize=64)
+def _prepacked_lib(op: Operator, schedule: GemmSchedule, which: str) -> ctypes.CDLL:
+    source = generate_gemm(op, schedule, prepacked=which)
+    lib = load(compile_source(source, isa=schedule.isa, name=f"{op.name}_prepacked"))
+    lib.tk_prepack.restype = lib.tk_run_prepacked.restype = None
+    return lib
 
 
 def compile_kernel(op: Operator, schedule: Schedule) -> Kernel:
