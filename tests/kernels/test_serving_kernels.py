@@ -57,6 +57,21 @@ def test_dense_refuses_bad_inputs_by_name():
         dense_kernel(0, 16)
 
 
+def test_dense_tuning_ranks_only_the_dense_loops(monkeypatch):
+    """The dense kernel runs one loop structure (blocks of X's rows, k blocks, all of W's panels,
+    each held across the rows; threads over W's panels) and takes only the tile, mc and kc
+    from a schedule, so its model pick is one of that structure (the GEMM space also holds
+    BLIS's other mapping, which it does not run)."""
+    from tessera.kernels import dense
+
+    monkeypatch.setattr(dense, "saved_choice", lambda *a: None)
+    monkeypatch.setattr(dense, "save_choice", lambda *a: None)
+    for threads in (1, 2):
+        s = dense_kernel(768, 768, threads=threads, m_hint=2048).schedule
+        assert (s.order, s.inner, s.nc >= 768) == ("ic,pc,jc", "jr,ir", True)
+        assert threads == 1 or s.parallel == "jr"
+
+
 def _segments(lengths):
     offsets = [0]
     for n in lengths:

@@ -186,7 +186,7 @@ def dense_kernel(
     trials = [
         t
         for t in rank(ops.gemm(m_hint, n, k, trans_b=True), threads=threads, machine=machine)
-        if isinstance(t.schedule, GemmSchedule)
+        if _dense_loops(t.schedule, n, threads)
     ]
     if mode == "model":
         best = trials[0].schedule
@@ -198,6 +198,15 @@ def dense_kernel(
         best = min(timed, key=lambda p: p[0])[1]
     save_choice(key, threads, machine, best, mode)
     return _build(n, k, best)
+
+
+def _dense_loops(s, n: int, threads: int) -> bool:
+    """Is ``s`` a schedule of the dense kernel's own loops (blocks of rows of X, k blocks, all of
+    W's panels with its micro-panel held across the rows: ic,pc,jc | jr,ir, nc = N, threads
+    over W's panels)? It takes only the tile and mc, kc from a schedule, so the model ranks
+    the ones whose loops it runs."""
+    return (isinstance(s, GemmSchedule) and s.order == "ic,pc,jc" and s.inner == "jr,ir" and s.nc >= n
+            and (threads == 1 or s.parallel == "jr"))
 
 
 def reference(
