@@ -185,8 +185,8 @@ def predict_gemm(op: Operator, s: GemmSchedule, m: Machine, threads: int) -> flo
     else:  # strided broadcasts: more address registers, some spills; rows may alias in cache
         rows = con.scaled_flat(con.part(con.a, "m"), "m")
         t_compute *= (1.0 + 0.1 * (mr > 4)) * _aliasing(rows, mr)
-    if pack_b:
-        elems = BT * np_ * K * b_times
+    if pack_b:  # under a parallel ir loop each thread packs all of B's block (codegen_gemm)
+        elems = BT * np_ * K * b_times * (threads if par == "ir" else 1)
         t_pack += elems * PACK_CYCLES[b_kind] * cycle + 4 * elems / _bw(m, b_src, t_eff)
     else:  # the micro-panel's kc rows come from the matrix itself, a row stride apart
         t_compute *= 1.1 * _aliasing(con.scaled_flat(con.part(con.b, "k"), "k"), kc)
