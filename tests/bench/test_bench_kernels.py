@@ -35,6 +35,10 @@ def test_quick_kernels_bench(tmp_path, measured_machine):
     assert all(r["tessera_prepacked_gflops"] > 0 for r in gemm)
     assert all("tessera_prepacked_gflops" not in r for r in result.rows if r["kind"] == "conv")
     assert h["prepacked_rows"] == sum(1 for r in gemm if r.get("torch_mkl_packed_gflops"))
+    # each side's faster of packing per call and packing once: Tessera's figure can only rise
+    assert h["win_fraction_either_side_prepacked"] >= h["win_fraction_vs_best_anchor"]
+    assert h["geomean_either_side_prepacked"] >= h["geomean_vs_best_anchor"]
+    assert len(h["geomean_either_side_prepacked_rounds"]) == QUICK.rounds
     assert "tvm" in h or h["tvm_shapes"] >= 1  # either measured or why not stated
     assert h["geomean_vs_best_anchor"] > 0 and h["anchor_code_paths"]["torch_cpu_capability"]
     # every case timed in QUICK.rounds rounds; the headline gives each round's figures and their range
