@@ -16,10 +16,11 @@ from tessera.kernels.model import _facts
 from tessera.kernels.schedule import REGISTER_TILES, GemmSchedule, LoopSchedule, Schedule
 
 # mc up to the whole of M: with "ic,pc,jc" and "ir,jr" (BLIS's own mapping, A's micro-panel in L1
-# against B's block in L2) a tall block of A is packed once per k block and B once in all
+# against B's block in L2) a tall block of A is packed once per k block and B once in all;
+# kc up to 1024: a K of 768 or 3072 in one or three blocks, C read and written that often
 MC_TARGETS = (48, 96, 192, 384, 1024, 4096)
 NC_TARGETS = (256, 512, 1024, 4096)
-KC_TARGETS = (128, 256, 384, 512)
+KC_TARGETS = (128, 256, 384, 512, 768, 1024)
 
 
 def _round(target: int, unit: int, limit: int) -> int:
