@@ -95,6 +95,11 @@ def test_model_charges_streams_from_a_shared_level_and_the_space_has_blis_mappin
     assert predict(op, half_mc, slow) > predict(op, b_in_l3, slow)
     space = schedule_space(op, threads=2, isas=("avx2",))
     assert any(s.kind == "gemm" and s.mc >= 2000 and s.order == "ic,pc,jc" and s.parallel == "ir" for s in space)
+    # B's block re-read from L2 per micro-panel of A may take half of it, not three quarters: a
+    # 768 x 512 block (1.5 MiB of 2) is charged as read from L3 (on that VM 2048^3 ran at 194-208
+    # GFLOP/s so against 216-220 with a 512-deep block of 1 MiB)
+    deep = dataclasses.replace(tall_a, kc=768)
+    assert predict(op, deep, slow) > predict(op, tall_a, slow)
 
 
 def test_parallel_balance_counts_the_work_of_uneven_blocks():

@@ -47,6 +47,7 @@ from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule,
 FMA_PIPES, FMA_LATENCY, LOADS_PER_CYCLE = 2, 4, 2
 CALL_SECONDS = 4e-6  # entering the kernel and its OpenMP region
 EXPOSED = 0.5  # the share of a stream from L3 or memory that overlap does not hide
+REREAD_L2_SHARE = 0.5  # of L2 for a block re-read from it while A, B and C stream through it
 PACK_CYCLES = {"rows": 0.3, "run": 0.6, "table": 3.0, "a": 1.0}  # per packed element
 
 
@@ -56,9 +57,9 @@ def _cycle(m: Machine, isa: str) -> float:
     return FMA_PIPES * vl * 2 / m.peak(1, isa)
 
 
-def _level(m: Machine, nbytes: float, threads: int = 1) -> str:
-    for level in ("L1", "L2"):
-        if nbytes <= 0.75 * m.cache_bytes[level]:
+def _level(m: Machine, nbytes: float, threads: int = 1, l2_share: float = 0.75) -> str:
+    for level, share in (("L1", 0.75), ("L2", l2_share)):
+        if nbytes <= share * m.cache_bytes[level]:
             return level
     return "L3" if nbytes * threads <= 0.75 * m.cache_bytes["L3"] else "DRAM"
 
@@ -166,7 +167,7 @@ def predict_gemm(op: Operator, s: GemmSchedule, m: Machine, threads: int) -> flo
     # re-read per 480 columns of B, a third of the bytes, at 0.85)
     t_fast, t_slow = 0.0, 0.0
     for nbytes, block, sharers in streams:
-        level = _level(m, block, sharers)
+        level = _level(m, block, sharers, l2_share=REREAD_L2_SHARE)
         t = nbytes / speed / _bw(m, level, t_eff)
         if level in ("L1", "L2"):
             t_fast = max(t_fast, t)
