@@ -102,6 +102,31 @@ def test_model_charges_streams_from_a_shared_level_and_the_space_has_blis_mappin
     assert predict(op, deep, slow) > predict(op, tall_a, slow)
 
 
+def test_a_weight_read_in_place_is_read_once_per_thread_that_walks_it(machine):
+    """A convolution with few output positions (512 -> 512 channels, 3x3, on a 7x7 plane: 49
+    columns, a 9.4 MiB weight) streams its weight from memory. Read in place, the weight is
+    read once under a parallel loop over its own rows (each thread half of it) and once by
+    every thread under a parallel loop over the columns' panels; the model counts that first
+    read (it counted none, ranked the two alike, and the one over the panels ran at 196
+    GFLOP/s against 263 on the Intel VM). The space also holds one row block a thread (512
+    rows in blocks of 258 with 6-row panels), which OpenMP's static split shares evenly."""
+    import dataclasses
+
+    gbs = {"L1": 300e9, "L2": 150e9, "L3": 15e9, "DRAM": 12e9}  # fixed, not this machine's
+    slow = dataclasses.replace(machine, cache_bytes={"L1": 48 << 10, "L2": 2 << 20, "L3": 480 << 20},
+                               read_bw={lv: {t: bw * t for t in (1, 2)} for lv, bw in gbs.items()},
+                               ukernel_flops={})
+    op = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=512, out_channels=512, height=7, width=7, kernel=(3, 3), padding=(1, 1)))
+    over_panels = GemmSchedule(isa="avx2", mr=6, nr=16, mc=258, nc=64, kc=1024, pack_a=False, parallel="jr")
+    over_rows = dataclasses.replace(over_panels, parallel="ic")
+    assert predict(op, over_rows, slow, threads=2) < predict(op, over_panels, slow, threads=2)
+    # one thread: the same read either way, so the loop chosen for two threads is what differs
+    assert predict(op, over_rows, slow, threads=1) == pytest.approx(predict(op, over_panels, slow, threads=1))
+    mcs = {s.mc for s in schedule_space(ops.gemm(512, 49, 4608), threads=2, isas=("avx2",))
+           if s.kind == "gemm" and s.mr == 6}
+    assert 258 in mcs  # 43 micro-panels of 6 rows a thread
+
+
 def test_parallel_balance_counts_the_work_of_uneven_blocks():
     """A parallel loop's speed-up is the work of the busiest thread under OpenMP's static split,
     not the count of blocks: the last block is what is left of the extent."""

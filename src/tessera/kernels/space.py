@@ -44,6 +44,8 @@ def gemm_space(op: Operator, *, threads: int, isas: tuple[str, ...], unrolls=(4,
         pars = ("ic",) if threads == 1 else tuple(p for p in ("ic", "jc", "jr", "ir", "batch") if p != "batch" or BT > 1)
         for mr, nr in REGISTER_TILES[isa]:
             mcs = {_round(t, mr, M) for t in MC_TARGETS}
+            if threads > 1:  # one block of A's rows a thread (OpenMP's static split then even)
+                mcs |= {-(-M // (threads * mr)) * mr}
             ncs = {_round(t, nr, N) for t in NC_TARGETS}
             kcs = {min(t, K) for t in KC_TARGETS}
             for mc, nc, kc, order, inner, pa, pb, par, un in itertools.product(
