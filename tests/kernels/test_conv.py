@@ -61,6 +61,27 @@ def test_stride_two_runs_packed_with_vectors(s):
     np.testing.assert_allclose(wide, plain, rtol=1e-4, atol=1e-5)  # both within the bound of the same sum
 
 
+# output rows of 7, 20 and 13 columns: a 32-column panel spans several rows, so B's packing
+# copies short runs, each cut by the zero padding at the row's ends (on AVX-512 a run's last
+# part, or a whole run under 16 or 17 columns, is one masked move; strides 1 and 2)
+SHORT_RUNS = [
+    ops.Conv2dShape(batch=1, in_channels=3, out_channels=5, height=7, width=7, kernel=(3, 3), padding=(1, 1)),
+    ops.Conv2dShape(batch=2, in_channels=2, out_channels=3, height=4, width=20, kernel=(3, 3), padding=(1, 1)),
+    ops.Conv2dShape(batch=1, in_channels=3, out_channels=4, height=9, width=26, kernel=(3, 3), stride=(2, 2),
+                    padding=(1, 1)),
+    ops.Conv2dShape(batch=1, in_channels=2, out_channels=3, height=8, width=14, kernel=(5, 5), stride=(2, 2),
+                    padding=(2, 2)),
+]
+
+
+@pytest.mark.parametrize("s", SHORT_RUNS, ids=lambda s: s.label())
+def test_short_runs_packed_with_masks(s):
+    op = ops.conv2d(s)
+    isa = "avx512" if "avx512" in cpu_isas() else "avx2"
+    for kc in (5, 64):  # a k block that cuts the taps, and all of K
+        _check(op, GemmSchedule(isa=isa, mr=4, nr=32, mc=8, nc=64, kc=kc, parallel="jr"))
+
+
 def test_conv_batch_loop_and_other_orders():
     op = ops.conv2d(SHAPES[0])
     _check(op, GemmSchedule(mc=6, nc=16, kc=5, fuse_n=False, parallel="batch", order="ic,pc,jc"))

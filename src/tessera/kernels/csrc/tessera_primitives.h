@@ -150,12 +150,29 @@ typedef struct {
 TK_INLINE void tk_copy_run(float *restrict d, const float *restrict s, long n) {
     long i = 0;
     for (; i + TK_VL <= n; i += TK_VL) tk_store(d + i, tk_load(s + i));
+#if TK_VEC == 512
+    if (i < n) {  /* the rest in one masked move: only s[i..n) is read */
+        __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(d + i, k, _mm512_maskz_loadu_ps(k, s + i));
+    }
+#else
     for (; i < n; ++i) d[i] = s[i];
+#endif
 }
 
 /* ceil(a / c) and floor(a / c) for c > 0 and any sign of a (C division truncates). */
-TK_INLINE long tk_ceil_div(long a, long c) { return a >= 0 ? (a + c - 1) / c : -((-a) / c); }
-TK_INLINE long tk_floor_div(long a, long c) { return a >= 0 ? a / c : -((-a + c - 1) / c); }
+/* A stride of 1 or 2 (nearly every convolution) takes no division: GCC's >> on a negative
+ * long is arithmetic, so a >> 1 is floor(a / 2). */
+TK_INLINE long tk_ceil_div(long a, long c) {
+    if (c == 1) return a;
+    if (c == 2) return -((-a) >> 1);
+    return a >= 0 ? (a + c - 1) / c : -((-a) / c);
+}
+TK_INLINE long tk_floor_div(long a, long c) {
+    if (c == 1) return a;
+    if (c == 2) return a >> 1;
+    return a >= 0 ? a / c : -((-a + c - 1) / c);
+}
 
 /* Pack a kc x nc block of B addressed by tables (columns noff[n0..n0+nc), rows koff[0..kc)).
  * pstep[p] is the constant offset step of NR-panel p of the whole N range, or 0 when the
