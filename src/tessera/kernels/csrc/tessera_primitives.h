@@ -160,9 +160,9 @@ TK_INLINE void tk_copy_run(float *restrict d, const float *restrict s, long n) {
 #endif
 }
 
-/* ceil(a / c) and floor(a / c) for c > 0 and any sign of a (C division truncates). */
-/* A stride of 1 or 2 (nearly every convolution) takes no division: GCC's >> on a negative
- * long is arithmetic, so a >> 1 is floor(a / 2). */
+/* ceil(a / c) and floor(a / c) for c > 0 and any sign of a (C division truncates). A stride
+ * of 1 or 2 (nearly every convolution) takes no division: GCC's >> on a negative long is
+ * arithmetic, so a >> 1 is floor(a / 2). */
 TK_INLINE long tk_ceil_div(long a, long c) {
     if (c == 1) return a;
     if (c == 2) return -((-a) >> 1);

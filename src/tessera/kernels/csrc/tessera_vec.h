@@ -74,7 +74,7 @@ TK_INLINE void tk_copy_run2(float *restrict d, const float *restrict s, long n) 
     long i = 0;
 #if TK_VEC == 512
     for (; i + 17 <= n; i += 16) _mm512_storeu_ps(d + i, tk_evens(_mm512_loadu_ps(s + 2 * i), _mm512_loadu_ps(s + 2 * i + 16)));
-    if (i < n && n - i <= 16) {  /* the rest (a convolution's output row, often 7-28 wide): masked, only s[2i..2n-2] read */
+    if (i < n) {  /* the rest, 1-16 (a convolution's output row, often 7-28 wide): masked, only s[2i..2n-2] read */
         long m = 2 * (n - i) - 1;  /* source elements, 1..31 */
         __mmask16 lo = (__mmask16)(m >= 16 ? 0xFFFFu : (1u << m) - 1u);
         __mmask16 hi = (__mmask16)(m > 16 ? (1u << (m - 16)) - 1u : 0u);
