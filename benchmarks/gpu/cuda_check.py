@@ -1,6 +1,6 @@
 """One prepared run for a lent GPU: every Tessera path on CUDA over NCCL, checked against
-its single-device reference (DiT methods, ZeRO stages with and without overlap, DAP,
-AutoChunk, diffusers pipelines, a tiny Wan 2.1 video pipeline incl. tensor parallel), plus
+its single-device reference (DiT methods, ZeRO stages with and without overlap, ZeRO-3
+offloaded to the device, host and disk tiers, a tiny Mixtral's experts, DAP, AutoChunk, diffusers pipelines, a tiny Wan 2.1 video pipeline incl. tensor parallel), plus
 PixArt-size timings.
 
 At world size 1 the process group is NCCL with one rank: `runtime.comm` checks every
@@ -14,6 +14,7 @@ check records its result or its error and the run goes on.
 """
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -81,11 +82,17 @@ def dit_methods(layouts: dict[str, ParallelConfig]) -> dict:
 
 
 def boost_paths(plans: dict) -> dict:
+    """Each plan (``name: (model, Plan's settings)``) trains 2 AdamW steps through ``tessera.boost`` and
+    is compared with plain torch on this device: the tiny GPT-2, or the tiny Mixtral (8
+    experts, top-2) for the expert paths; ZeRO-3 with offload puts chunks on the device tier
+    (CUDA), the host tier (pinned) and a disk tier."""
     from tiny_lm import tiny_gpt2
+    from tiny_moe import tiny_moe
 
     import tessera
     from tessera.train.export import full_state_dict
 
+    builders = {"gpt2": tiny_gpt2, "mixtral": lambda: tiny_moe("mixtral")}
     out = {}
     # on the CPU, as the recipes build their batches: train_step moves each rank's share to the
     # mesh's device (a CPU batch handed to a CUDA model would crash)
@@ -95,8 +102,8 @@ def boost_paths(plans: dict) -> dict:
         logits = model(input_ids=batch).logits
         return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
 
-    def reference(precision: str) -> dict:  # plain torch on this device, autocast as the plan says
-        model = tiny_gpt2().to(device())
+    def reference(family: str, precision: str) -> dict:  # plain torch on this device, autocast as the plan says
+        model = builders[family]().to(device())
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         for _ in range(2):
             opt.zero_grad()
@@ -106,16 +113,18 @@ def boost_paths(plans: dict) -> dict:
             opt.step()
         return model.state_dict()
 
-    references = {precision: reference(precision) for precision in {p.precision for p in plans.values()}}
-    for name, plan in plans.items():
+    wanted = {(family, settings.get("precision", "fp32")) for family, settings in plans.values()}
+    references = {key: reference(*key) for key in wanted}
+    for name, (family, settings) in plans.items():
 
-        def run(plan=plan):
-            model = tiny_gpt2()
+        def run(family=family, settings=settings):
+            plan = tessera.Plan(**settings)  # a refused plan is this check's error, not the group's
+            model = builders[family]()
             model, optimizer = tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan)
             for _ in range(2):
                 stats = optimizer.train_step(tokens, loss_fn)
             full = full_state_dict(model, optimizer)  # whole, in the model class's layout
-            want = references[plan.precision]
+            want = references[family, plan.precision]
             return {
                 "loss": float(stats["loss"]),
                 "max_rel_param": max(rel(full[n].to(want[n].device), want[n]) for n in full if n in want),
@@ -229,19 +238,28 @@ def video_path(configs: dict[str, ParallelConfig]) -> dict:
     pipe = load_pipeline(folder).to(device())
     pipe.set_progress_bar_config(disable=True)
     video = dict(prompt="a red cat", guidance_scale=5.0, height=32, width=16, num_frames=5)
-    own = pipe(
-        **video, num_inference_steps=2, generator=torch.Generator().manual_seed(3), output_type="pt"
-    ).frames[0]
 
-    def run(config):
+    def own():
+        return pipe(
+            **video, num_inference_steps=2, generator=torch.Generator().manual_seed(3), output_type="pt"
+        ).frames[0]
+
+    def run(config, reference):
         frames = generate(pipe, **video, num_steps=2, seed=3, config=config, output_type="pt")
-        return None if frames is None else rel(frames, own)
+        return None if frames is None else rel(frames, reference)
 
-    return {name: guarded(run, config) for name, config in configs.items()}
+    out = {name: guarded(run, config, own()) for name, config in configs.items()}
+    if CUDA:  # cuDNN's convolutions default to TF32 (10-bit mantissa): the same runs in full fp32
+        torch.backends.cudnn.allow_tf32 = False
+        try:
+            reference = own()
+            out |= {f"{name}_cudnn_fp32": guarded(run, config, reference) for name, config in configs.items()}
+        finally:
+            torch.backends.cudnn.allow_tf32 = True
+    return out
 
 
 def group_checks(world: int) -> dict:
-    import tessera
 
     if world == 1:
         dit = {
@@ -249,9 +267,24 @@ def group_checks(world: int) -> dict:
             "patches4_warmup_all": ParallelConfig(num_patches=4, warmup_steps=4),
             "patches4_warmup1 (stale: not 0)": ParallelConfig(num_patches=4, warmup_steps=1),
         }
-        plans = {f"zero{z}": tessera.Plan(zero=z) for z in range(4)} | {
-            "zero3_bf16": tessera.Plan(zero=3, precision="bf16"),
-            "zero3_prefetch0": tessera.Plan(zero=3, prefetch=0),
+        # offload: 16 KiB chunks; on CUDA the device tier holds ~7 of them, the rest go to pinned
+        # host memory (and, with a host budget, on to disk); on the CPU the host tier is the
+        # first, and a bounded one needs the disk tier behind it
+        folder = f"/tmp/tessera-cuda-check-offload-{os.getpid()}"
+        tier = dict(device_memory=120_000) if CUDA else dict(host_memory=120_000, offload_dir=folder)
+        offload = dict(zero=3, chunk_mib=0.016, offload="auto", **tier)
+        plans = {f"zero{z}": ("gpt2", dict(zero=z)) for z in range(4)} | {
+            "zero3_bf16": ("gpt2", dict(zero=3, precision="bf16")),
+            "zero3_prefetch0": ("gpt2", dict(zero=3, prefetch=0)),
+            "zero3_offload_auto": ("gpt2", offload),
+            "zero3_offload_static": ("gpt2", offload | dict(offload="static")),
+            "zero3_offload_disk": (
+                "gpt2",
+                offload | dict(host_memory=120_000, offload_dir=folder),
+            ),
+            "moe_zero0": ("mixtral", dict()),
+            "moe_zero3": ("mixtral", dict(zero=3)),
+            "moe_zero3_bf16": ("mixtral", dict(zero=3, precision="bf16")),
         }
         pipeline_layout = ParallelConfig(num_patches=2, warmup_steps=2)
         video = {"serial": ParallelConfig()}
@@ -264,10 +297,12 @@ def group_checks(world: int) -> dict:
             "tp2": ParallelConfig(tp_degree=2),
             "cfg2": ParallelConfig(cfg_parallel=True),
         }
-        plans = {f"dp2_zero{z}": tessera.Plan(dp=2, zero=z) for z in range(4)} | {
-            "tp2": tessera.Plan(tp=2),
-            "dp2_zero3_prefetch0": tessera.Plan(dp=2, zero=3, prefetch=0),
-            "dp2_zero3_prefetch2": tessera.Plan(dp=2, zero=3, prefetch=2),
+        plans = {f"dp2_zero{z}": ("gpt2", dict(dp=2, zero=z)) for z in range(4)} | {
+            "tp2": ("gpt2", dict(tp=2)),
+            "dp2_zero3_prefetch0": ("gpt2", dict(dp=2, zero=3, prefetch=0)),
+            "dp2_zero3_prefetch2": ("gpt2", dict(dp=2, zero=3, prefetch=2)),
+            "ep2_zero1": ("mixtral", dict(dp=2, ep=2, zero=1)),
+            "ep2_zero3": ("mixtral", dict(dp=2, ep=2, zero=3)),
         }
         pipeline_layout = ParallelConfig(pipefusion_degree=2, num_patches=2, warmup_steps=2)
         video = {

@@ -10,6 +10,7 @@ from tiny_pipelines import build_flux_pipeline, build_pixart_pipeline, build_sd3
 
 from tessera import cli
 from tessera.diffusion.layout import ParallelConfig
+from tessera.diffusion.pipeline_families import FAMILIES as FAMILY_ADAPTERS
 from tessera.diffusion.pipelines import generate, load_pipeline
 from tessera.runtime import spawn
 
@@ -133,3 +134,23 @@ def test_unsupported_pipeline_is_named(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableCascadePipeline"}))
     with pytest.raises(ValueError, match="pipeline StableCascadePipeline is not supported yet"):
         load_pipeline(tmp_path)
+
+
+@pytest.mark.parametrize("pipeline_family", FAMILY_ADAPTERS, ids=lambda f: type(f).__name__)
+def test_prompts_are_encoded_where_the_pipeline_executes(pipeline_family):
+    """Each family asks the pipeline's ``encode_prompt`` for its execution device (its text
+    encoders' device), as the pipeline's own ``__call__`` does: PixArt and SD3 move the token
+    ids to the device they are given, so the CPU given while the encoders sat on a GPU failed
+    there (found by benchmarks/gpu/cuda_check.py). ``meta`` stands in for a second device."""
+    seen = []
+    outputs = {"FluxFamily": 3, "WanFamily": 2}.get(type(pipeline_family).__name__, 4)  # encode_prompt's tuple
+
+    class Pipe:
+        _execution_device = torch.device("meta")
+
+        def encode_prompt(self, *args, device=None, **kwargs):
+            seen.append(device)
+            return (torch.zeros(1, 2),) * outputs
+
+    pipeline_family.encode(Pipe(), "a red cat", "", cfg=True)
+    assert seen == [torch.device("meta")]

@@ -9,7 +9,12 @@ from typing import Any
 import numpy as np
 import torch
 
-CPU = torch.device("cpu")
+
+def _text_device(pipe) -> torch.device:
+    """Where the pipeline's own ``__call__`` encodes prompts: its execution device (the text
+    encoders' device; PixArt and SD3 move the token ids there themselves, so a device other
+    than the encoders' fails on a GPU)."""
+    return pipe._execution_device
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -47,7 +52,7 @@ class PixArtFamily:
             prompt,
             do_classifier_free_guidance=cfg,
             negative_prompt=negative_prompt,
-            device=CPU,
+            device=_text_device(pipe),
             clean_caption=False,
         )
         out = {"prompt_embeds": embeds, "prompt_attention_mask": mask}
@@ -105,7 +110,7 @@ class SD3Family(PixArtFamily):
             prompt=prompt,
             prompt_2=None,
             prompt_3=None,
-            device=CPU,
+            device=_text_device(pipe),
             do_classifier_free_guidance=cfg,
             negative_prompt=negative_prompt,
         )
@@ -141,7 +146,7 @@ class FluxFamily(SD3Family):
         return ("prompt_embeds", "pooled_prompt_embeds")
 
     def encode(self, pipe, prompt: str, negative_prompt: str, cfg: bool) -> dict[str, torch.Tensor]:
-        embeds, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=CPU)
+        embeds, pooled, _ = pipe.encode_prompt(prompt=prompt, prompt_2=None, device=_text_device(pipe))
         return {"prompt_embeds": embeds, "pooled_prompt_embeds": pooled}
 
     def conditions(self, pipe, text: dict, cfg: bool, height: int, width: int, guidance_scale: float):
@@ -208,7 +213,7 @@ class WanFamily(PixArtFamily):
             negative_prompt=negative_prompt,
             do_classifier_free_guidance=cfg,
             max_sequence_length=self.max_sequence_length,
-            device=CPU,
+            device=_text_device(pipe),
         )
         return {"prompt_embeds": embeds} | ({"negative_prompt_embeds": neg} if cfg else {})
 
@@ -287,7 +292,7 @@ class LTXFamily(WanFamily):
             negative_prompt=negative_prompt,
             do_classifier_free_guidance=cfg,
             max_sequence_length=self.max_sequence_length,
-            device=CPU,
+            device=_text_device(pipe),
         )
         out = {"prompt_embeds": embeds, "prompt_attention_mask": mask}
         return (
