@@ -1,6 +1,6 @@
 """One prepared run for a lent GPU: every Tessera path on CUDA over NCCL, checked against
 its single-device reference (DiT methods, ZeRO stages with and without overlap, ZeRO-3
-offloaded to the device, host and disk tiers, a tiny Mixtral's experts, DAP, AutoChunk, diffusers pipelines, a tiny Wan 2.1 video pipeline incl. tensor parallel), plus
+offloaded to the device, host and disk tiers (and its speed on GPT-2 small), a tiny Mixtral's experts, DAP, AutoChunk, diffusers pipelines, a tiny Wan 2.1 video pipeline incl. tensor parallel), plus
 PixArt-size timings.
 
 At world size 1 the process group is NCCL with one rank: `runtime.comm` checks every
@@ -32,6 +32,8 @@ from tessera.models.dit import DiT, DiTConfig  # noqa: E402
 from tessera.runtime import spawn  # noqa: E402
 
 CUDA = torch.cuda.is_available()
+if os.environ.get("TESSERA_CHECK_DETERMINISTIC"):  # CUDA's atomics-based kernels off (needs CUBLAS_WORKSPACE_CONFIG)
+    torch.use_deterministic_algorithms(True)
 BACKEND = "nccl" if CUDA else "gloo"
 SMALL = DiTConfig(
     image_size=32, in_channels=4, patch_size=2, hidden_size=256, depth=6, num_heads=8, num_classes=10
@@ -357,6 +359,84 @@ def pixart_timings() -> list[dict]:
     return rows
 
 
+BATCH = tuple(int(v) for v in os.environ.get("TESSERA_CHECK_BATCH", "8,512").split(","))
+
+
+def offload_plans() -> dict[str, dict]:
+    """ZeRO-3 in device memory, and offloaded with the device tier's budget at a fraction of
+    the model data (fp32 parameters, gradients and Adam's two moments: 16 bytes a parameter),
+    the rest in pinned host memory (on the CPU: a host budget with a disk tier behind)."""
+    chunk = dict(chunk_mib=32.0 if CUDA else 0.25)
+    if CUDA:
+        tier = {f"offload_device_{f}": dict(device_memory=f) for f in (0.5, 0.25)}
+    else:
+        tier = {"offload_host_0.5": dict(host_memory=0.5, offload_dir="/tmp/tessera-cuda-check-offload-timing")}
+    return {"zero3": dict(zero=3, **chunk)} | {
+        name: dict(zero=3, offload="auto", **chunk, **budget) for name, budget in tier.items()
+    }
+
+
+def offload_timing(name: str) -> dict:
+    """One of ``offload_plans`` in a process of its own (so no plan sees another's memory):
+    GPT-2 small's blocks (92M parameters with an 8192-token vocabulary; a tiny GPT-2 on the
+    CPU) trained with AdamW; tokens/s over 4 timed steps after 3 warm-up steps (the first of
+    offload's is its trace), the peak device memory of the timed steps and what stays
+    allocated after them, each less what the process held before the model was built."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import tessera
+
+    # GPT-2 small's blocks with an 8192-token vocabulary: every parameter fits a 32 MiB chunk
+    small = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=8192) if CUDA else dict(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=512
+    )
+    batch, seq = BATCH if CUDA else (2, 32)
+    tokens = torch.randint(0, small["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(model, batch):
+        logits = model(input_ids=batch).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
+
+    base = torch.cuda.memory_allocated() if CUDA else 0
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_positions=seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **small))
+    model_bytes = 16 * sum(p.numel() for p in model.parameters())
+    settings = dict(offload_plans()[name])
+    for key in ("device_memory", "host_memory"):  # given as fractions of the model data
+        if key in settings:
+            settings[key] = int(settings[key] * model_bytes)
+    if "offload_dir" in settings:
+        settings["offload_dir"] += f"-{os.getpid()}"
+    model, optimizer = tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-4), tessera.Plan(**settings))
+    for _ in range(3):
+        optimizer.train_step(tokens, loss_fn)
+    if CUDA:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    began = time.perf_counter()
+    for _ in range(4):
+        stats = optimizer.train_step(tokens, loss_fn)
+    if CUDA:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
+    mib = 2**20
+    return {
+        "tokens_per_s": round(4 * batch * seq / seconds, 1),
+        "peak_device_mib": round((torch.cuda.max_memory_allocated() - base) / mib, 1) if CUDA else None,
+        "allocated_after_mib": round((torch.cuda.memory_allocated() - base) / mib, 1) if CUDA else None,
+        "device_budget_mib": round(settings["device_memory"] / mib, 1) if "device_memory" in settings else None,
+        "model_data_mib": round(model_bytes / mib, 1),
+        "loss": float(stats["loss"]),
+    }
+
+
+def offload_timings() -> dict:
+    def one(name):
+        return spawn(offload_timing, 1, name, backend=BACKEND, timeout_s=300, collective_timeout_s=60)[0]
+
+    return {name: guarded(one, name) for name in offload_plans()}
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
     gpus = torch.cuda.device_count()
@@ -382,6 +462,7 @@ def main() -> None:
     else:
         report["world2"] = f"skipped: {gpus} GPU (NCCL refuses two ranks on one GPU)"
     stages.append(("pixart_timings", pixart_timings))
+    stages.append(("offload_timings", offload_timings))
     for name, fn in stages:
         began = time.perf_counter()
         report[name] = guarded(fn)
