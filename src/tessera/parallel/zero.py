@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -202,8 +203,13 @@ class ZeroEngine:
         elif not stage.states:
             for cg in self.groups:
                 cg.free()  # the packed copy is not needed: parameters keep their own storage
+        # the hook holds the engine weakly: a tensor's hooks live on autograd's C++ side,
+        # where the garbage collector cannot see the parameter -> engine -> model -> parameter
+        # cycle, so a bound method there kept every boosted model (and its device memory)
+        # alive after its last user reference was gone
+        ready = weakref.WeakMethod(self._grad_ready)
         for p in self.owner:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+            p.register_post_accumulate_grad_hook(lambda p, ready=ready: ready()(p))
 
     # ---- gradients -------------------------------------------------------------------------
     def no_sync(self):

@@ -1,0 +1,48 @@
+"""A boosted model is freed once its user drops it: nothing Tessera installs keeps it alive.
+
+A parameter's gradient hook lives on autograd's C++ side, out of the garbage collector's
+sight, so a hook bound to the engine (which holds the model, which holds the parameter)
+made a cycle the collector could not break: every model boosted in a process stayed, with
+its memory (found on a GPU, where a second boosted model's device memory counted the
+first's). The collector runs once after the references are dropped; the models are
+reachable only through cycles by then."""
+
+import gc
+import weakref
+
+import torch
+from tiny_lm import tiny_gpt2
+
+import tessera
+from tessera.runtime import spawn
+
+
+def _boost_and_drop(folder: str) -> dict:
+    tokens = torch.randint(0, 128, (8, 12), generator=torch.Generator().manual_seed(0))
+
+    def loss_fn(model, batch):
+        logits = model(input_ids=batch).logits
+        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
+
+    plans = {
+        "zero0": tessera.Plan(),
+        "zero3": tessera.Plan(zero=3, chunk_mib=0.016),
+        "zero3_offload": tessera.Plan(
+            zero=3, chunk_mib=0.016, offload="auto", host_memory=120_000, offload_dir=f"{folder}/offload"
+        ),
+    }
+    alive = {}
+    for name, plan in plans.items():
+        model = tiny_gpt2()
+        model, optimizer = tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan)
+        optimizer.train_step(tokens, loss_fn)
+        model_ref, optimizer_ref = weakref.ref(model), weakref.ref(optimizer)
+        del model, optimizer
+        gc.collect()
+        alive[name] = (model_ref() is not None, optimizer_ref() is not None)
+    return alive
+
+
+def test_a_dropped_boosted_model_is_freed(tmp_path):
+    alive = spawn(_boost_and_drop, 1, str(tmp_path), backend="gloo")[0]
+    assert alive == {name: (False, False) for name in alive}, alive
