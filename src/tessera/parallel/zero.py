@@ -208,8 +208,14 @@ class ZeroEngine:
         # cycle, so a bound method there kept every boosted model (and its device memory)
         # alive after its last user reference was gone
         ready = weakref.WeakMethod(self._grad_ready)
+
+        def hook(p: nn.Parameter) -> None:
+            method = ready()
+            if method is not None:  # a parameter that outlived its engine reduces nothing
+                method(p)
+
         for p in self.owner:
-            p.register_post_accumulate_grad_hook(lambda p, ready=ready: ready()(p))
+            p.register_post_accumulate_grad_hook(hook)
 
     # ---- gradients -------------------------------------------------------------------------
     def no_sync(self):
