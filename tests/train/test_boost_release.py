@@ -12,9 +12,11 @@ import weakref
 
 import torch
 from tiny_lm import tiny_gpt2
+from tiny_moe import tiny_moe
 
 import tessera
 from tessera.runtime import spawn
+from tessera.train.losses import causal_lm_loss
 
 
 def _boost_and_drop(folder: str) -> dict:
@@ -45,4 +47,31 @@ def _boost_and_drop(folder: str) -> dict:
 
 def test_a_dropped_boosted_model_is_freed(tmp_path):
     alive = spawn(_boost_and_drop, 1, str(tmp_path), backend="gloo")[0]
+    assert alive == {name: (False, False) for name in alive}, alive
+
+
+def _parallel_plans_dropped() -> dict:
+    """The same on 2 ranks for the plans that install hooks or wrappers of their own."""
+    tokens = torch.randint(0, 128, (8, 12), generator=torch.Generator().manual_seed(0))
+    alive = {}
+    for name, family, settings in [
+        ("tp2", "gpt2", dict(tp=2)),
+        ("sp2", "gpt2", dict(sp=2)),
+        ("pp2", "gpt2", dict(pp=2, microbatches=2)),
+        ("ep2", "mixtral", dict(dp=2, ep=2, zero=3, chunk_mib=0.01)),
+    ]:
+        model = tiny_gpt2() if family == "gpt2" else tiny_moe(family)
+        model, optimizer = tessera.boost(
+            model, torch.optim.AdamW(model.parameters(), lr=1e-3), tessera.Plan(**settings)
+        )
+        optimizer.train_step(tokens, causal_lm_loss)
+        model_ref, optimizer_ref = weakref.ref(model), weakref.ref(optimizer)
+        del model, optimizer
+        gc.collect()
+        alive[name] = (model_ref() is not None, optimizer_ref() is not None)
+    return alive
+
+
+def test_dropped_models_under_parallel_plans_are_freed():
+    alive = spawn(_parallel_plans_dropped, 2, backend="gloo")[0]
     assert alive == {name: (False, False) for name in alive}, alive
