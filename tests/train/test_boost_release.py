@@ -19,13 +19,20 @@ from tessera.runtime import spawn
 from tessera.train.losses import causal_lm_loss
 
 
-def _boost_and_drop(folder: str) -> dict:
+def _still_alive(family: str, plan) -> tuple[bool, bool]:
+    """Boost a tiny model under ``plan``, take one step, drop it and collect: whether the
+    model and the optimizer are still alive."""
     tokens = torch.randint(0, 128, (8, 12), generator=torch.Generator().manual_seed(0))
+    model = tiny_gpt2() if family == "gpt2" else tiny_moe(family)
+    model, optimizer = tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan)
+    optimizer.train_step(tokens, causal_lm_loss)
+    model_ref, optimizer_ref = weakref.ref(model), weakref.ref(optimizer)
+    del model, optimizer
+    gc.collect()
+    return model_ref() is not None, optimizer_ref() is not None
 
-    def loss_fn(model, batch):
-        logits = model(input_ids=batch).logits
-        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
 
+def _one_rank_plans_dropped(folder: str) -> dict:
     plans = {
         "zero0": tessera.Plan(),
         "zero3": tessera.Plan(zero=3, chunk_mib=0.016),
@@ -33,43 +40,23 @@ def _boost_and_drop(folder: str) -> dict:
             zero=3, chunk_mib=0.016, offload="auto", host_memory=120_000, offload_dir=f"{folder}/offload"
         ),
     }
-    alive = {}
-    for name, plan in plans.items():
-        model = tiny_gpt2()
-        model, optimizer = tessera.boost(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan)
-        optimizer.train_step(tokens, loss_fn)
-        model_ref, optimizer_ref = weakref.ref(model), weakref.ref(optimizer)
-        del model, optimizer
-        gc.collect()
-        alive[name] = (model_ref() is not None, optimizer_ref() is not None)
-    return alive
+    return {name: _still_alive("gpt2", plan) for name, plan in plans.items()}
 
 
 def test_a_dropped_boosted_model_is_freed(tmp_path):
-    alive = spawn(_boost_and_drop, 1, str(tmp_path), backend="gloo")[0]
+    alive = spawn(_one_rank_plans_dropped, 1, str(tmp_path), backend="gloo")[0]
     assert alive == {name: (False, False) for name in alive}, alive
 
 
 def _parallel_plans_dropped() -> dict:
     """The same on 2 ranks for the plans that install hooks or wrappers of their own."""
-    tokens = torch.randint(0, 128, (8, 12), generator=torch.Generator().manual_seed(0))
-    alive = {}
-    for name, family, settings in [
-        ("tp2", "gpt2", dict(tp=2)),
-        ("sp2", "gpt2", dict(sp=2)),
-        ("pp2", "gpt2", dict(pp=2, microbatches=2)),
-        ("ep2", "mixtral", dict(dp=2, ep=2, zero=3, chunk_mib=0.01)),
-    ]:
-        model = tiny_gpt2() if family == "gpt2" else tiny_moe(family)
-        model, optimizer = tessera.boost(
-            model, torch.optim.AdamW(model.parameters(), lr=1e-3), tessera.Plan(**settings)
-        )
-        optimizer.train_step(tokens, causal_lm_loss)
-        model_ref, optimizer_ref = weakref.ref(model), weakref.ref(optimizer)
-        del model, optimizer
-        gc.collect()
-        alive[name] = (model_ref() is not None, optimizer_ref() is not None)
-    return alive
+    plans = {
+        "tp2": ("gpt2", tessera.Plan(tp=2)),
+        "sp2": ("gpt2", tessera.Plan(sp=2)),
+        "pp2": ("gpt2", tessera.Plan(pp=2, microbatches=2)),
+        "ep2": ("mixtral", tessera.Plan(dp=2, ep=2, zero=3, chunk_mib=0.01)),
+    }
+    return {name: _still_alive(family, plan) for name, (family, plan) in plans.items()}
 
 
 def test_dropped_models_under_parallel_plans_are_freed():
