@@ -1,7 +1,8 @@
 """One prepared run for a lent GPU: every Tessera path on CUDA over NCCL, checked against
 its single-device reference (DiT methods, ZeRO stages with and without overlap, ZeRO-3
-offloaded to the device, host and disk tiers (and its speed on GPT-2 small), a tiny Mixtral's experts, DAP, AutoChunk, diffusers pipelines, a tiny Wan 2.1 video pipeline incl. tensor parallel), plus
-PixArt-size timings.
+offloaded to the device, host and disk tiers, a tiny Mixtral's experts, DAP, AutoChunk,
+diffusers pipelines, a tiny Wan 2.1 video pipeline incl. tensor parallel), plus PixArt-size
+timings and ZeRO-3 offload's speed and device memory on GPT-2 small's blocks.
 
 At world size 1 the process group is NCCL with one rank: `runtime.comm` checks every
 tensor handed to a collective against the mesh's device even along axes of size 1, so a
@@ -10,7 +11,10 @@ paths run on 2 ranks (NCCL refuses two ranks on one GPU).
 
 Run from the repository root:  PYTHONPATH=src python3 benchmarks/gpu/cuda_check.py OUT_DIR
 Writes OUT_DIR/cuda_check.json and prints it. Runs on CPU too (gloo; a smoke test). Each
-check records its result or its error and the run goes on.
+check records its result or its error and the run goes on. TESSERA_CHECK_BATCH=B,S sets the
+offload timing's batch (default 8,512); TESSERA_CHECK_DETERMINISTIC=1 (with
+CUBLAS_WORKSPACE_CONFIG=:4096:8) turns on torch's deterministic algorithms, so runs that differ
+only in placement (offload or not) can be compared bit for bit.
 """
 
 import json
@@ -30,6 +34,7 @@ from tessera.diffusion.parallel import parallel_sample  # noqa: E402
 from tessera.diffusion.sampler import sample  # noqa: E402
 from tessera.models.dit import DiT, DiTConfig  # noqa: E402
 from tessera.runtime import spawn  # noqa: E402
+from tessera.train.losses import causal_lm_loss as loss_fn  # noqa: E402  (mean next-token cross-entropy)
 
 CUDA = torch.cuda.is_available()
 if os.environ.get("TESSERA_CHECK_DETERMINISTIC"):  # CUDA's atomics-based kernels off (needs CUBLAS_WORKSPACE_CONFIG)
@@ -99,10 +104,6 @@ def boost_paths(plans: dict) -> dict:
     # on the CPU, as the recipes build their batches: train_step moves each rank's share to the
     # mesh's device (a CPU batch handed to a CUDA model would crash)
     tokens = torch.randint(0, 128, (8, 12), generator=torch.Generator().manual_seed(0))
-
-    def loss_fn(model, batch):
-        logits = model(input_ids=batch).logits
-        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten())
 
     def reference(family: str, precision: str) -> dict:  # plain torch on this device, autocast as the plan says
         model = builders[family]().to(device())
@@ -392,10 +393,6 @@ def offload_timing(name: str) -> dict:
     )
     batch, seq = BATCH if CUDA else (2, 32)
     tokens = torch.randint(0, small["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
-
-    def loss_fn(model, batch):
-        logits = model(input_ids=batch).logits
-        return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch[:, 1:].flatten())
 
     base = torch.cuda.memory_allocated() if CUDA else 0
     torch.manual_seed(0)
