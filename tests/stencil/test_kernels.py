@@ -21,6 +21,8 @@ SCHEDULES = [
     StencilSchedule(rz=2, ry=2, tz=3, ty=5),  # 3 planes x 5 rows: a 2x2 block, its leftovers 2x1, 1x2, 1x1
     StencilSchedule(rz=4, tz=4, ty=2, tx=7, split=2, split_level="row", isa="avx2"),  # x blocks of 7: tails only
     StencilSchedule(rz=2, tz=3, ty=2, vectorize=False),  # z blocks in the build without vectors
+    StencilSchedule(rz=2, ry=2, tz=3, ty=5, prefetch=32),  # prefetches change no value
+    StencilSchedule(ry=4, ty=8, tx=9, prefetch=8, isa="avx2"),
 ]
 CASES = [("star7", "constant"), ("star25", "point"), ("ete37", "class"), ("ete73", "point")]
 
@@ -70,3 +72,20 @@ def test_reference_differs_when_the_order_does():
     reversed_st = type(st)(name="rev", points=st.points[::-1], halo=st.halo)
     assert not np.array_equal(ref.apply_float32(st, u, co), ref.apply_float32(reversed_st, u, co))
     assert np.array_equal(compile_stencil(reversed_st, GRID, contract=False)(u, co), ref.apply_float32(reversed_st, u, co))
+
+
+def test_each_field_value_is_loaded_once_per_jammed_block():
+    """ete73 over 4 planes x 2 rows: 584 terms read 336 distinct field values (the z and y
+    lines and the yz diagonals the rows share), and the vector body loads each once."""
+    import re
+
+    from tessera.stencil.codegen import generate_apply
+    from tessera.stencil.shapes import shape_weights
+
+    st = make_stencil("ete73", "constant")
+    want = {(dz + r, dy + j, dx) for dz, dy, dx in shape_weights("ete73") for r in range(4) for j in range(2)}
+    source = generate_apply(st, (8, 8, 64), StencilSchedule(rz=4, ry=2, tz=4, ty=2, isa="avx512"))
+    block = source.split("x += 16) {", 1)[1].split("ST(o + x", 1)[0]  # the first vector body: the 4 x 2 block
+    loads = re.findall(r"= LD\(q \+ (-?\d+)\)", block)
+    assert len(loads) == len(set(loads)) == len(want) == 336
+    assert len(re.findall(r" \* um?\d+;", block)) == 73 * 8  # every term, each on a loaded value

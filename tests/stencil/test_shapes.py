@@ -32,6 +32,13 @@ def test_star_offsets(radius):
     assert set(w) == _star(radius) and len(w) == 6 * radius + 1
 
 
+@pytest.mark.parametrize("name", SHAPES)
+def test_offsets_come_in_address_order(name):
+    """Ascending (dz, dy, dx): the order the kernels load field values in (see codegen)."""
+    offsets = list(shape_weights(name))
+    assert offsets == sorted(offsets)
+
+
 def test_ete_offsets():
     assert set(shape_weights("ete37")) == _star(4) | _planar_diagonals(1)
     assert set(shape_weights("ete73")) == _star(6) | _planar_diagonals(3)

@@ -58,6 +58,10 @@ def test_bad_schedules():
         StencilSchedule(ty=0)
     with pytest.raises(ValueError, match="time_block=2 applies to the wave kernel only"):
         compile_stencil(make_stencil("star7"), (3, 3, 3), StencilSchedule(time_block=2))
+    with pytest.raises(ValueError, match="prefetch=-1 must be an int >= 0"):
+        StencilSchedule(prefetch=-1)
+    with pytest.raises(ValueError, match="prefetch=16 applies to vector kernels"):
+        StencilSchedule(prefetch=16, vectorize=False)
     with pytest.raises(ValueError, match="rz=0 must be an int >= 1"):
         StencilSchedule(rz=0)
     with pytest.raises(ValueError, match="rz=2, ry=1: the wave kernel computes one row at a time"):

@@ -3,7 +3,11 @@ operator compiler's calling convention (``tk_init``; ``tk_run(out, in..., nthrea
 the coefficient arrays as one array of pointers) and its build path (``kernels.compiler``).
 
 Every offset is a compile-time constant added to a row pointer, so the body has no index
-arithmetic and no bounds guards (the halo holds every read). Coefficients are hexadecimal
+arithmetic and no bounds guards (the halo holds every read). Where a stencil's offsets come
+in ascending address order (the shipped shapes' order), the vector body walks the field
+values in that order: each value is loaded once and added to every jammed row that reads it
+(kept in a register by an empty asm, which GCC would otherwise undo by folding the load into
+each FMA again), and each row's terms still come in the stencil's order. Coefficients are hexadecimal
 float literals (exact) or one load each from their array. Each point's terms are added one
 by one in the stencil's order onto ``acc``, which starts at 0 (first pass) or at the output
 (later passes of a decomposed stencil); nothing is reassociated, so with
@@ -99,6 +103,8 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
     accs = [f"a{i}" for i in range(len(block))]
 
     def body(vector: bool) -> str:
+        if vector and init is None and _ascending(lay, points):
+            return _value_major(lay, points, first, s, block, accs)
         if init is not None:
             starts = [init[0] if vector else init[1]]
         elif first:
@@ -116,6 +122,42 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
     vectors = (f"for (; x + {vl} <= {hi}; x += {vl}) {{\n    const float *q = v + x; (void)q;\n    {body(True)}\n}}\n"
                if s.vectorize else "")
     return f"{{ long x = {lo};\n{vectors}for (; x < {hi}; ++x) {{\n    {body(False)}\n}} }}"
+
+
+def _ascending(lay: _Layout, points) -> bool:
+    offsets = [lay.offset(p.offset) for p in points]
+    return all(a < b for a, b in zip(offsets[:-1], offsets[1:], strict=False))
+
+
+def _value_major(lay: _Layout, points, first: bool, s: StencilSchedule, block, accs) -> str:
+    """The vector body with each field value loaded once: the (row, point) terms in ascending
+    address order (ties: rows in turn), so with ``points`` ascending every row still adds its
+    terms in the stencil's order. A value more than one row reads is pinned in a register.
+    With ``s.prefetch``, each field row is first asked for that many floats ahead."""
+    starts = ["(vf){}"] * len(block) if first else [f"LD(o + x + {lay.field_row(r)})" for r in block]
+    lines = [" ".join(f"vf {a} = {st};" for a, st in zip(accs, starts, strict=True))]
+    if s.prefetch:
+        rows = sorted({lay.offset((p.offset[0], p.offset[1], 0)) + lay.field_row(r) for p in points for r in block})
+        lines += [f"__builtin_prefetch(q + {row} + {s.prefetch}, 0, 3);" for row in rows]
+    terms = sorted(((lay.offset(p.offset) + lay.field_row(r), i, p, a, r)
+                    for i, p in enumerate(points) for a, r in zip(accs, block, strict=True)), key=lambda t: t[:2])
+    uses: dict[int, int] = {}
+    for t in terms:
+        uses[t[0]] = uses.get(t[0], 0) + 1
+    loaded = None
+    for address, _, p, a, r in terms:
+        name = f"u{address}" if address >= 0 else f"um{-address}"
+        if address != loaded:
+            pin = f' __asm__("" : "+v"({name}));' if uses[address] > 1 else ""
+            lines.append(f"vf {name} = LD(q + {address});{pin}")
+            loaded = address
+        if isinstance(p.coeff, str):
+            coeff = f"LD(c{lay.index[p.coeff]} + ci + {lay.coeff_row(r)} + x)"
+        else:
+            coeff = lay.constants[_literal(p.coeff)]
+        lines.append(f"{a} = {a} + {coeff} * {name};")
+    lines.append(" ".join(f"ST(o + x + {lay.field_row(r)}, {a});" for a, r in zip(accs, block, strict=True)))
+    return "{ " + "\n    ".join(lines) + " }"
 
 
 def _passes(stencil: Stencil, s: StencilSchedule) -> list[tuple]:

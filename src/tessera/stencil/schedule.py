@@ -10,6 +10,10 @@
   vector extension, every address a constant off one pointer) and the leftover points one
   at a time; off: a plain loop compiled with GCC's tree vectoriser disabled. (The wave
   kernel computes one row at a time.)
+- software prefetch (``prefetch`` > 0, vector kernels): each field row the jammed rows read
+  is asked for ``prefetch`` floats ahead of the x loop (the rows of a high-order stencil are
+  more streams than the hardware prefetchers follow, so without it most new lines are
+  demand misses);
 - stencil decomposition: ``split`` sub-stencils, consecutive runs of the points holding
   about the same number of coefficient arrays each, applied one after another, each adding
   onto the same output (so each pass streams fewer arrays); ``split_level`` says where the
@@ -45,6 +49,7 @@ class StencilSchedule:
     split: int = 1
     split_level: str = "tile"
     time_block: int = 1
+    prefetch: int = 0  # floats ahead of x each field row is prefetched (0: none)
     isa: str = "avx2"
     kind: str = field(default="stencil", init=False)
 
@@ -55,6 +60,10 @@ class StencilSchedule:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch={self.prefetch!r} must be an int >= 0 (floats ahead; 0: none)")
+        if self.prefetch and not self.vectorize:
+            raise ValueError(f"prefetch={self.prefetch} applies to vector kernels; use vectorize=True or prefetch=0")
         if not isinstance(self.tx, int) or self.tx < 0:
             raise ValueError(f"tx={self.tx!r} must be an int >= 0 (0: whole rows)")
         if self.split_level not in SPLIT_LEVELS:
@@ -71,7 +80,8 @@ class StencilSchedule:
         split = f" split{self.split}@{self.split_level}" if self.split > 1 else ""
         tb = f" T{self.time_block}" if self.time_block > 1 else ""
         jam = (f" rz{self.rz}" if self.rz > 1 else "") + (f" ry{self.ry}" if self.ry > 1 else "")
-        return f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'}{jam} simd{int(self.vectorize)}{split}{tb}"
+        pf = f" pf{self.prefetch}" if self.prefetch else ""
+        return f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'}{jam} simd{int(self.vectorize)}{pf}{split}{tb}"
 
     @staticmethod
     def from_dict(data: dict) -> StencilSchedule:

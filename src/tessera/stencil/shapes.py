@@ -89,7 +89,10 @@ def _mix(star: dict[Offset, Fraction], diag: dict[Offset, Fraction]) -> dict[Off
 
 
 def shape_weights(name: str) -> dict[Offset, Fraction]:
-    """Offset -> weight for a shipped shape, in a fixed order (centre, then by distance)."""
+    """Offset -> weight for a shipped shape, in ascending (dz, dy, dx) order: the order of the
+    offsets' addresses in the field, in which the generated kernels load each field value
+    once for all the rows they compute together (``codegen``: a row's terms must be added in
+    the stencil's order, and that order is then also the order of the loads)."""
     if name.startswith("star") and name[4:].isdigit() and (int(name[4:]) - 1) % 6 == 0:
         table = star_weights((int(name[4:]) - 1) // 6)
     elif name == "ete37":
@@ -98,8 +101,7 @@ def shape_weights(name: str) -> dict[Offset, Fraction]:
         table = _mix(star_weights(6), diagonal_weights(3))
     else:
         raise ValueError(f"unknown stencil shape {name!r}; shipped: {', '.join(SHAPES)}")
-    order = sorted(table, key=lambda o: (sum(abs(c) for c in o), max(abs(c) for c in o), tuple(-c for c in o)))
-    return {o: table[o] for o in order}
+    return {o: table[o] for o in sorted(table)}
 
 
 def symmetry_class(offset: Offset) -> tuple[int, ...]:

@@ -23,6 +23,8 @@ from tessera.stencil.stencil import Stencil, check_grid, padded_shape
 TZ, TY, RY, RZ = (1, 2, 4, 8), (4, 8, 16, 32, 64), (1, 2, 4), (1, 2, 4)
 MAX_JAMMED = 8  # rz x ry accumulators at most (of the 16 or 32 vector registers)
 SPLITS = (2, 3, 4, 6, 8, 12)
+PREFETCH = 32  # floats ahead (two AVX-512 vectors) of the prefetch twins the tuner times
+PREFETCH_TWINS = 2  # of the shortlist's undecomposed vector schedules, the best this many
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,18 @@ def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
     return picked
 
 
+def prefetch_twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, threads: int) -> list[Trial]:
+    """The same schedules with software prefetch, for the best ``PREFETCH_TWINS`` undecomposed
+    vector schedules of the shortlist: the model has no term for it (whether the hardware
+    prefetchers keep up with a stencil's rows is measured, not predicted)."""
+    from dataclasses import replace
+
+    bases = [t.schedule for t in picked if t.schedule.vectorize and not t.schedule.decomposed
+             and not t.schedule.prefetch][:PREFETCH_TWINS]
+    return [Trial(s, predict_stencil(stencil, shape, s, machine, threads))
+            for s in (replace(b, prefetch=PREFETCH) for b in bases)]
+
+
 def sample_inputs(stencil: Stencil, shape, seed: int = 0):
     rng = np.random.default_rng(seed)
     u = rng.standard_normal(padded_shape(shape, stencil.halo), dtype=np.float32)
@@ -109,7 +123,9 @@ def tune_stencil(stencil: Stencil, shape, *, threads: int = 1, machine: Machine 
     shape = check_grid(shape)
     machine = machine or load_machine()
     trials = rank(stencil, shape, threads=threads, machine=machine)
-    picked = shortlist(trials, top_k) + [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in extra]
+    picked = shortlist(trials, top_k)
+    picked += prefetch_twins(picked, stencil, shape, machine, threads)
+    picked += [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in extra]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # compiles only
         kernels = list(pool.map(lambda t: compile_stencil(stencil, shape, t.schedule), picked))
     inputs = inputs or sample_inputs(stencil, shape)
