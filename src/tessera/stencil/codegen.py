@@ -25,10 +25,27 @@ from tessera.stencil.stencil import Stencil
 HELPERS = "static inline long tk_min(long a, long b) { return a < b ? a : b; }\n"
 NOVEC = '__attribute__((optimize("no-tree-vectorize"))) '
 # the explicit loop's vectors: ``vf`` in registers, ``vfu`` its unaligned view for loads and stores
-VECTOR_TYPES = """typedef float vf __attribute__((vector_size({bytes})));
+VECTOR_TYPES = """#include <immintrin.h>
+typedef float vf __attribute__((vector_size({bytes})));
 typedef float vfu __attribute__((vector_size({bytes}), aligned(4)));
 #define LD(p) (*(const vfu *)(p))
-#define ST(p, a) (*(vfu *)(p) = (a))"""
+#define ST(p, a) (*(vfu *)(p) = (a))
+{masked}"""
+# a row's last points (fewer than a vector) as one masked vector: masked-off lanes are neither
+# read (no fault past an array's end) nor written
+MASKED = {
+    "avx512": """#define TK_TAIL_MASK(n) const __mmask16 tk_m = (__mmask16)((1u << (n)) - 1u)
+#define LDM(p) ((vf)_mm512_maskz_loadu_ps(tk_m, (p)))
+#define STM(p, a) _mm512_mask_storeu_ps((p), tk_m, (__m512)(a))""",
+    "avx2": """#define TK_TAIL_MASK(n) const __m256i tk_m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n)), \\
+    _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
+#define LDM(p) ((vf)_mm256_maskload_ps((p), tk_m))
+#define STM(p, a) _mm256_maskstore_ps((p), tk_m, (__m256)(a))""",
+}
+
+
+def _vector_types(isa: str) -> str:
+    return VECTOR_TYPES.format(bytes=4 * ISAS[isa][0], masked=MASKED[isa])
 
 
 def _literal(value: float) -> str:
@@ -95,8 +112,9 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
     vectors of the ISA's width first, in GCC's vector extension: every field address is a
     constant off one pointer ``q``, so the compiler keeps one induction variable and folds
     each offset into its load, and a value the rows share is one address, loaded once.
-    Then (or throughout, without vectors: the function carries ``NOVEC``) the x one at a
-    time. Each row's terms are added in point order, one rounding per multiply and per add
+    Then the row's last points, fewer than a vector, as one masked vector (the same body,
+    its loads and stores masked); without vectors (the function carries ``NOVEC``) the x one
+    at a time throughout. Each row's terms are added in point order, one rounding per multiply and per add
     (or per FMA when contraction is on), in both loops. ``init``: the (vector, scalar)
     start of a one-row block's sum instead of 0 (first pass) or the output."""
     assert init is None or len(block) == 1, "an init expression is for one row"
@@ -118,10 +136,14 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
                          for a, r in zip(accs, block, strict=True))
         return f"{decl}\n    {terms}\n    {store}"
 
+    if not s.vectorize:
+        return f"{{ long x = {lo};\nfor (; x < {hi}; ++x) {{\n    {body(False)}\n}} }}"
     vl = ISAS[s.isa][0]
-    vectors = (f"for (; x + {vl} <= {hi}; x += {vl}) {{\n    const float *q = v + x; (void)q;\n    {body(True)}\n}}\n"
-               if s.vectorize else "")
-    return f"{{ long x = {lo};\n{vectors}for (; x < {hi}; ++x) {{\n    {body(False)}\n}} }}"
+    full = body(True)
+    tail = "\n".join(line for line in full.split("\n") if "__builtin_prefetch" not in line)
+    tail = tail.replace("LD(", "LDM(").replace("ST(o", "STM(o")
+    return (f"{{ long x = {lo};\nfor (; x + {vl} <= {hi}; x += {vl}) {{\n    const float *q = v + x; (void)q;\n    {full}\n}}\n"
+            f"if (x < {hi}) {{\n    const float *q = v + x; (void)q; TK_TAIL_MASK({hi} - x);\n    {tail}\n}} }}")
 
 
 def _ascending(lay: _Layout, points) -> bool:
@@ -207,7 +229,7 @@ def generate_apply(stencil: Stencil, shape: tuple[int, int, int], s: StencilSche
     return "\n".join([
         f"/* stencil {stencil.signature()} grid {shape}\n * schedule: {s.short()} */", HELPERS,
         "void tk_init(void) {}",
-        VECTOR_TYPES.format(bytes=4 * ISAS[s.isa][0]) if s.vectorize else "",
+        _vector_types(s.isa) if s.vectorize else "",
         f"{attr}void tk_run(float *restrict out, const float *restrict u, const float *const *coefs, int nthreads) {{",
         "  (void)coefs; (void)nthreads;", lay.decls(s.vectorize), nests, "}",
     ]) + "\n"
@@ -248,7 +270,7 @@ def generate_wave(stencil: Stencil, shape: tuple[int, int, int], s: StencilSched
     return "\n".join([
         f"/* wave {stencil.signature()} grid {shape}\n * schedule: {s.short()} */", HELPERS,
         "void tk_init(void) {}",
-        VECTOR_TYPES.format(bytes=4 * ISAS[s.isa][0]) if s.vectorize else "",
+        _vector_types(s.isa) if s.vectorize else "",
         f"{attr}void tk_wave(float *restrict a, float *restrict b, const float *const *coefs, const float *restrict src,"
         " long sz, long sy, long sx, long steps, int nthreads) {",
         "  (void)coefs;", lay.decls(s.vectorize), body, "}",
