@@ -80,3 +80,26 @@ def test_z_jamming_shares_loads_across_planes(machine):
     # star-7 by hand: a 2 x 2 block of rows loads its own x neighbours (2 x 4 = 8) and the
     # x-centre values of the 4 rows and their 8 z / y neighbours (12): 20 values, 5 a row
     assert _field_loads(make_stencil("star7", "constant"), grid, 2, 2) == 5.0
+
+
+def test_timed_calls_do_not_first_touch_the_output():
+    """The tuner's cold first run (``time(..., warmup=0)``) times the kernel, not the mapping of
+    a fresh output array's pages: the call faults no page in (a fresh 16 MiB output would take
+    thousands of 4 KiB faults, or eight 2 MiB ones)."""
+    import resource
+
+    from tessera.stencil import StencilSchedule, make_stencil
+
+    st, grid = make_stencil("star7", "constant"), (256, 256, 62)
+    kernel = compile_stencil(st, grid, StencilSchedule())
+    u, co = sample_inputs(st, grid)
+    faults, call = [], kernel._fn
+
+    def counted(*args):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        call(*args)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+    kernel._fn = counted
+    kernel.time(u, co, threads=1, repeats=1, warmup=0)
+    assert faults[0] <= 2, faults

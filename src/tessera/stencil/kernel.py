@@ -65,8 +65,12 @@ class StencilKernel:
         return out
 
     def time(self, u, coeffs=None, *, threads: int = 1, repeats: int = 5, warmup: int = 1) -> list[float]:
-        """Seconds per call (the tuner's interface: ``kernels.tuner.measure_trial``)."""
-        out = np.zeros(u.shape, dtype=np.float32)
+        """Seconds per call (the tuner's interface: ``kernels.tuner.measure_trial``). The output
+        is written once before any timed call: a fresh array's pages are mapped on first touch
+        (19,000 page faults for a 256^3 field, or a wait for huge-page compaction), which once
+        went into the tuner's cold first run and got fast kernels rejected as slow."""
+        out = np.empty(u.shape, dtype=np.float32)
+        out.fill(0.0)
         for _ in range(warmup):
             self(u, coeffs, out=out, threads=threads)
         times = []
