@@ -16,6 +16,8 @@ by one in the stencil's order onto ``acc``, which starts at 0 (first pass) or at
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from tessera.kernels.schedule import ISAS
@@ -77,16 +79,20 @@ class _Layout:
         _, ny, nx = self.shape
         return (k * ny + j) * nx
 
-    def term(self, p, row: tuple[int, int] = (0, 0), acc: str = "acc", vector: bool = False) -> str:
+    def term(self, p, row: tuple[int, int] = (0, 0), acc: str = "acc", vector: bool = False,
+             value: str | None = None, ld: str = "LD") -> str:
         """``acc += c * u`` of point ``p`` for jammed row ``row``; ``vector``: one vector of
-        the explicit loop (``q`` points at the field's x, every address a constant off it)."""
+        the explicit loop (``q`` points at the field's x, every address a constant off it),
+        its loads through the macro ``ld`` (``LDM``: masked); ``value``: the field value
+        already loaded (a variable's name) instead of a load of its own."""
         field = self.offset(p.offset) + self.field_row(row)
         if isinstance(p.coeff, str):
             arr, at = f"c{self.index[p.coeff]}", f"ci + {self.coeff_row(row)} + x"
-            coeff = f"LD({arr} + {at})" if vector else f"{arr}[{at}]"
+            coeff = f"{ld}({arr} + {at})" if vector else f"{arr}[{at}]"
         else:
             coeff = self.constants[_literal(p.coeff)] if vector else _literal(p.coeff)
-        value = f"LD(q + {field})" if vector else f"v[x + ({field})]"
+        if value is None:
+            value = f"{ld}(q + {field})" if vector else f"v[x + ({field})]"
         return f"{acc} = {acc} + {coeff} * {value};"
 
     def decls(self, vector: bool = False) -> str:
@@ -116,34 +122,35 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
     its loads and stores masked); without vectors (the function carries ``NOVEC``) the x one
     at a time throughout. Each row's terms are added in point order, one rounding per multiply and per add
     (or per FMA when contraction is on), in both loops. ``init``: the (vector, scalar)
-    start of a one-row block's sum instead of 0 (first pass) or the output."""
+    start of a one-row block's sum instead of 0 (first pass) or the output, the vector one a
+    template whose ``{ld}`` is the load macro (masked in the row's tail)."""
     assert init is None or len(block) == 1, "an init expression is for one row"
     accs = [f"a{i}" for i in range(len(block))]
+    value_major = s.vectorize and _ascending(lay, points)
 
-    def body(vector: bool) -> str:
-        if vector and init is None and _ascending(lay, points):
-            return _value_major(lay, points, first, s, block, accs)
+    def body(vector: bool, masked: bool = False) -> str:
+        ld, st = ("LDM", "STM") if masked else ("LD", "ST")
         if init is not None:
-            starts = [init[0] if vector else init[1]]
+            starts = [init[0].format(ld=ld) if vector else init[1]]
         elif first:
             starts = ["(vf){}" if vector else "0.0f"] * len(block)
         else:
-            starts = [f"LD(o + x + {lay.field_row(r)})" if vector else f"o[x + {lay.field_row(r)}]" for r in block]
+            starts = [f"{ld}(o + x + {lay.field_row(r)})" if vector else f"o[x + {lay.field_row(r)}]" for r in block]
         kind = "vf" if vector else "float"
-        decl = " ".join(f"{kind} {a} = {st};" for a, st in zip(accs, starts, strict=True))
-        terms = "\n    ".join(lay.term(p, r, a, vector) for p in points for a, r in zip(accs, block, strict=True))
-        store = " ".join((f"ST(o + x + {lay.field_row(r)}, {a});" if vector else f"o[x + {lay.field_row(r)}] = {a};")
+        decl = " ".join(f"{kind} {a} = {start};" for a, start in zip(accs, starts, strict=True))
+        if vector and value_major:
+            terms = _value_major_terms(lay, points, block, accs, ld, 0 if masked else s.prefetch)
+        else:
+            terms = [lay.term(p, r, a, vector, ld=ld) for p in points for a, r in zip(accs, block, strict=True)]
+        store = " ".join((f"{st}(o + x + {lay.field_row(r)}, {a});" if vector else f"o[x + {lay.field_row(r)}] = {a};")
                          for a, r in zip(accs, block, strict=True))
-        return f"{decl}\n    {terms}\n    {store}"
+        return "{ " + "\n    ".join([decl, *terms, store]) + " }"
 
     if not s.vectorize:
         return f"{{ long x = {lo};\nfor (; x < {hi}; ++x) {{\n    {body(False)}\n}} }}"
     vl = ISAS[s.isa][0]
-    full = body(True)
-    tail = "\n".join(line for line in full.split("\n") if "__builtin_prefetch" not in line)
-    tail = tail.replace("LD(", "LDM(").replace("ST(o", "STM(o")
-    return (f"{{ long x = {lo};\nfor (; x + {vl} <= {hi}; x += {vl}) {{\n    const float *q = v + x; (void)q;\n    {full}\n}}\n"
-            f"if (x < {hi}) {{\n    const float *q = v + x; (void)q; TK_TAIL_MASK({hi} - x);\n    {tail}\n}} }}")
+    return (f"{{ long x = {lo};\nfor (; x + {vl} <= {hi}; x += {vl}) {{\n    const float *q = v + x; (void)q;\n    {body(True)}\n}}\n"
+            f"if (x < {hi}) {{\n    const float *q = v + x; (void)q; TK_TAIL_MASK({hi} - x);\n    {body(True, masked=True)}\n}} }}")
 
 
 def _ascending(lay: _Layout, points) -> bool:
@@ -151,35 +158,27 @@ def _ascending(lay: _Layout, points) -> bool:
     return all(a < b for a, b in zip(offsets[:-1], offsets[1:], strict=False))
 
 
-def _value_major(lay: _Layout, points, first: bool, s: StencilSchedule, block, accs) -> str:
-    """The vector body with each field value loaded once: the (row, point) terms in ascending
-    address order (ties: rows in turn), so with ``points`` ascending every row still adds its
-    terms in the stencil's order. A value more than one row reads is pinned in a register.
-    With ``s.prefetch``, each field row is first asked for that many floats ahead."""
-    starts = ["(vf){}"] * len(block) if first else [f"LD(o + x + {lay.field_row(r)})" for r in block]
-    lines = [" ".join(f"vf {a} = {st};" for a, st in zip(accs, starts, strict=True))]
-    if s.prefetch:
+def _value_major_terms(lay: _Layout, points, block, accs, ld: str, prefetch: int) -> list[str]:
+    """The vector body's terms with each field value loaded once: the (row, point) terms in
+    ascending address order (ties: rows in turn), so with ``points`` ascending every row still
+    adds its terms in the stencil's order. A value more than one row reads is pinned in a
+    register. With ``prefetch``, each field row is first asked for that many floats ahead."""
+    lines = []
+    if prefetch:
         rows = sorted({lay.offset((p.offset[0], p.offset[1], 0)) + lay.field_row(r) for p in points for r in block})
-        lines += [f"__builtin_prefetch(q + {row} + {s.prefetch}, 0, 3);" for row in rows]
+        lines += [f"__builtin_prefetch(q + {row} + {prefetch}, 0, 3);" for row in rows]
     terms = sorted(((lay.offset(p.offset) + lay.field_row(r), i, p, a, r)
                     for i, p in enumerate(points) for a, r in zip(accs, block, strict=True)), key=lambda t: t[:2])
-    uses: dict[int, int] = {}
-    for t in terms:
-        uses[t[0]] = uses.get(t[0], 0) + 1
+    uses = Counter(t[0] for t in terms)
     loaded = None
     for address, _, p, a, r in terms:
         name = f"u{address}" if address >= 0 else f"um{-address}"
         if address != loaded:
             pin = f' __asm__("" : "+v"({name}));' if uses[address] > 1 else ""
-            lines.append(f"vf {name} = LD(q + {address});{pin}")
+            lines.append(f"vf {name} = {ld}(q + {address});{pin}")
             loaded = address
-        if isinstance(p.coeff, str):
-            coeff = f"LD(c{lay.index[p.coeff]} + ci + {lay.coeff_row(r)} + x)"
-        else:
-            coeff = lay.constants[_literal(p.coeff)]
-        lines.append(f"{a} = {a} + {coeff} * {name};")
-    lines.append(" ".join(f"ST(o + x + {lay.field_row(r)}, {a});" for a, r in zip(accs, block, strict=True)))
-    return "{ " + "\n    ".join(lines) + " }"
+        lines.append(lay.term(p, r, a, True, value=name, ld=ld))
+    return lines
 
 
 def _passes(stencil: Stencil, s: StencilSchedule) -> list[tuple]:
@@ -245,7 +244,7 @@ def generate_wave(stencil: Stencil, shape: tuple[int, int, int], s: StencilSched
     nz, ny, nx = shape
     r, tb = max(1, stencil.radius), s.time_block
     x_loop = _x_loop(lay, stencil.points, False, s, "0", str(nx), [(0, 0)],
-                     init=("2.0f * LD(q) - LD(o + x)", "2.0f * v[x] - o[x]"))
+                     init=("2.0f * {ld}(q) - {ld}(o + x)", "2.0f * v[x] - o[x]"))
     attr = "" if s.vectorize else NOVEC
     body = f"""
   for (long t0 = 0; t0 < steps; t0 += {tb}) {{

@@ -9,7 +9,7 @@ import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -101,8 +101,6 @@ def prefetch_twins(picked: list[Trial], stencil: Stencil, shape, machine: Machin
     """The same schedules with software prefetch, for the best ``PREFETCH_TWINS`` undecomposed
     vector schedules of the shortlist: the model has no term for it (whether the hardware
     prefetchers keep up with a stencil's rows is measured, not predicted)."""
-    from dataclasses import replace
-
     bases = [t.schedule for t in picked if t.schedule.vectorize and not t.schedule.decomposed
              and not t.schedule.prefetch][:PREFETCH_TWINS]
     return [Trial(s, predict_stencil(stencil, shape, s, machine, threads))
