@@ -45,6 +45,21 @@ def test_parallel_loops_agree_bit_for_bit(parallel):
     assert np.array_equal(one, two) and np.array_equal(two, again)
 
 
+@pytest.mark.parametrize("parallel,order,inner", [
+    ("jr", "ic,pc,jc", "ir,jr"), ("ic", "jc,pc,ic", "jr,ir"), ("ir", "ic,pc,jc", "jr,ir"), ("jr", "jc,pc,ic", "ir,jr"),
+])
+def test_shared_blocks_are_repacked_only_once_every_thread_is_done(parallel, order, inner):
+    """The parallel loop ends without a barrier (each thread owns the same C tiles in every
+    pass), so only the barrier before a shared block's repacking keeps a thread from
+    overwriting a block the other still reads: 29 k blocks, each repacked, 20 calls on 2
+    threads, every one the 1-thread bits. Without that barrier the first two fail every call."""
+    op = ops.gemm(42, 96, 203)
+    schedule = GemmSchedule(mc=42, nc=96, kc=7, order=order, inner=inner, parallel=parallel)
+    kernel, inputs = compile_kernel(op, schedule), random_inputs(op, seed=5)
+    one = run(kernel, op, inputs, 1)
+    assert all(np.array_equal(one, run(kernel, op, inputs, 2)) for _ in range(20))
+
+
 @pytest.mark.skipif("avx512" not in cpu_isas(), reason="this CPU has no AVX-512")
 def test_avx512_micro_kernel():
     op = ops.gemm(31, 67, 45)
