@@ -82,6 +82,18 @@ def test_short_runs_packed_with_masks(s):
         _check(op, GemmSchedule(isa=isa, mr=4, nr=32, mc=8, nc=64, kc=kc, parallel="jr"))
 
 
+def test_stride_two_rows_wider_than_a_panel():
+    """Output rows of 71 columns: most 32- and 48-column panels lie inside one row, in bounds,
+    their columns two floats apart in the input, and are packed as the evens of two vectors
+    at a time (the 7x7 stem's case); the panels that cross a row or the padding take the runs."""
+    s = ops.Conv2dShape(batch=1, in_channels=2, out_channels=5, height=6, width=141, kernel=(7, 7), stride=(2, 2),
+                        padding=(3, 3))
+    op = ops.conv2d(s)
+    isa = "avx512" if "avx512" in cpu_isas() else "avx2"
+    for nr in ((32, 48) if isa == "avx512" else (16, 24)):
+        _check(op, GemmSchedule(isa=isa, mr=4, nr=nr, mc=8, nc=2 * nr, kc=40, parallel="jr"))
+
+
 def test_conv_batch_loop_and_other_orders():
     op = ops.conv2d(SHAPES[0])
     _check(op, GemmSchedule(mc=6, nc=16, kc=5, fuse_n=False, parallel="batch", order="ic,pc,jc"))

@@ -194,6 +194,8 @@ static void tk_pack_b_table(const float *restrict B, const long *restrict koff,
                 const float *s = src + noff[nb];
                 if (step == 1) {
                     for (int j = 0; j < TK_NV; ++j) tk_store(d + j * TK_VL, tk_load(s + j * TK_VL));
+                } else if (step == 2) {  /* a stride-2 convolution's row: the evens of 2 NR floats */
+                    tk_copy_run2(d, s, TK_NR);
                 } else {
                     for (int j = 0; j < TK_NR; ++j) d[j] = s[j * step];
                 }
