@@ -160,6 +160,18 @@ TK_INLINE void tk_copy_run(float *restrict d, const float *restrict s, long n) {
 #endif
 }
 
+/* d[i] = s[i * step], i < n: a vector block (step 1), the even elements of vector pairs
+ * (step 2, AVX-512: a stride-2 convolution's row) or element by element. */
+TK_INLINE void tk_copy_strided(float *restrict d, const float *restrict s, long n, long step) {
+    if (step == 1) {
+        tk_copy_run(d, s, n);
+    } else if (step == 2) {
+        tk_copy_run2(d, s, n);
+    } else {
+        for (long i = 0; i < n; ++i) d[i] = s[i * step];
+    }
+}
+
 /* ceil(a / c) and floor(a / c) for c > 0 and any sign of a (C division truncates). A stride
  * of 1 or 2 (nearly every convolution) takes no division: GCC's >> on a negative long is
  * arithmetic, so a >> 1 is floor(a / 2). */
@@ -191,14 +203,7 @@ static void tk_pack_b_table(const float *restrict B, const long *restrict koff,
             float *d = dst + k * TK_NR;
             const float *src = B + koff[k];
             if (step && tk_in_bounds(g, nb, k) && tk_in_bounds(g, nb + TK_NR - 1, k)) {
-                const float *s = src + noff[nb];
-                if (step == 1) {
-                    for (int j = 0; j < TK_NV; ++j) tk_store(d + j * TK_VL, tk_load(s + j * TK_VL));
-                } else if (step == 2) {  /* a stride-2 convolution's row: the evens of 2 NR floats */
-                    tk_copy_run2(d, s, TK_NR);
-                } else {
-                    for (int j = 0; j < TK_NR; ++j) d[j] = s[j * step];
-                }
+                tk_copy_strided(d, src + noff[nb], TK_NR, step);
                 continue;
             }
             for (int j = 0; j < TK_NV; ++j) tk_store(d + j * TK_VL, tk_zero());
@@ -215,15 +220,7 @@ static void tk_pack_b_table(const float *restrict B, const long *restrict koff,
                     }
                 }
                 if (lo >= hi) continue;
-                const float *s = src + noff[nb + j0 + lo];
-                long st = pr->step[r];
-                if (st == 1) {
-                    tk_copy_run(d + j0 + lo, s, hi - lo);
-                } else if (st == 2) {
-                    tk_copy_run2(d + j0 + lo, s, hi - lo);
-                } else {
-                    for (long i = 0; i < hi - lo; ++i) d[j0 + lo + i] = s[i * st];
-                }
+                tk_copy_strided(d + j0 + lo, src + noff[nb + j0 + lo], hi - lo, pr->step[r]);
             }
         }
     }
