@@ -1,4 +1,4 @@
-"""The direct kernels (depthwise, grouped and flat convolution, matrix-vector product) against the float64
+"""The direct kernels (depthwise, grouped and flat convolution in both orientations, matrix-vector product) against the float64
 reference within the float32 error bound of their sums, on odd shapes (rows and columns
 that no register block divides, strides, asymmetric padding-free and padded kernels, a
 channel multiplier), bit for bit the same at 1 and 2 threads, and offered by the tuner."""
@@ -111,6 +111,50 @@ def test_flat_kernel_within_bound_and_thread_invariant(s, isa):
         np.testing.assert_array_equal(run(kernel, op, inputs, 1), one)  # the kept planes: a second call agrees
 
 
+FLATC = [
+    # 3 groups of 8 in, 16 out on 7x7 planes: a 14-position tile is two rows of 7; K = 72
+    ops.Conv2dShape(batch=2, in_channels=24, out_channels=48, height=7, width=7, kernel=(3, 3), padding=(1, 1),
+                    groups=3),
+    # stride 2, a 5x3 kernel padded on one axis: rows of 11 outputs, so a row's last 7-tile overlaps the first
+    ops.Conv2dShape(batch=1, in_channels=5, out_channels=32, height=15, width=21, kernel=(5, 3), stride=(2, 2),
+                    padding=(0, 1)),
+    # K = 48 x 9 = 432: several k blocks (their partial sums kept per tile), on 7x7 planes whose last row
+    # tile of two rows overlaps the one before it
+    ops.Conv2dShape(batch=1, in_channels=48, out_channels=32, height=7, width=7, kernel=(3, 3), padding=(1, 1)),
+    # stride 1 on rows and 2 on columns, rows of 15 outputs
+    ops.Conv2dShape(batch=1, in_channels=6, out_channels=16, height=9, width=30, kernel=(3, 3), stride=(1, 2),
+                    padding=(1, 1)),
+]
+
+
+@pytest.mark.parametrize("s", FLATC, ids=lambda s: s.label())
+@pytest.mark.parametrize("isa", ISAS)
+def test_flatc_kernel_within_bound_thread_invariant_and_prepacked(s, isa):
+    op = ops.conv2d(s)
+    d = flat_of(op)
+    inputs = random_inputs(op, seed=7)
+    lanes = 16 if isa == "avx512" else 8
+    offered = {(b.rows, b.vecs) for b in direct_space(op, isas=(isa,)) if b.algo == "flatc"}
+    # 14 positions: one tile of a row of 15, two rows of 7, not offered on rows of 11 (not whole rows)
+    blocks = [b for b in ((7, 1), (14, 1), (7, 2)) if b in offered]
+    assert (7, 1) in blocks and ((14, 1) in blocks) == (d.ow >= 14 or d.ow == 7)
+    for rows, vecs in blocks:
+        assert d.cog % (vecs * lanes) == 0
+        kernel = compile_kernel(op, DirectSchedule(algo="flatc", isa=isa, rows=rows, vecs=vecs))
+        one, two = run(kernel, op, inputs, 1), run(kernel, op, inputs, 2)
+        assert_within_bound(one, op, inputs)
+        np.testing.assert_array_equal(one, two)  # each tile summed over k in one thread, in one order
+        np.testing.assert_array_equal(run(kernel, op, inputs, 1), one)  # the kept planes and weight: a second call agrees
+        # the weight transposed once at bind: the same sums in the same order, so the same bits
+        args = [inputs[t.name].copy() for t in op.inputs]
+        call, out = kernel.bind(*args, threads=2, constant=0)
+        call()
+        np.testing.assert_array_equal(out, one)
+        args[0][:] = 0.0  # a prepacked call no longer reads the weight it was bound with
+        call()
+        np.testing.assert_array_equal(out, one)
+
+
 # (1, 40, 1): one row of B, so the first of the TB-0 kernel's two parts of k is empty
 GEMV = [(1, 37, 29, False), (1, 200, 77, False), (1, 40, 1, False), (1, 45, 300, True), (1, 129, 64, True)]
 
@@ -160,3 +204,11 @@ def test_a_direct_schedule_refuses_what_it_cannot_run():
         compile_kernel(dense, DirectSchedule(algo="flat", rows=3, vecs=1))
     with pytest.raises(ValueError, match="several input channels a group, stride 1 or 2"):
         compile_kernel(ops.conv2d(DEPTHWISE[0]), DirectSchedule(algo="flat"))
+    with pytest.raises(ValueError, match=r"flatc kernel: 1 vectors \(8 lanes\) must divide the 4 output channels"):
+        compile_kernel(dense, DirectSchedule(algo="flatc", rows=7, vecs=1))
+    seven = ops.conv2d(FLATC[0])  # rows of 7 outputs
+    with pytest.raises(ValueError, match="a tile of 8 positions on rows of 7 must be whole rows"):
+        compile_kernel(seven, DirectSchedule(algo="flatc", isa="avx2", rows=8, vecs=1))
+    with pytest.raises(ValueError, match="constant=1 cannot be prepacked"):
+        compile_kernel(seven, DirectSchedule(algo="flatc", isa="avx2", rows=7, vecs=1)).bind(
+            *random_inputs(seven, seed=1).values(), constant=1)

@@ -178,7 +178,7 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
     inputs = random_inputs(op)
     # a bound call (checks, output and pointers once), as the BLAS anchors' prepared calls are
     call, _ = kernel.bind(*inputs, threads=threads)
-    prepacked = _prepacked_call(kind, op, tuned.best, inputs, threads)
+    prepacked = _prepacked_call(kind, op, tuned, inputs, threads, plan.repeats)
     rounds = []
     for _ in range(plan.rounds):
         seconds = _median_seconds(call, plan.repeats)
@@ -202,16 +202,30 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
     return row
 
 
-def _prepacked_call(kind, op, schedule, inputs, threads):
-    """A GEMM row's tuned schedule with B (the weight, as MKL's packed SGEMM takes it) packed once,
-    outside the timing, and read packed by each call; None for a convolution or a schedule that
-    is not a micro-kernel GEMM."""
-    if kind != "gemm" or not isinstance(schedule, GemmSchedule):
-        return None
-    kernel = compile_kernel(op, dataclasses.replace(schedule, pack_b=True))
-    if kernel.prepack_operand(1) != "B":
-        return None
-    return kernel.bind(*inputs, threads=threads, constant=1)[0]
+def _prepacked_call(kind, op, tuned, inputs, threads, repeats):
+    """The row's weight packed once, outside the timing, and read packed by each call (as MKL's
+    packed SGEMM and oneDNN's reordered weights are): a GEMM's B (input 1) under the tuned
+    micro-kernel schedule; a convolution's weight (input 0) under the tuned schedule when it
+    can take it (a micro-kernel that packs A, or ``flatc``), and under the fastest timed
+    ``flatc`` schedule of the tuning, the faster of the two. None when neither applies."""
+    index = 1 if kind == "gemm" else 0
+    schedules = []
+    if isinstance(tuned.best, GemmSchedule):
+        schedules.append(dataclasses.replace(tuned.best, **({"pack_b": True} if index else {"pack_a": True})))
+    elif kind != "gemm":
+        schedules.append(tuned.best)
+    if kind != "gemm":
+        timed = [t for t in tuned.trials if t.measured is not None and getattr(t.schedule, "algo", None) == "flatc"]
+        if timed:
+            schedules.append(min(timed, key=lambda t: t.measured).schedule)
+    calls = []
+    for schedule in dict.fromkeys(schedules):
+        kernel = compile_kernel(op, schedule)
+        if kernel.prepack_operand(index) is not None:
+            calls.append(kernel.bind(*inputs, threads=threads, constant=index)[0])
+    if len(calls) > 1:
+        calls.sort(key=lambda c: _median_seconds(c, repeats))
+    return calls[0] if calls else None
 
 
 def _tvm_rows(plan: KernelsPlan, rows: list[dict], progress: bool) -> str | None:
@@ -337,9 +351,10 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
         "timed as a bound call (checks, output and pointers once), as the BLAS anchors' prepared calls and "
         "torch.mm(out=) are; torch's convolutions allocate their output in each call (their oneDNN paths take no "
         "out=).",
-        "tessera_prepacked_gflops (GEMM rows): the row's schedule with B packed once at bind, outside the timing, "
-        "and read packed by every call (Kernel.bind(constant=1)), the like-for-like counterpart of MKL's packed "
-        "SGEMM (prepacked_vs_mkl_packed_geomean); the win fraction and geomean take the plain call, "
+        "tessera_prepacked_gflops: the row's weight packed once at bind, outside the timing (GEMM rows: B under the row's schedule; "
+        "conv rows: the weight under the row's schedule where it takes it, or the tuning's fastest flatc schedule, the faster), "
+        "and read packed by every call (Kernel.bind(constant=...)), the like-for-like counterpart of MKL's packed "
+        "SGEMM (prepacked_vs_mkl_packed_geomean) and oneDNN's reordered weights; the win fraction and geomean take the plain call, "
         "win_fraction_ / geomean_either_side_prepacked take each side's faster of packing per call and packing "
         "the weight once (the anchors' figures already include MKL's packed SGEMM and oneDNN's reordered weights).",
         "Code paths: OpenBLAS's openblas_get_corename / get_config, BLIS's bli_arch_query_id, threadpoolctl; torch's "

@@ -17,7 +17,8 @@ GIGA = 1e9
 def either_side_prepacked(rows: list[dict]) -> dict:
     """The win fraction and geomean when each side may pack its weight once, outside the timing:
     the anchors' figures already take MKL's packed SGEMM and oneDNN's reordered weights where
-    faster; Tessera's take its prepacked call where faster (GEMM rows). Medians and each round."""
+    faster; Tessera's take its prepacked call where faster (GEMM rows, and conv rows whose schedule
+    takes a packed weight). Medians and each round."""
 
     def scored(rs):
         out = []

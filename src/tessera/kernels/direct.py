@@ -1,5 +1,5 @@
-"""Operators with a kernel of their own: a depthwise, grouped or flat convolution and a
-matrix-vector product (GEMV). Both are recognised in the IR (the operators ``ops.conv2d`` and ``ops.gemm`` build),
+"""Operators with a kernel of their own: a depthwise, grouped or flat convolution (positions on
+the vector lanes, ``flat``, or output channels on them, ``flatc``) and a matrix-vector product (GEMV). Both are recognised in the IR (the operators ``ops.conv2d`` and ``ops.gemm`` build),
 so the tuner offers their ``DirectSchedule`` beside the micro-kernel and loop-nest lowerings
 and the model decides between them; the kernels are ``csrc/tessera_depthwise.h``,
 ``csrc/tessera_flatconv.h`` and ``csrc/tessera_gemv.h``, sized at compile time by the defines
@@ -11,7 +11,10 @@ a few input channels per group, has the same problem a few times over: the same 
 over the group's channels, ``grouped``); the implicit GEMM of any other convolution packs an
 im2col block per call, which at stride 2, on small planes and on groups of 16-32 channels costs
 as much as the arithmetic (``flat`` reads its B rows straight from padded phase planes
-instead); a GEMV reads every element of its matrix once, so packing it for the micro-kernel
+instead; on planes of 7-28 columns, whose rows leave a share of its vectors' lanes on dropped
+columns, ``flatc`` puts a group's output channels on the lanes and broadcasts the positions
+from the same planes, oneDNN's orientation, with the weight transposed once a call or once for
+good, ``Kernel.bind(constant=0)``); a GEMV reads every element of its matrix once, so packing it for the micro-kernel
 (as the GEMM loops do) doubles the memory traffic of an operator that is nothing but memory
 traffic.
 """
@@ -102,7 +105,7 @@ def gemv_of(op: Operator) -> Gemv | None:
     return Gemv(n=ext["n"], k=ext["k"], trans_b=op.name.endswith("t"))
 
 
-_RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of, "flat": flat_of}
+_RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of, "flat": flat_of, "flatc": flat_of}
 
 
 def applies(op: Operator, algo: str) -> bool:
@@ -121,13 +124,19 @@ def generate_direct(op: Operator, s: DirectSchedule) -> str:
                    "DW_OH": d.oh, "DW_OW": d.ow, "DW_KH": d.kh, "DW_KW": d.kw, "DW_SH": d.sh, "DW_SW": d.sw,
                    "DW_PH": d.ph, "DW_PW": d.pw, "DW_RB": s.rows, "DW_U": s.vecs}
         header = "tessera_depthwise.h"
-    elif s.algo == "flat":
+    elif s.algo in ("flat", "flatc"):
         d = flat_of(op)
         if d is None:
-            raise ValueError(f"{op.name}: the flat kernel takes a conv2d of several input channels a group, stride 1 or 2")
-        if d.cog % s.rows:
+            raise ValueError(f"{op.name}: the {s.algo} kernel takes a conv2d of several input channels a group, stride 1 or 2")
+        if s.algo == "flat" and d.cog % s.rows:
             raise ValueError(f"flat kernel: {s.rows} rows must divide the {d.cog} output channels of a group")
-        defines = {"FC_N": d.n, "FC_G": d.g, "FC_COG": d.cog, "FC_CIG": d.cig, "FC_H": d.h, "FC_W": d.w,
+        lanes = s.vecs * (16 if s.isa == "avx512" else 8)
+        if s.algo == "flatc" and d.cog % lanes:
+            raise ValueError(f"flatc kernel: {s.vecs} vectors ({lanes} lanes) must divide the {d.cog} output channels of a group")
+        if s.algo == "flatc" and s.rows > d.ow and (s.rows % d.ow or s.rows // d.ow > d.oh):
+            raise ValueError(f"flatc kernel: a tile of {s.rows} positions on rows of {d.ow} must be whole rows, "
+                             f"at most the {d.oh} the plane has")
+        defines = {"FC_CVEC": int(s.algo == "flatc"), "FC_N": d.n, "FC_G": d.g, "FC_COG": d.cog, "FC_CIG": d.cig, "FC_H": d.h, "FC_W": d.w,
                    "FC_OH": d.oh, "FC_OW": d.ow, "FC_KH": d.kh, "FC_KW": d.kw, "FC_SH": d.sh, "FC_SW": d.sw,
                    "FC_PH": d.ph, "FC_PW": d.pw, "FC_MR": s.rows, "FC_NV": s.vecs}
         header = "tessera_flatconv.h"
@@ -147,6 +156,8 @@ def generate_direct(op: Operator, s: DirectSchedule) -> str:
 DEPTHWISE_BLOCKS = tuple((r, u) for r in (1, 2, 3, 4) for u in (1, 2, 4))
 # flat: output channels (broadcast) x vectors of output positions; the rows must divide a group's channels
 FLAT_BLOCKS = ((4, 3), (4, 4), (4, 6), (8, 1), (8, 2), (8, 3), (16, 1))
+# flatc: positions of a row (broadcast) x vectors of output channels; the vectors must divide a group's channels
+FLATC_BLOCKS = ((4, 4), (6, 4), (7, 2), (7, 3), (8, 2), (8, 3), (12, 2), (14, 2), (7, 1), (14, 1), (16, 1), (21, 1), (28, 1))
 GEMV_BLOCKS = {False: tuple((r, u) for r in (4, 8) for u in (2, 4, 8)),
                True: tuple((r, u) for r in (2, 4, 6) for u in (1, 2))}
 
@@ -185,6 +196,13 @@ def _flat_space(op: Operator, isas: tuple[str, ...]) -> list[DirectSchedule]:
                 continue  # rows must divide the group's channels; no block of padding lanes only
             try:
                 out.append(DirectSchedule(algo="flat", isa=isa, rows=rows, vecs=vecs))
+            except ValueError:
+                continue
+        for rows, vecs in FLATC_BLOCKS:
+            if d.cog % (vecs * vl) or (rows > d.ow and (rows % d.ow or rows // d.ow > d.oh)):
+                continue  # the vectors divide the group's channels; a tile wider than a row is whole rows
+            try:
+                out.append(DirectSchedule(algo="flatc", isa=isa, rows=rows, vecs=vecs))
             except ValueError:
                 continue
     return out

@@ -112,7 +112,10 @@ class Kernel:
         return call, out
 
     def prepack_operand(self, index: int) -> str | None:
-        """"A" or "B" when input ``index`` can be packed once and read packed, else None."""
+        """"A" or "B" when input ``index`` can be packed once and read packed, else None
+        ("W" for the channel-vectorised flat convolution's weight, input 0)."""
+        if isinstance(self.schedule, DirectSchedule) and self.schedule.algo == "flatc":
+            return "W" if index == 0 else None
         if not isinstance(self.schedule, GemmSchedule) or index not in range(len(self.op.inputs)):
             return None
         con = analyse(self.op, fuse_n=self.schedule.fuse_n)
@@ -123,8 +126,10 @@ class Kernel:
         which = self.prepack_operand(index) if isinstance(index, int) else None
         if which is None:
             raise ValueError(f"{self.op.name}: constant={index!r} cannot be prepacked under {self.schedule.short()}; "
-                             "it must name an input the GEMM schedule packs (no batch loop, no zero padding)")
-        lib = _prepacked_lib(self.op, self.schedule, which)
+                             "it must name an input the GEMM schedule packs (no batch loop, no zero padding) "
+                             "or the weight (0) of a flatc convolution")
+        lib = self._lib if which == "W" else _prepacked_lib(self.op, self.schedule, which)
+        lib.tk_prepack.restype = lib.tk_run_prepacked.restype = None
         _, out = self.bind(*inputs, out=out, threads=threads)  # the checks and the output
         ptrs = [_pointer(x, t, "input", self.op.name) for x, t in zip(inputs, self.op.inputs, strict=True)]
         floats = ctypes.c_long.in_dll(lib, "tk_prepacked_floats").value

@@ -319,6 +319,39 @@ def _predict_flat(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> 
     return CALL_SECONDS + max(t_compute, t_mem)
 
 
+def _predict_flatc(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
+    """The channel-vectorised flat convolution: its tiles' FMAs (a row's overlapping last tile
+    included) against their loads (NV weight vectors, MR position broadcasts, the k offset), the
+    partial sums' store and reload per k block, the transposed scalar store of the output, the
+    plane copy and the weight's transposition (once a call, as the output's: vector 16 x 16
+    blocks)."""
+    d = conv_of(op)
+    vl = 16 if s.isa == "avx512" else 8
+    nr = s.vecs * vl
+    k = d.cig * d.kh * d.kw
+    kc_fit = 4096 // nr
+    k_blocks = 1 if k <= kc_fit + kc_fit // 2 else -(-k // kc_fit)
+    tc = min(s.rows, d.ow)  # a tile: tr rows of tc positions
+    tr = s.rows // tc
+    tiles_row, row_tiles = -(-d.ow // tc), -(-d.oh // tr)
+    rb = max(1, min(row_tiles, 16384 // (tiles_row * s.rows * nr)))
+    items = d.n * d.g * (d.cog // nr) * -(-row_tiles // rb)
+    step_cycles = max(s.rows * s.vecs / FMA_PIPES, (s.rows + s.vecs + 1) / LOADS_PER_CYCLE)
+    tile_cycles = k * step_cycles + 2 * s.rows * s.vecs * k_blocks + 6
+    t_eff = max(1, min(threads, items))
+    speed = _balance(items, t_eff)
+    outputs = d.n * d.g * d.cog * d.oh * d.ow
+    fill = d.n * d.g * d.cig * d.h * d.w * (1.0 / vl if d.sw == 1 else 2.0 / vl)
+    tiles = d.n * d.g * (d.cog // nr) * row_tiles * tiles_row
+    weight = d.g * d.cog * k
+    per_elem = 0.3 if s.isa == "avx512" else 1.5  # a transposed element: vector blocks or one at a time
+    t_compute = (tiles * tile_cycles + per_elem * outputs + fill) * _cycle(m, s.isa) / speed
+    t_pack = 8.0 * weight / m.bandwidth(_level(m, 8.0 * weight, t_eff), t_eff) + weight * per_elem * _cycle(m, s.isa) / t_eff
+    nbytes = 4.0 * (d.n * d.g * (d.cig * d.h * d.w + d.cog * d.oh * d.ow))
+    t_mem = nbytes / m.bandwidth(_level(m, nbytes, t_eff), t_eff)
+    return CALL_SECONDS + t_pack + max(t_compute, t_mem)
+
+
 def _predict_gemv(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
     v = gemv_of(op)
     vl = 16 if s.isa == "avx512" else 8
@@ -338,7 +371,7 @@ def predict(op: Operator, schedule: Schedule, m: Machine, threads: int = 1) -> f
     if isinstance(schedule, GemmSchedule):
         return predict_gemm(op, schedule, m, threads)
     if isinstance(schedule, DirectSchedule):
-        predictor = {"gemv": _predict_gemv, "flat": _predict_flat}.get(schedule.algo, _predict_depthwise)
+        predictor = {"gemv": _predict_gemv, "flat": _predict_flat, "flatc": _predict_flatc}.get(schedule.algo, _predict_depthwise)
         return predictor(op, schedule, m, threads)
     if isinstance(schedule, WinogradSchedule):
         from tessera.kernels.winograd import predict_winograd  # it builds on this module's GEMM model

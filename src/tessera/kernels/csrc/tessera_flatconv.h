@@ -18,12 +18,25 @@
  * positions of one image and group, sums it over K in blocks of FC_KC for every output
  * channel, then scatters the valid columns. Sums run over k in order whatever the thread
  * count: results do not depend on it.
+ *
+ * With FC_CVEC 1 the same planes feed the other orientation (oneDNN's idea for small planes
+ * and groups): output channels on the vector lanes, positions broadcast. A tile is FC_MR
+ * positions of one output row (from the planes at q = oh * WQ + ow, the same koff) times
+ * FC_NV vectors of a group's output channels, summed over all of K in one pass; its B is the
+ * weight transposed to [K][NV * VL] per block of channels (packed once a call by tk_run, or
+ * once for good by tk_prepack for tk_run_prepacked). No column is computed and dropped (a
+ * row's last tile overlaps the one before it when MR does not divide OW: the same sums, so
+ * the same bits); the tile is written to the NCHW output transposed. Needs FC_COG a multiple
+ * of NV * VL.
  */
 #ifndef TESSERA_FLATCONV_H
 #define TESSERA_FLATCONV_H
 
 #include "tessera_vec.h"
 
+#ifndef FC_CVEC
+#define FC_CVEC 0
+#endif
 #define FC_NR (FC_NV * TK_VL)
 #define FC_K (FC_CIG * FC_KH * FC_KW)
 #define FC_KC 128
@@ -36,15 +49,26 @@
 #define FC_HQ ((FC_HP + FC_SH - 1) / FC_SH)
 #define FC_WQ ((FC_WP + FC_SW - 1) / FC_SW)
 #define FC_Q ((long)FC_OH * FC_WQ)
+#define FC_KMAX (((FC_KH - 1) / FC_SH) * FC_WQ + (FC_KW - 1) / FC_SW)
+#if FC_CVEC
+#define FC_READ ((long)(FC_OH - 1) * FC_WQ + FC_OW + FC_KMAX)
+#else
 #define FC_QB ((FC_Q + FC_NR - 1) / FC_NR)
-#define FC_READ ((long)FC_QB * FC_NR + ((FC_KH - 1) / FC_SH) * FC_WQ + (FC_KW - 1) / FC_SW)
+#define FC_READ ((long)FC_QB * FC_NR + FC_KMAX)
+#endif
 #define FC_PLANE ((long)FC_HQ * FC_WQ > FC_READ ? (long)FC_HQ * FC_WQ : FC_READ)
 #define FC_CH ((long)FC_SH * FC_SW * FC_PLANE)
 #define FC_GROUP ((long)FC_CIG * FC_CH)
+#if FC_CVEC
+#define FC_CB (FC_COG / FC_NR) /* blocks of output channels a group */
+#if FC_COG % FC_NR != 0
+#error "NV vectors must divide the output channels of a group"
+#endif
+#else
 #define FC_ITEMS ((long)FC_N * FC_G * FC_QB)
-
 #if FC_COG % FC_MR != 0
 #error "FC_MR must divide the output channels of a group"
+#endif
 #endif
 
 static long fc_koff[FC_K];
@@ -78,6 +102,156 @@ static void fc_fill(float *restrict ch, const float *restrict x) {
     }
 }
 
+/* The padded phase planes of the call's input, grown once and kept by the calling thread (a
+ * fresh buffer of several MiB costs a page fault per 4 KiB on every call); its padding is
+ * zeroed when it is allocated. */
+static __thread float *fc_planes;
+
+static float *fc_fill_all(const float *restrict in1, int nthreads) {
+    if (!fc_planes) {
+        fc_planes = tk_alloc((long)FC_N * FC_G * FC_GROUP);
+        memset(fc_planes, 0, (size_t)FC_N * FC_G * FC_GROUP * sizeof(float));
+    }
+    float *planes = fc_planes;
+    const long channels = (long)FC_N * FC_G * FC_CIG;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (long c = 0; c < channels; ++c) fc_fill(planes + c * FC_CH, in1 + c * (long)FC_H * FC_W);
+    return planes;
+}
+
+#if FC_CVEC
+
+long tk_prepacked_floats = (long)FC_G * FC_COG * FC_K;
+
+/* dst[((g * CB + cb) * K + k) * NR + j] = W[g][cb * NR + j][k]: each block of NR output
+ * channels of a group as the rows of a [K][NR] matrix. */
+static void fc_pack_weight(float *restrict dst, const float *restrict w, int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (long b = 0; b < (long)FC_G * FC_CB; ++b) {
+        const float *src = w + b * FC_NR * (long)FC_K;
+        tk_transpose(dst + b * FC_NR * (long)FC_K, FC_NR, src, FC_K, FC_NR, FC_K);
+    }
+}
+
+void tk_prepack(const float *restrict w, float *restrict dst) { fc_pack_weight(dst, w, 1); }
+
+/* A tile's MR positions: TR output rows of TC columns (TC = MR, or OW when a row is narrower
+ * than MR: 7x7 planes take two rows of 7). The last tile of a row, and the last row tile of a
+ * plane, overlap the one before them when they do not divide it: the same sums, so the same
+ * bits, written twice. */
+#define FC_TC (FC_OW < FC_MR ? FC_OW : FC_MR)
+#define FC_TR (FC_MR / FC_TC)
+#define FC_TW ((FC_OW + FC_TC - 1) / FC_TC)     /* tiles along a row */
+#define FC_TH ((FC_OH + FC_TR - 1) / FC_TR)     /* row tiles down a plane */
+/* Row tiles an item takes (its partial sums, RB x TW tiles of MR x NR floats, stay near
+ * 64 KiB) and the k block (its [KC][NR] slice of the weight, 16 KiB, is read from L1 by every
+ * tile of the item, beside the input rows it meets: a 32 KiB slice ran 5% slower on 7x7
+ * planes, measured). */
+#define FC_RB_FIT (16384 / ((long)FC_TW * FC_MR * FC_NR))
+#define FC_RB (FC_RB_FIT < 1 ? 1 : FC_RB_FIT > FC_TH ? FC_TH : FC_RB_FIT)
+#define FC_THB ((FC_TH + FC_RB - 1) / FC_RB)
+#ifndef FC_KU
+#define FC_KU 2
+#endif
+#ifndef FC_KC_FIT
+#define FC_KC_FIT (4096 / FC_NR)
+#endif
+#define FC_KCC (FC_K <= FC_KC_FIT + FC_KC_FIT / 2 ? FC_K : FC_KC_FIT)
+
+#if FC_MR % FC_TC != 0 || FC_TR > FC_OH
+#error "a flatc tile wider than a row must be whole rows of it, no more than the plane has"
+#endif
+
+TK_INLINE long fc_col0(long t) { return (t * FC_TC + FC_TC > FC_OW) ? FC_OW - FC_TC : t * FC_TC; }
+TK_INLINE long fc_row0(long r) { return (r * FC_TR + FC_TR > FC_OH) ? FC_OH - FC_TR : r * FC_TR; }
+
+/* acc[i][v] (+)= sum over kc of x[koff[k] + pos(i)] * wt[k * NR + v * VL ...]: MR positions
+ * (broadcast) times NV vectors of output channels. The partial sums between k blocks live in
+ * the tile's own slot (tiles that overlap must not share them); the last block writes the
+ * tile position-major into rows (OW positions a row). */
+TK_INLINE void fc_ctile(long kc, const float *restrict x, const long *restrict koff, const float *restrict wt,
+                        float *restrict slot, int first, int last, float *restrict rows) {
+    tk_vf acc[FC_MR][FC_NV];
+    TK_UNROLL_ALL
+    for (int i = 0; i < FC_MR; ++i)
+        TK_UNROLL_ALL
+        for (int v = 0; v < FC_NV; ++v) acc[i][v] = first ? tk_zero() : tk_load(slot + i * FC_NR + v * TK_VL);
+    TK_UNROLL_LOOP(FC_KU)
+    for (long k = 0; k < kc; ++k) {
+        const float *xk = x + koff[k];
+        const float *wk = wt + k * FC_NR;
+        tk_vf bv[FC_NV];
+        TK_UNROLL_ALL
+        for (int v = 0; v < FC_NV; ++v) bv[v] = tk_load(wk + v * TK_VL);
+        TK_UNROLL_ALL
+        for (int i = 0; i < FC_MR; ++i) {
+            tk_vf xi = tk_set1(xk[(i / FC_TC) * FC_WQ + i % FC_TC]);
+            TK_UNROLL_ALL
+            for (int v = 0; v < FC_NV; ++v) acc[i][v] = tk_fma(xi, bv[v], acc[i][v]);
+        }
+    }
+    TK_UNROLL_ALL
+    for (int i = 0; i < FC_MR; ++i)
+        TK_UNROLL_ALL
+        for (int v = 0; v < FC_NV; ++v)
+            tk_store(last ? rows + ((i / FC_TC) * FC_OW + i % FC_TC) * FC_NR + v * TK_VL : slot + i * FC_NR + v * TK_VL, acc[i][v]);
+}
+
+/* An item: RB row tiles of one image and group, NR output channels; its partial sums are
+ * kept position-major for whole rows (from its first row tile's first row), then written to
+ * the output's [channel][position] rows by one transposed copy of the rows it owns. */
+#define FC_CITEMS ((long)FC_N * FC_G * FC_CB * FC_THB)
+
+static void fc_run_cvec(float *restrict out, const float *restrict packed, const float *restrict planes, int nthreads) {
+    if (nthreads > FC_CITEMS) nthreads = (int)FC_CITEMS;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *cbuf = tk_alloc(((long)FC_RB + 1) * FC_TR * FC_OW * FC_NR);
+        float *slots = FC_K > FC_KCC ? tk_alloc((long)FC_RB * FC_TW * FC_MR * FC_NR) : NULL;
+#pragma omp for schedule(static)
+        for (long item = 0; item < FC_CITEMS; ++item) {
+            long hb = item % FC_THB, rest = item / FC_THB, cb = rest % FC_CB, ng = rest / FC_CB, g = ng % FC_G;
+            long r0 = hb * FC_RB, rts = tk_min(FC_RB, FC_TH - r0), base = fc_row0(r0);
+            const float *wt = packed + (g * FC_CB + cb) * FC_NR * (long)FC_K;
+            const float *xg = planes + ng * FC_GROUP;
+            for (long k0 = 0; k0 < FC_K; k0 += FC_KCC) {
+                long kc = tk_min(FC_KCC, FC_K - k0);
+                for (long r = 0; r < rts; ++r)
+                    for (long t = 0; t < FC_TW; ++t) {
+                        long oh = fc_row0(r0 + r), ow = fc_col0(t);
+                        fc_ctile(kc, xg + oh * (long)FC_WQ + ow, fc_koff + k0, wt + k0 * FC_NR,
+                                 slots + (r * FC_TW + t) * FC_MR * FC_NR, k0 == 0, k0 + kc == FC_K,
+                                 cbuf + ((oh - base) * FC_OW + ow) * FC_NR);
+                    }
+            }
+            long own0 = r0 * FC_TR, own1 = tk_min(FC_OH, (r0 + rts) * FC_TR); /* rows no other item writes */
+            float *y = out + (ng * (long)FC_COG + cb * FC_NR) * FC_OH * FC_OW + own0 * FC_OW;
+            tk_transpose(y, (long)FC_OH * FC_OW, cbuf + (own0 - base) * FC_OW * FC_NR, FC_NR, (own1 - own0) * FC_OW, FC_NR);
+        }
+        free(cbuf);
+        free(slots);
+    }
+}
+
+/* The weight transposed once a call, kept by the calling thread like the planes. */
+static __thread float *fc_wt;
+
+/* in0: the weight [G, COG, CIG, KH, KW]; in1: the input [N, G, CIG, H, W]. */
+void tk_run(float *restrict out, const float *restrict in0, const float *restrict in1, int nthreads) {
+    if (!fc_wt) fc_wt = tk_alloc(tk_prepacked_floats);
+    fc_pack_weight(fc_wt, in0, nthreads);
+    fc_run_cvec(out, fc_wt, fc_fill_all(in1, nthreads), nthreads);
+}
+
+/* The same with the weight packed once by tk_prepack (in0 is not read). */
+void tk_run_prepacked(float *restrict out, const float *restrict in0, const float *restrict in1,
+                      const float *restrict packed, int nthreads) {
+    (void)in0;
+    fc_run_cvec(out, packed, fc_fill_all(in1, nthreads), nthreads);
+}
+
+#else /* FC_CVEC */
+
 /* acc[i][v] = sum over kc of a[i * K + k] * b[koff[k] + v * VL ...] */
 TK_INLINE void fc_tile(long kc, const float *restrict a, const float *restrict b, const long *restrict koff,
                        tk_vf acc[FC_MR][FC_NV]) {
@@ -95,23 +269,12 @@ TK_INLINE void fc_tile(long kc, const float *restrict a, const float *restrict b
     }
 }
 
-/* The planes, grown once and kept by the calling thread (a fresh buffer of several MiB costs a
- * page fault per 4 KiB on every call); its padding is zeroed when it is allocated. */
-static __thread float *fc_planes;
-
 /* in0: the weight [G, COG, CIG, KH, KW]; in1: the input [N, G, CIG, H, W]. */
 void tk_run(float *restrict out, const float *restrict in0, const float *restrict in1, int nthreads) {
-    if (!fc_planes) {
-        fc_planes = tk_alloc((long)FC_N * FC_G * FC_GROUP);
-        memset(fc_planes, 0, (size_t)FC_N * FC_G * FC_GROUP * sizeof(float));
-    }
-    float *planes = fc_planes;
-    const long channels = (long)FC_N * FC_G * FC_CIG;
+    float *planes = fc_fill_all(in1, nthreads);
     if (nthreads > FC_ITEMS) nthreads = (int)FC_ITEMS;
 #pragma omp parallel num_threads(nthreads)
     {
-#pragma omp for schedule(static)
-        for (long c = 0; c < channels; ++c) fc_fill(planes + c * FC_CH, in1 + c * (long)FC_H * FC_W);
         float *cbuf = tk_alloc((long)FC_COG * FC_NR);
         long dst[FC_NR];
 #pragma omp for schedule(static)
@@ -146,5 +309,7 @@ void tk_run(float *restrict out, const float *restrict in0, const float *restric
         free(cbuf);
     }
 }
+
+#endif /* FC_CVEC */
 
 #endif /* TESSERA_FLATCONV_H */

@@ -68,6 +68,49 @@ TK_INLINE __m512 tk_odds(__m512 a, __m512 b) {
 }
 #endif
 
+/* dst[c * ds + r] = src[r * ss + c] for r < rows, c < cols (a transposed copy). AVX-512 takes
+ * 16 x 16 blocks (partial ones through masks) in four butterfly stages: at distance d, rows i
+ * and i + d trade their off-diagonal d-wide blocks (one two-source permute each), which after
+ * d = 8, 4, 2, 1 leaves every row a column. Otherwise one element at a time. Not inlined: its
+ * eight permute indices would otherwise sit in vector registers around the caller's hot loop
+ * (a 14 x 2 convolution tile then spilled its accumulators). */
+static __attribute__((noinline, unused)) void tk_transpose(float *restrict dst, long ds, const float *restrict src, long ss, long rows, long cols) {
+#if TK_VEC == 512
+    const __m512i lo8 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                  hi8 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31),
+                  lo4 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27),
+                  hi4 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31),
+                  lo2 = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29),
+                  hi2 = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31),
+                  lo1 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30),
+                  hi1 = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    for (long r0 = 0; r0 < rows; r0 += 16) {
+        long nr = rows - r0 < 16 ? rows - r0 : 16;
+        for (long c0 = 0; c0 < cols; c0 += 16) {
+            long nc = cols - c0 < 16 ? cols - c0 : 16;
+            __mmask16 cm = (__mmask16)(nc == 16 ? 0xFFFFu : (1u << nc) - 1u), rm = (__mmask16)(nr == 16 ? 0xFFFFu : (1u << nr) - 1u);
+            __m512 v[16], t[16];
+            for (int i = 0; i < 16; ++i) v[i] = i < nr ? _mm512_maskz_loadu_ps(cm, src + (r0 + i) * ss + c0) : _mm512_setzero_ps();
+#define TK_STAGE(d, lo, hi, from, to)                                                      \
+            for (int i = 0; i < 16; ++i)                                                   \
+                if (!(i & d)) {                                                            \
+                    to[i] = _mm512_permutex2var_ps(from[i], lo, from[i + d]);              \
+                    to[i + d] = _mm512_permutex2var_ps(from[i], hi, from[i + d]);          \
+                }
+            TK_STAGE(8, lo8, hi8, v, t)
+            TK_STAGE(4, lo4, hi4, t, v)
+            TK_STAGE(2, lo2, hi2, v, t)
+            TK_STAGE(1, lo1, hi1, t, v)
+#undef TK_STAGE
+            for (int c = 0; c < nc; ++c) _mm512_mask_storeu_ps(dst + (c0 + c) * ds + r0, rm, v[c]);
+        }
+    }
+#else
+    for (long r = 0; r < rows; ++r)
+        for (long c = 0; c < cols; ++c) dst[c * ds + r] = src[r * ss + c];
+#endif
+}
+
 /* d[i] = s[2 i], i < n (a stride-2 run); the vector loop reads s[2 i + 31] only while it is
  * below s[2 (n - 1)]. */
 TK_INLINE void tk_copy_run2(float *restrict d, const float *restrict s, long n) {
