@@ -206,10 +206,10 @@ def _prepacked_call(kind, op, tuned, inputs, threads, repeats):
     """The row's weight packed once, outside the timing, and read packed by each call (as MKL's
     packed SGEMM and oneDNN's reordered weights are): a GEMM's B (input 1) under the tuned
     micro-kernel schedule; a convolution's weight (input 0) under the tuned schedule when it
-    can take it (a micro-kernel that packs A, or ``flatc``), and under the fastest timed
+    can take it (a micro-kernel that packs A, ``flatc``, Winograd), and under the fastest timed
     ``flatc`` schedule of the tuning, the faster of the two. None when neither applies."""
     index = 1 if kind == "gemm" else 0
-    schedules = []
+    schedules = []  # Winograd takes its weight transformed once too (the tuned pick below)
     if isinstance(tuned.best, GemmSchedule):
         schedules.append(dataclasses.replace(tuned.best, **({"pack_b": True} if index else {"pack_a": True})))
     elif kind != "gemm":

@@ -113,8 +113,10 @@ class Kernel:
 
     def prepack_operand(self, index: int) -> str | None:
         """"A" or "B" when input ``index`` can be packed once and read packed, else None
-        ("W" for the channel-vectorised flat convolution's weight, input 0)."""
-        if isinstance(self.schedule, DirectSchedule) and self.schedule.algo == "flatc":
+        ("W" for the weight, input 0, of a channel-vectorised flat convolution, transposed, or of
+        a Winograd convolution, transformed)."""
+        if (isinstance(self.schedule, DirectSchedule) and self.schedule.algo == "flatc") or isinstance(
+                self.schedule, WinogradSchedule):
             return "W" if index == 0 else None
         if not isinstance(self.schedule, GemmSchedule) or index not in range(len(self.op.inputs)):
             return None
@@ -127,7 +129,7 @@ class Kernel:
         if which is None:
             raise ValueError(f"{self.op.name}: constant={index!r} cannot be prepacked under {self.schedule.short()}; "
                              "it must name an input the GEMM schedule packs (no batch loop, no zero padding) "
-                             "or the weight (0) of a flatc convolution")
+                             "or the weight (0) of a flatc or Winograd convolution")
         lib = self._lib if which == "W" else _prepacked_lib(self.op, self.schedule, which)
         lib.tk_prepack.restype = lib.tk_run_prepacked.restype = None
         _, out = self.bind(*inputs, out=out, threads=threads)  # the checks and the output

@@ -186,18 +186,37 @@ static void wg_output(const float *restrict Mb, float *restrict y, int nthreads)
     }
 }
 
-/* in0: the weight [K, C, 3, 3]; in1: the input [N, C, H, W]; out: [N, K, OH, OW]. Scratch is
- * per calling thread (allocated on its first call), so two Python threads may call at once. */
-void tk_run(float *restrict out, const float *restrict in0, const float *restrict in1, int nthreads) {
-    if (!wg_U) {
-        wg_U = tk_alloc((long)WG_XI * WG_K * WG_C);
+static void wg_scratch(void) {
+    if (!wg_V) {
         wg_V = tk_alloc((long)WG_XI * WG_C * WG_T);
         wg_Mb = tk_alloc((long)WG_XI * WG_K * WG_T + TK_VL);
         memset(wg_Mb, 0, ((size_t)WG_XI * WG_K * WG_T + TK_VL) * sizeof(float));
     }
+}
+
+/* in0: the weight [K, C, 3, 3]; in1: the input [N, C, H, W]; out: [N, K, OH, OW]. Scratch is
+ * per calling thread (allocated on its first call), so two Python threads may call at once. */
+void tk_run(float *restrict out, const float *restrict in0, const float *restrict in1, int nthreads) {
+    wg_scratch();
+    if (!wg_U) wg_U = tk_alloc((long)WG_XI * WG_K * WG_C);
     wg_weights(in0, wg_U, nthreads);
     wg_input(in1, wg_V, nthreads);
     wg_gemm(wg_Mb, wg_U, wg_V, nthreads);
+    wg_output(wg_Mb, out, nthreads);
+}
+
+/* The weight transformed once (tk_prepack, U's layout), then read by every call of
+ * tk_run_prepacked, which does not read in0: oneDNN's reordered weights, for Winograd. */
+long tk_prepacked_floats = (long)WG_XI * WG_K * WG_C;
+
+void tk_prepack(const float *restrict w, float *restrict dst) { wg_weights(w, dst, 1); }
+
+void tk_run_prepacked(float *restrict out, const float *restrict in0, const float *restrict in1,
+                      const float *restrict packed, int nthreads) {
+    (void)in0;
+    wg_scratch();
+    wg_input(in1, wg_V, nthreads);
+    wg_gemm(wg_Mb, packed, wg_V, nthreads);
     wg_output(wg_Mb, out, nthreads);
 }
 
