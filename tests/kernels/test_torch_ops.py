@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from tessera.kernels import Conv2d, Linear, convert
+from tessera.kernels import Conv2d, Linear, convert, ops
 from tessera.kernels import torch_ops as T
 
 # float32 sums of K products agree with float64 to about sqrt(K) * 6e-8 relative (random
@@ -87,6 +87,34 @@ def test_linear_module_and_convert():
     close(model(x), want)
     lin = Linear(6, 2)
     close(lin(torch.ones(2, 3, 6)), F.linear(torch.ones(2, 3, 6), lin.weight, lin.bias))
+
+
+def test_inference_keeps_the_weight_packed_and_repacks_when_it_changes():
+    torch.manual_seed(3)
+    # a 7x7 plane of 16 -> 32 channels (the model's pick here: flatc, whose weight packs), and a Linear
+    # (the micro-kernel GEMM packs B)
+    for mine, x in ((Conv2d(16, 32, 3, padding=1), torch.randn(2, 16, 7, 7)), (Linear(48, 96), torch.randn(5, 48))):
+        with torch.no_grad():
+            got = mine(x)
+            plain = (T.conv2d(x, mine.weight, [1, 1], [1, 1], 1) + mine.bias.view(1, -1, 1, 1) if isinstance(mine, Conv2d)
+                     else T.matmul(x, mine.weight, False, True) + mine.bias)
+            assert torch.equal(got, plain)  # the same sums in the same order as packing per call
+            packed = mine.__dict__.get("_tessera_packed", {})
+            op, index = ((ops.conv2d(T.conv_shape(x.shape, mine.weight.shape, (1, 1), (1, 1), 1)), 0)
+                         if isinstance(mine, Conv2d) else (ops.gemm(5, 96, 48, trans_b=True), 1))
+            takes = T.kernel_for(op).prepack_operand(index) is not None
+            assert len(packed) == int(takes) and (takes or isinstance(mine, Conv2d))  # a Linear's B always packs
+            assert torch.equal(mine(x), got)  # the kept packing: a second call agrees
+            mine.weight.mul_(-2.0)  # in place: the version moves, so the weight is packed again
+            again = mine(x)
+        assert not torch.equal(again, got)
+        with torch.no_grad():
+            want = (T.conv2d(x, mine.weight, [1, 1], [1, 1], 1) + mine.bias.view(1, -1, 1, 1) if isinstance(mine, Conv2d)
+                    else T.matmul(x, mine.weight, False, True) + mine.bias)
+        assert torch.equal(again, want)
+        # with gradients wanted the custom op (and its autograd) runs, not the packed path
+        y = mine(x.requires_grad_())
+        assert y.grad_fn is not None
 
 
 def test_wrong_input_is_refused():

@@ -124,7 +124,9 @@ class Kernel:
         which = {con.a.tensor.name: "A", con.b.tensor.name: "B"}.get(self.op.inputs[index].name)
         return which if which and prepackable(self.op, self.schedule, which) else None
 
-    def _bind_prepacked(self, inputs, out, threads: int, index: int):
+    def prepack(self, index: int, value) -> Prepacked:
+        """Input ``index`` (a weight: ``value``, its array) packed once, as this schedule reads it
+        packed; ``run_prepacked`` then takes it in place of packing it per call."""
         which = self.prepack_operand(index) if isinstance(index, int) else None
         if which is None:
             raise ValueError(f"{self.op.name}: constant={index!r} cannot be prepacked under {self.schedule.short()}; "
@@ -132,16 +134,31 @@ class Kernel:
                              "or the weight (0) of a flatc or Winograd convolution")
         lib = self._lib if which == "W" else _prepacked_lib(self.op, self.schedule, which)
         lib.tk_prepack.restype = lib.tk_run_prepacked.restype = None
-        _, out = self.bind(*inputs, out=out, threads=threads)  # the checks and the output
-        ptrs = [_pointer(x, t, "input", self.op.name) for x, t in zip(inputs, self.op.inputs, strict=True)]
-        floats = ctypes.c_long.in_dll(lib, "tk_prepacked_floats").value
-        packed = np.empty(floats, dtype=np.float32)
-        lib.tk_prepack(ctypes.c_void_p(ptrs[index]), ctypes.c_void_p(packed.ctypes.data))
-        args = [ctypes.c_void_p(_pointer(out, self.op.output.tensor, "output", self.op.name)),
-                *[ctypes.c_void_p(p) for p in ptrs], ctypes.c_void_p(packed.ctypes.data), ctypes.c_int(threads)]
-        fn = lib.tk_run_prepacked
+        ptr = _pointer(value, self.op.inputs[index], "input", self.op.name)
+        packed = np.empty(ctypes.c_long.in_dll(lib, "tk_prepacked_floats").value, dtype=np.float32)
+        lib.tk_prepack(ctypes.c_void_p(ptr), ctypes.c_void_p(packed.ctypes.data))
+        return Prepacked(index=index, data=packed, fn=lib.tk_run_prepacked, lib=lib)
 
-        def call(_alive=(out, inputs, packed, lib)):
+    def run_prepacked(self, packed: Prepacked, *inputs, out=None, threads: int = 1):
+        """The kernel on ``inputs`` with input ``packed.index`` read from ``packed`` (the array
+        passed in its place is checked, not read)."""
+        call, out = self._bind_prepacked(inputs, out, threads, packed)
+        call()
+        return out
+
+    def _bind_prepacked(self, inputs, out, threads: int, packed):
+        """``packed``: a Prepacked, or the index of the input to pack now (``bind(constant=)``)."""
+        if not isinstance(packed, Prepacked) and self.prepack_operand(packed) is None:
+            self.prepack(packed, None)  # raises, naming the index
+        _, out = self.bind(*inputs, out=out, threads=threads)  # the checks and the output
+        if not isinstance(packed, Prepacked):
+            packed = self.prepack(packed, inputs[packed])
+        ptrs = [_pointer(x, t, "input", self.op.name) for x, t in zip(inputs, self.op.inputs, strict=True)]
+        args = [ctypes.c_void_p(_pointer(out, self.op.output.tensor, "output", self.op.name)),
+                *[ctypes.c_void_p(p) for p in ptrs], ctypes.c_void_p(packed.data.ctypes.data), ctypes.c_int(threads)]
+        fn = packed.fn
+
+        def call(_alive=(out, inputs, packed)):
             fn(*args)
 
         return call, out
@@ -163,6 +180,17 @@ class Kernel:
             call()
             times.append(time.perf_counter() - began)
         return times
+
+
+@dataclass(frozen=True)
+class Prepacked:
+    """A kernel input packed once (``Kernel.prepack``): its index, the packed floats and the
+    entry point that reads them."""
+
+    index: int
+    data: np.ndarray = field(repr=False)
+    fn: ctypes._CFuncPtr = field(repr=False)
+    lib: ctypes.CDLL = field(repr=False)
 
 
 @functools.lru_cache(maxsize=64)

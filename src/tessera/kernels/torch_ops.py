@@ -50,6 +50,25 @@ def run(op: Operator, named: dict[str, Tensor]) -> Tensor:
     return kernel_for(op, threads)(*args, threads=threads)
 
 
+def run_weight_packed(op: Operator, named: dict[str, Tensor], weight: str, cache: dict) -> Tensor:
+    """``run`` for inference with a layer's weight (input ``weight``) packed once and kept in
+    ``cache`` (the layer's) for as long as the weight's storage and version stay the same; a
+    schedule that cannot take a packed weight runs as ``run`` does. Sums and their order are
+    those of packing per call, so the bits are too."""
+    threads = torch.get_num_threads()
+    kernel = kernel_for(op, threads)
+    index = [t.name for t in op.inputs].index(weight)
+    args = [named[t.name].contiguous().view(t.shape) for t in op.inputs]
+    if kernel.prepack_operand(index) is None:
+        return kernel(*args, threads=threads)
+    w = named[weight]
+    stamp, key = (w.data_ptr(), w._version), (op.signature(), threads)
+    kept = cache.get(key)
+    if kept is None or kept[0] != stamp:
+        kept = cache[key] = (stamp, kernel.prepack(index, args[index].detach()))
+    return kernel.run_prepacked(kept[1], *[a.detach() for a in args], threads=threads)
+
+
 def _check(op_name: str, **tensors: Tensor) -> None:
     for name, t in tensors.items():
         if t.dtype != torch.float32:
