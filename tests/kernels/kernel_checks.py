@@ -1,4 +1,4 @@
-"""Checks shared by the kernels tests: random inputs and the float32 error bound."""
+"""Checks shared by the kernels tests: random inputs, the float32 error bound and a weight packed once."""
 
 import numpy as np
 
@@ -37,3 +37,15 @@ def assert_within_bound(out: np.ndarray, op: Operator, inputs: dict[str, np.ndar
 
 def run(kernel, op: Operator, inputs: dict[str, np.ndarray], threads: int = 1) -> np.ndarray:
     return kernel(*[inputs[t.name] for t in op.inputs], threads=threads)
+
+
+def assert_prepacked_weight_agrees(kernel, op: Operator, inputs: dict[str, np.ndarray], want: np.ndarray) -> None:
+    """The weight (input 0) packed once at bind gives ``want`` bit for bit (the same sums in the
+    same order), and the bound call no longer reads the array it was bound with."""
+    args = [inputs[t.name].copy() for t in op.inputs]
+    call, out = kernel.bind(*args, threads=2, constant=0)
+    call()
+    np.testing.assert_array_equal(out, want)
+    args[0][:] = 0.0
+    call()
+    np.testing.assert_array_equal(out, want)

@@ -89,6 +89,13 @@ def test_linear_module_and_convert():
     close(lin(torch.ones(2, 3, 6)), F.linear(torch.ones(2, 3, 6), lin.weight, lin.bias))
 
 
+def _per_call(mine, x):
+    """The module's output through the custom op (the weight packed in each call)."""
+    if isinstance(mine, Conv2d):
+        return T.conv2d(x, mine.weight, [1, 1], [1, 1], 1) + mine.bias.view(1, -1, 1, 1)
+    return T.matmul(x, mine.weight, False, True) + mine.bias
+
+
 def test_inference_keeps_the_weight_packed_and_repacks_when_it_changes():
     torch.manual_seed(3)
     # a 7x7 plane of 16 -> 32 channels (the model's pick here: flatc, whose weight packs), and a Linear
@@ -96,9 +103,7 @@ def test_inference_keeps_the_weight_packed_and_repacks_when_it_changes():
     for mine, x in ((Conv2d(16, 32, 3, padding=1), torch.randn(2, 16, 7, 7)), (Linear(48, 96), torch.randn(5, 48))):
         with torch.no_grad():
             got = mine(x)
-            plain = (T.conv2d(x, mine.weight, [1, 1], [1, 1], 1) + mine.bias.view(1, -1, 1, 1) if isinstance(mine, Conv2d)
-                     else T.matmul(x, mine.weight, False, True) + mine.bias)
-            assert torch.equal(got, plain)  # the same sums in the same order as packing per call
+            assert torch.equal(got, _per_call(mine, x))  # the same sums in the same order as packing per call
             packed = mine.__dict__.get("_tessera_packed", {})
             op, index = ((ops.conv2d(T.conv_shape(x.shape, mine.weight.shape, (1, 1), (1, 1), 1)), 0)
                          if isinstance(mine, Conv2d) else (ops.gemm(5, 96, 48, trans_b=True), 1))
@@ -109,9 +114,7 @@ def test_inference_keeps_the_weight_packed_and_repacks_when_it_changes():
             again = mine(x)
         assert not torch.equal(again, got)
         with torch.no_grad():
-            want = (T.conv2d(x, mine.weight, [1, 1], [1, 1], 1) + mine.bias.view(1, -1, 1, 1) if isinstance(mine, Conv2d)
-                    else T.matmul(x, mine.weight, False, True) + mine.bias)
-        assert torch.equal(again, want)
+            assert torch.equal(again, _per_call(mine, x))
         # with gradients wanted the custom op (and its autograd) runs, not the packed path
         y = mine(x.requires_grad_())
         assert y.grad_fn is not None

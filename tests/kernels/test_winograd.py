@@ -11,7 +11,7 @@ transform 12)."""
 
 import numpy as np
 import pytest
-from kernel_checks import UNIT_ROUNDOFF, random_inputs, run
+from kernel_checks import UNIT_ROUNDOFF, assert_prepacked_weight_agrees, random_inputs, run
 
 from tessera.kernels import compile_kernel, ops, reference
 from tessera.kernels.machine import cpu_isas
@@ -68,15 +68,7 @@ def test_winograd_within_its_bound_and_thread_invariant(s, m, isa):
     kernel = compile_kernel(op, WinogradSchedule(m=m, isa=isa, gemm=gemm))
     one, two = run(kernel, op, inputs, 1), run(kernel, op, inputs, 2)
     np.testing.assert_array_equal(one, two)  # planes and GEMM batches split over threads, sums unchanged
-    # the weight transformed once at bind: the same transform and GEMMs, so the same bits, and the
-    # weight it was bound with is not read again
-    args = [inputs[t.name].copy() for t in op.inputs]
-    call, out = kernel.bind(*args, threads=2, constant=0)
-    call()
-    np.testing.assert_array_equal(out, one)
-    args[0][:] = 0.0
-    call()
-    np.testing.assert_array_equal(out, one)
+    assert_prepacked_weight_agrees(kernel, op, inputs, one)  # the weight transformed once at bind
     exact = reference.evaluate(op, inputs).reshape(s.output_shape)
     err = np.abs(one.reshape(s.output_shape).astype(np.float64) - exact)
     bound = winograd_bound(s, inputs["W"], inputs["X"], m)
