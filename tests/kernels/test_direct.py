@@ -95,6 +95,17 @@ FLAT = [
 ]
 
 
+def _within_bound_thread_invariant_and_kept(op, inputs, schedule: DirectSchedule):
+    """The kernel on 1 and 2 threads: within the float32 bound, the same bits (each output summed in
+    one thread, in one order), and a second call (the kept planes, the kept weight) agrees."""
+    kernel = compile_kernel(op, schedule)
+    one, two = run(kernel, op, inputs, 1), run(kernel, op, inputs, 2)
+    assert_within_bound(one, op, inputs)
+    np.testing.assert_array_equal(one, two)
+    np.testing.assert_array_equal(run(kernel, op, inputs, 1), one)
+    return kernel, one
+
+
 @pytest.mark.parametrize("s", FLAT, ids=lambda s: s.label())
 @pytest.mark.parametrize("isa", ISAS)
 def test_flat_kernel_within_bound_and_thread_invariant(s, isa):
@@ -104,11 +115,7 @@ def test_flat_kernel_within_bound_and_thread_invariant(s, isa):
     inputs = random_inputs(op, seed=6)
     wide = (8, 2) if d.cog % 8 == 0 and isa == "avx512" else (4, 3) if isa == "avx512" else (4, 2)  # 16 registers on AVX2
     for rows, vecs in ((4, 1), wide):
-        kernel = compile_kernel(op, DirectSchedule(algo="flat", isa=isa, rows=rows, vecs=vecs))
-        one, two = run(kernel, op, inputs, 1), run(kernel, op, inputs, 2)
-        assert_within_bound(one, op, inputs)
-        np.testing.assert_array_equal(one, two)  # each block of positions summed in one thread, in one order
-        np.testing.assert_array_equal(run(kernel, op, inputs, 1), one)  # the kept planes: a second call agrees
+        _within_bound_thread_invariant_and_kept(op, inputs, DirectSchedule(algo="flat", isa=isa, rows=rows, vecs=vecs))
 
 
 FLATC = [
@@ -140,11 +147,8 @@ def test_flatc_kernel_within_bound_thread_invariant_and_prepacked(s, isa):
     assert (7, 1) in blocks and ((14, 1) in blocks) == (d.ow >= 14 or d.ow == 7)
     for rows, vecs in blocks:
         assert d.cog % (vecs * lanes) == 0
-        kernel = compile_kernel(op, DirectSchedule(algo="flatc", isa=isa, rows=rows, vecs=vecs))
-        one, two = run(kernel, op, inputs, 1), run(kernel, op, inputs, 2)
-        assert_within_bound(one, op, inputs)
-        np.testing.assert_array_equal(one, two)  # each tile summed over k in one thread, in one order
-        np.testing.assert_array_equal(run(kernel, op, inputs, 1), one)  # the kept planes and weight: a second call agrees
+        kernel, one = _within_bound_thread_invariant_and_kept(
+            op, inputs, DirectSchedule(algo="flatc", isa=isa, rows=rows, vecs=vecs))
         assert_prepacked_weight_agrees(kernel, op, inputs, one)  # the weight transposed once at bind
 
 
