@@ -21,13 +21,14 @@
  *
  * With FC_CVEC 1 the same planes feed the other orientation (oneDNN's idea for small planes
  * and groups): output channels on the vector lanes, positions broadcast. A tile is FC_MR
- * positions of one output row (from the planes at q = oh * WQ + ow, the same koff) times
- * FC_NV vectors of a group's output channels, summed over all of K in one pass; its B is the
- * weight transposed to [K][NV * VL] per block of channels (packed once a call by tk_run, or
- * once for good by tk_prepack for tk_run_prepacked). No column is computed and dropped (a
- * row's last tile overlaps the one before it when MR does not divide OW: the same sums, so
- * the same bits); the tile is written to the NCHW output transposed. Needs FC_COG a multiple
- * of NV * VL.
+ * positions of one output row, or whole rows when a row is narrower (from the planes at
+ * q = oh * WQ + ow, the same koff), times FC_NV vectors of a group's output channels, summed
+ * over K in blocks (partial sums kept per tile between them); its B is the weight transposed
+ * to [K][NV * VL] per block of channels (packed once a call by tk_run, or once for good by
+ * tk_prepack for tk_run_prepacked). No column is computed and dropped (a row's last tile
+ * overlaps the one before it when MR does not divide OW: the same sums, so the same bits);
+ * the tiles are written to the NCHW output through register transposes. Needs FC_COG a
+ * multiple of NV * VL.
  */
 #ifndef TESSERA_FLATCONV_H
 #define TESSERA_FLATCONV_H
