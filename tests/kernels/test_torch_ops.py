@@ -129,6 +129,25 @@ def test_inference_keeps_the_weight_packed_and_repacks_when_it_changes():
         assert y.grad_fn is not None
 
 
+def test_inference_keeps_packed_weights_for_the_last_few_input_shapes_only():
+    # a server's Linear meets many batch sizes; each may pick its own schedule (packing), so the layer
+    # keeps the packings of the last PACKED_SHAPES shapes, not one per shape ever met
+    isa = "avx512" if "avx512" in cpu_isas() else "avx2"
+    lin, threads = Linear(48, 96), torch.get_num_threads()
+    sizes = range(2, T.PACKED_SHAPES + 4)  # 1 row would be a GEMV, which packs nothing
+    for m in sizes:  # pinned to a schedule that packs B, as in the test above
+        op = ops.gemm(m, 96, 48, trans_b=True)
+        T._KERNELS[(op.signature(), threads)] = compile_kernel(
+            op, GemmSchedule(isa=isa, mr=4, nr=16 if isa == "avx512" else 8, mc=8, nc=32, kc=16, parallel="ic"))
+    with torch.no_grad():
+        for m in (*sizes, 2):
+            x = torch.randn(m, 48)
+            assert torch.equal(lin(x), _per_call(lin, x))
+            assert len(lin.__dict__["_tessera_packed"]) <= T.PACKED_SHAPES
+    kept = [key[0] for key in lin.__dict__["_tessera_packed"]]
+    assert len(kept) == T.PACKED_SHAPES and kept[-1] == ops.gemm(2, 96, 48, trans_b=True).signature()
+
+
 def test_wrong_input_is_refused():
     with pytest.raises(ValueError, match="dtype torch.float64; Tessera's kernels take float32"):
         T.matmul(torch.ones(2, 2, dtype=torch.float64), torch.ones(2, 2, dtype=torch.float64))

@@ -209,7 +209,7 @@ def _prepacked_call(kind, op, tuned, inputs, threads, repeats):
     can take it (a micro-kernel that packs A, ``flatc``, Winograd), and under the fastest timed
     ``flatc`` schedule of the tuning, the faster of the two. None when neither applies."""
     index = 1 if kind == "gemm" else 0
-    schedules = []  # Winograd takes its weight transformed once too (the tuned pick below)
+    schedules = []
     if isinstance(tuned.best, GemmSchedule):
         schedules.append(dataclasses.replace(tuned.best, **({"pack_b": True} if index else {"pack_a": True})))
     elif kind != "gemm":

@@ -124,14 +124,19 @@ class Kernel:
         which = {con.a.tensor.name: "A", con.b.tensor.name: "B"}.get(self.op.inputs[index].name)
         return which if which and prepackable(self.op, self.schedule, which) else None
 
-    def prepack(self, index: int, value) -> Prepacked:
-        """Input ``index`` (a weight: ``value``, its array) packed once, as this schedule reads it
-        packed; ``run_prepacked`` then takes it in place of packing it per call."""
+    def _prepackable(self, index) -> str:
+        """``prepack_operand(index)``, or a ValueError naming the index when there is none."""
         which = self.prepack_operand(index) if isinstance(index, int) else None
         if which is None:
             raise ValueError(f"{self.op.name}: constant={index!r} cannot be prepacked under {self.schedule.short()}; "
                              "it must name an input the GEMM schedule packs (no batch loop, no zero padding) "
                              "or the weight (0) of a flatc or Winograd convolution")
+        return which
+
+    def prepack(self, index: int, value) -> Prepacked:
+        """Input ``index`` (a weight: ``value``, its array) packed once, as this schedule reads it
+        packed; ``run_prepacked`` then takes it in place of packing it per call."""
+        which = self._prepackable(index)
         lib = self._lib if which == "W" else _prepacked_lib(self.op, self.schedule, which)
         lib.tk_prepack.restype = lib.tk_run_prepacked.restype = None
         ptr = _pointer(value, self.op.inputs[index], "input", self.op.name)
@@ -148,8 +153,8 @@ class Kernel:
 
     def _bind_prepacked(self, inputs, out, threads: int, packed):
         """``packed``: a Prepacked, or the index of the input to pack now (``bind(constant=)``)."""
-        if not isinstance(packed, Prepacked) and self.prepack_operand(packed) is None:
-            self.prepack(packed, None)  # raises, naming the index
+        if not isinstance(packed, Prepacked):
+            self._prepackable(packed)  # before the other checks, as bind(constant=) always did
         _, out = self.bind(*inputs, out=out, threads=threads)  # the checks and the output
         if not isinstance(packed, Prepacked):
             packed = self.prepack(packed, inputs[packed])

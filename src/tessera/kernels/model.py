@@ -322,9 +322,8 @@ def _predict_flat(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> 
 def _predict_flatc(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
     """The channel-vectorised flat convolution: its tiles' FMAs (a row's overlapping last tile
     included) against their loads (NV weight vectors, MR position broadcasts, the k offset), the
-    partial sums' store and reload per k block, the transposed scalar store of the output, the
-    plane copy and the weight's transposition (once a call, as the output's: vector 16 x 16
-    blocks)."""
+    partial sums' store and reload per k block, the output's transposed copy, the plane copy and
+    the weight's transposition (once a call; both transposes in vector 16 x 16 blocks on AVX-512)."""
     d = conv_of(op)
     vl = 16 if s.isa == "avx512" else 8
     nr = s.vecs * vl

@@ -4,14 +4,17 @@ torch (a broadcast add, not an operator of the compiler).
 
 In inference (no gradient wanted, not being traced) a module keeps its weight packed as its
 kernel reads it (MKL's packed GEMM, oneDNN's reordered weights): packed on the first call and
-again whenever the weight changes (its storage or its version), bit for bit the same results."""
+again whenever the weight changes (its storage or its version), one packing per input shape for
+the last few shapes, bit for bit the same results."""
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 from torch import Tensor, nn
 
-from tessera.kernels import ops, torch_ops
+from tessera.kernels import torch_ops
 
 
 def _inference(x: Tensor, weight: Tensor) -> bool:
@@ -20,14 +23,17 @@ def _inference(x: Tensor, weight: Tensor) -> bool:
     return not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
 
 
+def _packed(module: nn.Module) -> OrderedDict:
+    """The module's packed weights (``torch_ops.PACKED_SHAPES`` input shapes at most)."""
+    return module.__dict__.setdefault("_tessera_packed", OrderedDict())
+
+
 class Linear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
-        if _inference(x, self.weight) and flat.dtype == self.weight.dtype == torch.float32 and flat.device.type == "cpu":
-            op = ops.gemm(flat.shape[0], self.out_features, self.in_features, trans_b=True)
-            cache = self.__dict__.setdefault("_tessera_packed", {})
-            y = torch_ops.run_weight_packed(op, {"A": flat, "B": self.weight}, "B", cache)
+        if _inference(x, self.weight):
+            y = torch_ops.matmul_weight_packed(flat, self.weight, _packed(self))
         else:
             y = torch_ops.matmul(flat, self.weight, False, True)
         if self.bias is not None:
@@ -45,13 +51,11 @@ class Conv2d(nn.Conv2d):
             )
 
     def forward(self, x: Tensor) -> Tensor:
-        if _inference(x, self.weight) and x.dim() == 4 and x.dtype == self.weight.dtype == torch.float32 \
-                and x.device.type == "cpu":
-            s = torch_ops.conv_shape(x.shape, self.weight.shape, self.stride, self.padding, self.groups)
-            cache = self.__dict__.setdefault("_tessera_packed", {})
-            y = torch_ops.run_weight_packed(ops.conv2d(s), {"X": x, "W": self.weight}, "W", cache).view(s.output_shape)
+        args = (x, self.weight, list(self.stride), list(self.padding), self.groups)
+        if _inference(x, self.weight):
+            y = torch_ops.conv2d_weight_packed(*args, _packed(self))
         else:
-            y = torch_ops.conv2d(x, self.weight, list(self.stride), list(self.padding), self.groups)
+            y = torch_ops.conv2d(*args)
         if self.bias is not None:
             y = y + self.bias.view(1, -1, 1, 1)
         return y

@@ -12,6 +12,7 @@ else is a ValueError, never a silent fall back to torch.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -43,30 +44,60 @@ def kernel_for(op: Operator, threads: int | None = None) -> Kernel:
     return _KERNELS[key]
 
 
+def _args(op: Operator, named: dict[str, Tensor]) -> list[Tensor]:
+    return [named[t.name].contiguous().view(t.shape) for t in op.inputs]
+
+
 def run(op: Operator, named: dict[str, Tensor]) -> Tensor:
     """Run ``op`` on tensors given by the names of its inputs (reshaped to the IR's shapes)."""
     threads = torch.get_num_threads()
-    args = [named[t.name].contiguous().view(t.shape) for t in op.inputs]
-    return kernel_for(op, threads)(*args, threads=threads)
+    return kernel_for(op, threads)(*_args(op, named), threads=threads)
 
 
-def run_weight_packed(op: Operator, named: dict[str, Tensor], weight: str, cache: dict) -> Tensor:
+PACKED_SHAPES = 4  # packed copies of its weight a layer keeps, one per input shape met last
+
+
+def _run_weight_packed(op: Operator, named: dict[str, Tensor], weight: str, cache: OrderedDict) -> Tensor:
     """``run`` for inference with a layer's weight (input ``weight``) packed once and kept in
-    ``cache`` (the layer's) for as long as the weight's storage and version stay the same; a
+    ``cache`` (the layer's) while the weight's storage and version stay the same: the packing
+    follows the schedule, which follows the input's shape, so the cache holds the last
+    ``PACKED_SHAPES`` shapes' (a server's changing batch sizes do not pile up copies). A
     schedule that cannot take a packed weight runs as ``run`` does. Sums and their order are
     those of packing per call, so the bits are too."""
     threads = torch.get_num_threads()
     kernel = kernel_for(op, threads)
     index = [t.name for t in op.inputs].index(weight)
-    args = [named[t.name].contiguous().view(t.shape) for t in op.inputs]
+    args = _args(op, named)
     if kernel.prepack_operand(index) is None:
         return kernel(*args, threads=threads)
     w = named[weight]
     stamp, key = (w.data_ptr(), w._version), (op.signature(), threads)
     kept = cache.get(key)
     if kept is None or kept[0] != stamp:
-        kept = cache[key] = (stamp, kernel.prepack(index, args[index].detach()))
-    return kernel.run_prepacked(kept[1], *[a.detach() for a in args], threads=threads)
+        kept = cache[key] = (stamp, kernel.prepack(index, args[index]))
+        while len(cache) > PACKED_SHAPES:
+            cache.popitem(last=False)
+    cache.move_to_end(key)
+    return kernel.run_prepacked(kept[1], *args, threads=threads)
+
+
+def matmul_weight_packed(a: Tensor, weight: Tensor, cache: OrderedDict) -> Tensor:
+    """``matmul(a, weight, False, True)`` (a Linear's) for inference, the weight kept packed in
+    ``cache`` (``_run_weight_packed``); the same checks as ``matmul``."""
+    _check("matmul", a=a, b=weight)
+    if a.dim() != 2:
+        raise ValueError(f"tessera::matmul takes 2-D tensors, got {a.dim()}-D")
+    m, n, k = _gemm_sizes(a, weight, False, True, "matmul")
+    return _run_weight_packed(ops.gemm(m, n, k, trans_b=True), {"A": a, "B": weight}, "B", cache)
+
+
+def conv2d_weight_packed(x: Tensor, weight: Tensor, stride: Sequence[int], padding: Sequence[int], groups: int,
+                         cache: OrderedDict) -> Tensor:
+    """``conv2d`` for inference, the weight kept packed in ``cache``; the same checks."""
+    _check("conv2d", input=x, weight=weight)
+    _dims(x, weight)
+    s = conv_shape(x.shape, weight.shape, stride, padding, groups)
+    return _run_weight_packed(ops.conv2d(s), {"X": x, "W": weight}, "W", cache).view(s.output_shape)
 
 
 def _check(op_name: str, **tensors: Tensor) -> None:

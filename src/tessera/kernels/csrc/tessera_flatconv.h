@@ -151,12 +151,7 @@ void tk_prepack(const float *restrict w, float *restrict dst) { fc_pack_weight(d
 #define FC_RB_FIT (16384 / ((long)FC_TW * FC_MR * FC_NR))
 #define FC_RB (FC_RB_FIT < 1 ? 1 : FC_RB_FIT > FC_TH ? FC_TH : FC_RB_FIT)
 #define FC_THB ((FC_TH + FC_RB - 1) / FC_RB)
-#ifndef FC_KU
-#define FC_KU 2
-#endif
-#ifndef FC_KC_FIT
 #define FC_KC_FIT (4096 / FC_NR)
-#endif
 #define FC_KCC (FC_K <= FC_KC_FIT + FC_KC_FIT / 2 ? FC_K : FC_KC_FIT)
 
 #if FC_MR % FC_TC != 0 || FC_TR > FC_OH
@@ -177,7 +172,7 @@ TK_INLINE void fc_ctile(long kc, const float *restrict x, const long *restrict k
     for (int i = 0; i < FC_MR; ++i)
         TK_UNROLL_ALL
         for (int v = 0; v < FC_NV; ++v) acc[i][v] = first ? tk_zero() : tk_load(slot + i * FC_NR + v * TK_VL);
-    TK_UNROLL_LOOP(FC_KU)
+    TK_UNROLL_LOOP(2)
     for (long k = 0; k < kc; ++k) {
         const float *xk = x + koff[k];
         const float *wk = wt + k * FC_NR;
