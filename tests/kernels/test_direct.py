@@ -1,4 +1,4 @@
-"""The direct kernels (depthwise, grouped and flat convolution in both orientations, matrix-vector product) against the float64
+"""The direct kernels (depthwise and flat convolution in both orientations, grouped convolution, matrix-vector product) against the float64
 reference within the float32 error bound of their sums, on odd shapes (rows and columns
 that no register block divides, strides, asymmetric padding-free and padded kernels, a
 channel multiplier), bit for bit the same at 1 and 2 threads, and offered by the tuner."""
@@ -8,7 +8,7 @@ import pytest
 from kernel_checks import assert_prepacked_weight_agrees, assert_within_bound, random_inputs, run
 
 from tessera.kernels import compile_kernel, ops
-from tessera.kernels.direct import depthwise_of, direct_space, flat_of, gemv_of, grouped_of
+from tessera.kernels.direct import depthwise_of, direct_space, dwc_of, flat_of, gemv_of, grouped_of
 from tessera.kernels.machine import cpu_isas
 from tessera.kernels.schedule import DirectSchedule
 from tessera.kernels.tuner import rank
@@ -50,6 +50,36 @@ def test_depthwise_kernel_within_bound_and_thread_invariant(s, isa):
             outs.append(out)
     np.testing.assert_array_equal(outs[0], outs[1])  # threads take whole planes: the same sums
     np.testing.assert_array_equal(outs[2], outs[3])
+
+
+DWC = [s for s in DEPTHWISE if s.out_channels == s.in_channels] + [
+    # a network's last stage in small: 7x7 planes, channels that fill no whole vector (21 = 16 + 5,
+    # 8 + 8 + 5), the row's one block overlapping none or the one before it
+    ops.Conv2dShape(batch=1, in_channels=21, out_channels=21, height=7, width=7, kernel=(7, 7), padding=(3, 3), groups=21),
+    # a row stride unlike the column stride, a 3x5 kernel with padding on columns only, two images
+    ops.Conv2dShape(batch=2, in_channels=35, out_channels=35, height=9, width=10, kernel=(3, 5), stride=(2, 1),
+                    padding=(0, 2), groups=35),
+]
+
+
+@pytest.mark.parametrize("s", DWC, ids=lambda s: s.label())
+@pytest.mark.parametrize("isa", ISAS)
+def test_dwc_kernel_gives_the_depthwise_kernels_bits_at_any_thread_count(s, isa):
+    """Channels on the lanes sum every output's taps in the order the depthwise kernel does
+    (rows, then columns, from zero): the same bits, within the float64 bound, at 1 and 2 threads."""
+    op = ops.conv2d(s)
+    d = dwc_of(op)
+    assert (d.sh, d.sw, d.ph, d.pw) == (*s.stride, *s.padding)
+    inputs = random_inputs(op, seed=5)
+    ref = run(compile_kernel(op, DirectSchedule(algo="depthwise", isa=isa, rows=1, vecs=1)), op, inputs, 1)
+    for rows in (2, 7):  # 7: a block that overlaps the one before it on rows of 8-19 (or is the whole row of 7)
+        if rows > d.ow:
+            continue
+        kernel = compile_kernel(op, DirectSchedule(algo="dwc", isa=isa, rows=rows, vecs=1))
+        for threads in (1, 2):
+            out = run(kernel, op, inputs, threads)
+            assert_within_bound(out, op, inputs)
+            np.testing.assert_array_equal(out, ref)
 
 
 GROUPED = [
@@ -173,7 +203,15 @@ def test_gemv_kernel_within_bound_and_thread_invariant(m, n, k, trans_b, isa):
 def test_direct_kernels_are_offered_only_where_they_apply(machine):
     dw = ops.conv2d(DEPTHWISE[0])
     dense = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=4, out_channels=4, height=8, width=8, kernel=(3, 3)))
-    assert {s.algo for s in direct_space(dw, isas=ISAS)} == {"depthwise"}
+    assert {s.algo for s in direct_space(dw, isas=ISAS)} == {"depthwise", "dwc"}
+    # a channel multiplier of 2: the depthwise kernel's only (dwc takes one output channel a group)
+    assert {s.algo for s in direct_space(ops.conv2d(DEPTHWISE[6]), isas=ISAS)} == {"depthwise"}
+    # no dwc block wider than a row of 3 outputs, none whose sums and weights overflow the registers
+    narrow = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=8, out_channels=8, height=3, width=3, kernel=(3, 3),
+                                        padding=(1, 1), groups=8))
+    assert {s.rows for s in direct_space(narrow, isas=ISAS) if s.algo == "dwc"} == {2}
+    assert all(s.rows + 7 + 1 <= (32 if s.isa == "avx512" else 16)
+               for s in direct_space(ops.conv2d(DWC[-2]), isas=ISAS) if s.algo == "dwc")
     assert {s.algo for s in direct_space(ops.conv2d(GROUPED[0]), isas=ISAS)} == {"grouped", "flat"}
     assert {s.algo for s in direct_space(dense, isas=ISAS)} == {"flat"}
     # stride 3: not the flat kernel's (its phase planes take strides 1 and 2)
@@ -197,6 +235,19 @@ def test_a_direct_schedule_refuses_what_it_cannot_run():
         compile_kernel(dense, DirectSchedule(algo="depthwise"))
     with pytest.raises(ValueError, match="groups of several input channels"):
         compile_kernel(dense, DirectSchedule(algo="grouped"))
+    with pytest.raises(ValueError, match="dwc kernel takes a conv2d with one input and one output channel a group"):
+        compile_kernel(dense, DirectSchedule(algo="dwc", rows=2, vecs=1))
+    with pytest.raises(ValueError, match="dwc kernel takes a conv2d with one input and one output channel a group"):
+        compile_kernel(ops.conv2d(DEPTHWISE[6]), DirectSchedule(algo="dwc", rows=2, vecs=1))
+    seven_dw = ops.conv2d(DWC[-2])  # rows of 7 outputs, a 7x7 kernel
+    with pytest.raises(ValueError, match="a block of 8 positions is wider than the 7 of an output row"):
+        compile_kernel(seven_dw, DirectSchedule(algo="dwc", rows=8, vecs=1))
+    wide = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=8, out_channels=8, height=9, width=20, kernel=(9, 9),
+                                      padding=(4, 4), groups=8))
+    with pytest.raises(ValueError, match="8 sums, 9 weights and an input need 18 vector registers; avx2 has 16"):
+        compile_kernel(wide, DirectSchedule(algo="dwc", isa="avx2", rows=8, vecs=1))
+    with pytest.raises(ValueError, match="one vector of channels a position"):
+        compile_kernel(seven_dw, DirectSchedule(algo="dwc", rows=2, vecs=2))
     with pytest.raises(ValueError, match="3 rows must divide the 4 output channels"):
         compile_kernel(dense, DirectSchedule(algo="flat", rows=3, vecs=1))
     with pytest.raises(ValueError, match="several input channels a group, stride 1 or 2"):

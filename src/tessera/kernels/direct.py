@@ -1,22 +1,26 @@
-"""Operators with a kernel of their own: a depthwise, grouped or flat convolution (positions on
-the vector lanes, ``flat``, or output channels on them, ``flatc``) and a matrix-vector product (GEMV). Both are recognised in the IR (the operators ``ops.conv2d`` and ``ops.gemm`` build),
-so the tuner offers their ``DirectSchedule`` beside the micro-kernel and loop-nest lowerings
-and the model decides between them; the kernels are ``csrc/tessera_depthwise.h``,
-``csrc/tessera_flatconv.h`` and ``csrc/tessera_gemv.h``, sized at compile time by the defines
-written here.
+"""Operators with a kernel of their own: a depthwise convolution (positions on the vector
+lanes, or channels on them, ``dwc``), a grouped or flat convolution (positions on the vector
+lanes, ``flat``, or output channels on them, ``flatc``) and a matrix-vector product (GEMV).
+All are recognised in the IR (the operators ``ops.conv2d`` and ``ops.gemm`` build), so the
+tuner offers their ``DirectSchedule`` beside the micro-kernel and loop-nest lowerings and the
+model decides between them; the kernels are ``csrc/tessera_depthwise.h``,
+``csrc/tessera_dwchan.h``, ``csrc/tessera_flatconv.h`` and ``csrc/tessera_gemv.h``, sized at
+compile time by the defines written here.
 
 Why these: a depthwise convolution has one input channel per output, so the implicit
 GEMM has a reduction of only KH x KW and a generic loop nest guards every tap (a grouped one,
 a few input channels per group, has the same problem a few times over: the same kernel sums
-over the group's channels, ``grouped``); the implicit GEMM of any other convolution packs an
-im2col block per call, which at stride 2, on small planes and on groups of 16-32 channels costs
-as much as the arithmetic (``flat`` reads its B rows straight from padded phase planes
-instead; on planes of 7-28 columns, whose rows leave a share of its vectors' lanes on dropped
-columns, ``flatc`` puts a group's output channels on the lanes and broadcasts the positions
-from the same planes, oneDNN's orientation, with the weight transposed once a call or once for
-good, ``Kernel.bind(constant=0)``); a GEMV reads every element of its matrix once, so packing it for the micro-kernel
-(as the GEMM loops do) doubles the memory traffic of an operator that is nothing but memory
-traffic.
+over the group's channels, ``grouped``); on planes of 7-14 columns its rows leave most of a
+vector's lanes idle, so ``dwc`` puts 8 or 16 channels on the lanes instead (oneDNN's blocked
+layout), each block's planes transposed into a buffer once a call; the implicit GEMM of any
+other convolution packs an im2col block per call, which at stride 2, on small planes and on
+groups of 16-32 channels costs as much as the arithmetic (``flat`` reads its B rows straight
+from padded phase planes instead; on planes of 7-28 columns, whose rows leave a share of its
+vectors' lanes on dropped columns, ``flatc`` puts a group's output channels on the lanes and
+broadcasts the positions from the same planes, oneDNN's orientation, with the weight
+transposed once a call or once for good, ``Kernel.bind(constant=0)``); a GEMV reads every
+element of its matrix once, so packing it for the micro-kernel (as the GEMM loops do) doubles
+the memory traffic of an operator that is nothing but memory traffic.
 """
 
 from __future__ import annotations
@@ -74,6 +78,13 @@ def depthwise_of(op: Operator) -> ConvSizes | None:
     return d if d is not None and d.cig == 1 else None
 
 
+def dwc_of(op: Operator) -> ConvSizes | None:
+    """The sizes of ``op`` when the channel-vectorised depthwise kernel (``csrc/tessera_dwchan.h``)
+    takes it: one input and one output channel per group."""
+    d = conv_of(op)
+    return d if d is not None and d.cig == 1 and d.cog == 1 else None
+
+
 def grouped_of(op: Operator) -> ConvSizes | None:
     """The sizes of ``op`` when it is a grouped convolution (more than one group) with more
     than one input channel per group."""
@@ -105,7 +116,8 @@ def gemv_of(op: Operator) -> Gemv | None:
     return Gemv(n=ext["n"], k=ext["k"], trans_b=op.name.endswith("t"))
 
 
-_RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of, "flat": flat_of, "flatc": flat_of}
+_RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of, "flat": flat_of, "flatc": flat_of,
+                "dwc": dwc_of}
 
 
 def applies(op: Operator, algo: str) -> bool:
@@ -124,6 +136,14 @@ def generate_direct(op: Operator, s: DirectSchedule) -> str:
                    "DW_OH": d.oh, "DW_OW": d.ow, "DW_KH": d.kh, "DW_KW": d.kw, "DW_SH": d.sh, "DW_SW": d.sw,
                    "DW_PH": d.ph, "DW_PW": d.pw, "DW_RB": s.rows, "DW_U": s.vecs}
         header = "tessera_depthwise.h"
+    elif s.algo == "dwc":
+        d = dwc_of(op)
+        if d is None:
+            raise ValueError(f"{op.name}: the dwc kernel takes a conv2d with one input and one output channel a group")
+        _check_dwc_block(d, s)
+        defines = {"DC_N": d.n, "DC_C": d.g, "DC_H": d.h, "DC_W": d.w, "DC_OH": d.oh, "DC_OW": d.ow, "DC_KH": d.kh,
+                   "DC_KW": d.kw, "DC_SH": d.sh, "DC_SW": d.sw, "DC_PH": d.ph, "DC_PW": d.pw, "DC_RB": s.rows}
+        header = "tessera_dwchan.h"
     elif s.algo in ("flat", "flatc"):
         d = flat_of(op)
         if d is None:
@@ -152,18 +172,31 @@ def generate_direct(op: Operator, s: DirectSchedule) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _check_dwc_block(d: ConvSizes, s: DirectSchedule) -> None:
+    regs = 32 if s.isa == "avx512" else 16
+    if s.vecs != 1:
+        raise ValueError(f"dwc kernel: one vector of channels a position (vecs=1), got vecs={s.vecs}")
+    if s.rows > d.ow:
+        raise ValueError(f"dwc kernel: a block of {s.rows} positions is wider than the {d.ow} of an output row")
+    if s.rows + d.kw + 1 > regs:
+        raise ValueError(f"dwc kernel: {s.rows} sums, {d.kw} weights and an input need {s.rows + d.kw + 1} "
+                         f"vector registers; {s.isa} has {regs}")
+
+
 # the register blocks offered per kernel (rows, vecs); the schedule refuses those that do not fit
 DEPTHWISE_BLOCKS = tuple((r, u) for r in (1, 2, 3, 4) for u in (1, 2, 4))
 # flat: output channels (broadcast) x vectors of output positions; the rows must divide a group's channels
 FLAT_BLOCKS = ((4, 3), (4, 4), (4, 6), (8, 1), (8, 2), (8, 3), (16, 1))
 # flatc: positions of a row (broadcast) x vectors of output channels; the vectors must divide a group's channels
 FLATC_BLOCKS = ((4, 4), (6, 4), (7, 2), (7, 3), (8, 2), (8, 3), (12, 2), (14, 2), (7, 1), (14, 1), (16, 1), (21, 1), (28, 1))
+# dwc: output positions of a row summed together (one vector of channels each)
+DWC_BLOCKS = (2, 4, 7, 8, 14)
 GEMV_BLOCKS = {False: tuple((r, u) for r in (4, 8) for u in (2, 4, 8)),
                True: tuple((r, u) for r in (2, 4, 6) for u in (1, 2))}
 
 
 def direct_space(op: Operator, *, isas: tuple[str, ...]) -> list[DirectSchedule]:
-    out = _flat_space(op, isas)
+    out = _flat_space(op, isas) + _dwc_space(op, isas)
     d, v = depthwise_of(op) or grouped_of(op), gemv_of(op)
     if d is not None:
         blocks, algo = DEPTHWISE_BLOCKS, ("depthwise" if d.cig == 1 else "grouped")
@@ -180,6 +213,20 @@ def direct_space(op: Operator, *, isas: tuple[str, ...]) -> list[DirectSchedule]
                 out.append(DirectSchedule(algo=algo, isa=isa, rows=rows, vecs=vecs))
             except ValueError:
                 continue
+    return out
+
+
+def _dwc_space(op: Operator, isas: tuple[str, ...]) -> list[DirectSchedule]:
+    d = dwc_of(op)
+    out = []
+    for isa in isas if d is not None else ():
+        for rows in DWC_BLOCKS:
+            s = DirectSchedule(algo="dwc", isa=isa, rows=rows, vecs=1)
+            try:
+                _check_dwc_block(d, s)
+            except ValueError:
+                continue
+            out.append(s)
     return out
 
 

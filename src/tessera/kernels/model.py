@@ -26,7 +26,8 @@ of the loops outside it).
 
 Direct kernels (``direct``): a depthwise or grouped convolution's register blocks (their FMAs against
 their vector loads and broadcasts, two of each a cycle) plus the copy of each input plane
-into its padded buffer, against the bytes of input, output and weights from the level they
+into its padded buffer (``dwc``: the transposed copies of a block of channels' planes,
+weights and outputs), against the bytes of input, output and weights from the level they
 fit in; a GEMV's matrix bytes from the level it fits in against its FMAs at the rate its
 loads allow. Winograd (``winograd``): its transforms' vector work and scratch traffic plus
 the GEMM model of its GEMMs.
@@ -297,6 +298,29 @@ def _predict_depthwise(op: Operator, s: DirectSchedule, m: Machine, threads: int
     return CALL_SECONDS + max(t_compute, t_mem)
 
 
+def _predict_dwc(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
+    """The channel-vectorised depthwise kernel: per block of ``rows`` outputs and kernel row,
+    its FMAs against its loads (the row's weight vectors and the input columns the block
+    reads, each once), for every block of every (image, channel block) item; plus the three
+    transposed copies (the input planes and the weights in, the output out) in vector 16 x 16
+    blocks on AVX-512, one element at a time on AVX2."""
+    d = conv_of(op)
+    vl = 16 if s.isa == "avx512" else 8
+    span = (s.rows - 1) * d.sw + d.kw
+    row_cycles = max(s.rows * d.kw / FMA_PIPES, (d.kw + span) / LOADS_PER_CYCLE)
+    block_cycles = d.kh * row_cycles + s.rows + 6
+    items = d.n * -(-d.g // vl)
+    blocks = d.oh * -(-d.ow // s.rows)
+    per_elem = 0.3 if s.isa == "avx512" else 1.5
+    copies = vl * (d.h * d.w + d.oh * d.ow + d.kh * d.kw) * per_elem
+    t_eff = max(1, min(threads, items))
+    speed = _balance(items, t_eff)
+    t_compute = items * (blocks * block_cycles + copies) * _cycle(m, s.isa) / speed
+    nbytes = 4.0 * (d.n * d.g * (d.h * d.w + d.oh * d.ow) + d.g * d.kh * d.kw)
+    t_mem = nbytes / m.bandwidth(_level(m, nbytes, t_eff), t_eff)
+    return CALL_SECONDS + max(t_compute, t_mem)
+
+
 def _predict_flat(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
     """The flat direct convolution: its tiles' FMAs (the dropped columns included) against their
     loads (a vector of positions per NV, a weight broadcast per row, each k), the plane copy, the
@@ -370,7 +394,8 @@ def predict(op: Operator, schedule: Schedule, m: Machine, threads: int = 1) -> f
     if isinstance(schedule, GemmSchedule):
         return predict_gemm(op, schedule, m, threads)
     if isinstance(schedule, DirectSchedule):
-        predictor = {"gemv": _predict_gemv, "flat": _predict_flat, "flatc": _predict_flatc}.get(schedule.algo, _predict_depthwise)
+        predictor = {"gemv": _predict_gemv, "flat": _predict_flat, "flatc": _predict_flatc,
+                     "dwc": _predict_dwc}.get(schedule.algo, _predict_depthwise)
         return predictor(op, schedule, m, threads)
     if isinstance(schedule, WinogradSchedule):
         from tessera.kernels.winograd import predict_winograd  # it builds on this module's GEMM model

@@ -134,7 +134,7 @@ class LoopSchedule:
         return f"loops {'>'.join(self.order)} tiles[{tiles}] par{self.parallel} simd{int(self.vectorize)} u{self.unroll}"
 
 
-DIRECT_ALGOS = ("depthwise", "grouped", "gemv", "flat", "flatc")
+DIRECT_ALGOS = ("depthwise", "grouped", "gemv", "flat", "flatc", "dwc")
 
 
 @dataclass(frozen=True, kw_only=True)
