@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tessera.kernels.ir import Access, BinOp, Operator
-from tessera.kernels.schedule import DirectSchedule
+from tessera.kernels.schedule import ISAS, DirectSchedule
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def generate_direct(op: Operator, s: DirectSchedule) -> str:
 
 
 def _check_dwc_block(d: ConvSizes, s: DirectSchedule) -> None:
-    regs = 32 if s.isa == "avx512" else 16
+    regs = ISAS[s.isa][1]
     if s.vecs != 1:
         raise ValueError(f"dwc kernel: one vector of channels a position (vecs=1), got vecs={s.vecs}")
     if s.rows > d.ow:
