@@ -218,8 +218,10 @@ def direct_space(op: Operator, *, isas: tuple[str, ...]) -> list[DirectSchedule]
 
 def _dwc_space(op: Operator, isas: tuple[str, ...]) -> list[DirectSchedule]:
     d = dwc_of(op)
+    if d is None:
+        return []
     out = []
-    for isa in isas if d is not None else ():
+    for isa in isas:
         for rows in DWC_BLOCKS:
             s = DirectSchedule(algo="dwc", isa=isa, rows=rows, vecs=1)
             try:

@@ -298,24 +298,30 @@ def _predict_depthwise(op: Operator, s: DirectSchedule, m: Machine, threads: int
     return CALL_SECONDS + max(t_compute, t_mem)
 
 
+# cycles a transposed element costs: 16 x 16 register blocks (AVX-512) or one at a time (tk_transpose)
+TRANSPOSE_CYCLES = {"avx512": 0.3, "avx2": 1.5}
+
+
 def _predict_dwc(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
     """The channel-vectorised depthwise kernel: per block of ``rows`` outputs and kernel row,
     its FMAs against its loads (the row's weight vectors and the input columns the block
     reads, each once), for every block of every (image, channel block) item; plus the three
-    transposed copies (the input planes and the weights in, the output out) in vector 16 x 16
-    blocks on AVX-512, one element at a time on AVX2."""
+    transposed copies (the input planes in and the output out for every item, the weights in
+    once per channel block and thread) in vector 16 x 16 blocks on AVX-512, one element at a
+    time on AVX2."""
     d = conv_of(op)
     vl = 16 if s.isa == "avx512" else 8
     span = (s.rows - 1) * d.sw + d.kw
     row_cycles = max(s.rows * d.kw / FMA_PIPES, (d.kw + span) / LOADS_PER_CYCLE)
     block_cycles = d.kh * row_cycles + s.rows + 6
-    items = d.n * -(-d.g // vl)
+    channel_blocks = -(-d.g // vl)
+    items = d.n * channel_blocks
     blocks = d.oh * -(-d.ow // s.rows)
-    per_elem = 0.3 if s.isa == "avx512" else 1.5
-    copies = vl * (d.h * d.w + d.oh * d.ow + d.kh * d.kw) * per_elem
     t_eff = max(1, min(threads, items))
+    copies = vl * TRANSPOSE_CYCLES[s.isa] * (items * (d.h * d.w + d.oh * d.ow)
+                                              + min(items, channel_blocks + t_eff - 1) * d.kh * d.kw)
     speed = _balance(items, t_eff)
-    t_compute = items * (blocks * block_cycles + copies) * _cycle(m, s.isa) / speed
+    t_compute = (items * blocks * block_cycles + copies) * _cycle(m, s.isa) / speed
     nbytes = 4.0 * (d.n * d.g * (d.h * d.w + d.oh * d.ow) + d.g * d.kh * d.kw)
     t_mem = nbytes / m.bandwidth(_level(m, nbytes, t_eff), t_eff)
     return CALL_SECONDS + max(t_compute, t_mem)
@@ -367,9 +373,8 @@ def _predict_flatc(op: Operator, s: DirectSchedule, m: Machine, threads: int) ->
     fill = d.n * d.g * d.cig * d.h * d.w * (1.0 / vl if d.sw == 1 else 2.0 / vl)
     tiles = d.n * d.g * (d.cog // nr) * row_tiles * tiles_row
     weight = d.g * d.cog * k
-    per_elem = 0.3 if s.isa == "avx512" else 1.5  # a transposed element: vector blocks or one at a time
-    t_compute = (tiles * tile_cycles + per_elem * outputs + fill) * _cycle(m, s.isa) / speed
-    t_pack = 8.0 * weight / m.bandwidth(_level(m, 8.0 * weight, t_eff), t_eff) + weight * per_elem * _cycle(m, s.isa) / t_eff
+    t_compute = (tiles * tile_cycles + TRANSPOSE_CYCLES[s.isa] * outputs + fill) * _cycle(m, s.isa) / speed
+    t_pack = 8.0 * weight / m.bandwidth(_level(m, 8.0 * weight, t_eff), t_eff) + weight * TRANSPOSE_CYCLES[s.isa] * _cycle(m, s.isa) / t_eff
     nbytes = 4.0 * (d.n * d.g * (d.cig * d.h * d.w + d.cog * d.oh * d.ow))
     t_mem = nbytes / m.bandwidth(_level(m, nbytes, t_eff), t_eff)
     return CALL_SECONDS + t_pack + max(t_compute, t_mem)

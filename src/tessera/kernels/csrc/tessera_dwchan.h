@@ -9,9 +9,10 @@
  *   DC_KH, DC_KW         kernel;  DC_SH, DC_SW  stride;  DC_PH, DC_PW  zero padding
  *   DC_RB                register block: output positions of a row summed together
  *
- * Work items: (image, block of TK_VL channels). Each thread copies the block's input planes,
+ * Work items: (block of TK_VL channels, image). Each thread copies the block's input planes,
  * transposed, into a zero-padded buffer of its own laid out [row][column][lane], and the
- * block's weights into [tap][lane], so the input under any tap of any output is one aligned
+ * block's weights into [tap][lane] (once while it stays on the block: the static schedule
+ * gives a thread consecutive items), so the input under any tap of any output is one aligned
  * vector load at any stride. A block of DC_RB outputs of a row is summed in registers: for
  * each kernel row, its DC_KW weight vectors are loaded once, then each input column the block
  * reads is loaded once and added to every output whose window holds it. The sums go to a
@@ -68,12 +69,16 @@ void tk_run(float *restrict out, const float *restrict in0, const float *restric
         float *plane = tk_alloc((long)DC_HP * DC_WP * TK_VL), *wt = tk_alloc((long)DC_KH * DC_KW * TK_VL);
         float *o = tk_alloc((long)DC_OH * DC_OW * TK_VL);
         memset(plane, 0, (size_t)DC_HP * DC_WP * TK_VL * sizeof(float)); /* the padding, once */
+        long filled = -1;
 #pragma omp for schedule(static)
         for (long item = 0; item < DC_ITEMS; ++item) {
-            const long n = item / DC_CB, c0 = (item % DC_CB) * TK_VL;
+            const long cb = item / DC_N, n = item % DC_N, c0 = cb * TK_VL;
             const long nc = DC_C - c0 < TK_VL ? DC_C - c0 : TK_VL;
             const float *x = in1 + (n * DC_C + c0) * (long)DC_H * DC_W;
-            tk_transpose(wt, TK_VL, in0 + c0 * (long)DC_KH * DC_KW, DC_KH * DC_KW, nc, DC_KH * DC_KW);
+            if (cb != filled) {
+                tk_transpose(wt, TK_VL, in0 + c0 * (long)DC_KH * DC_KW, DC_KH * DC_KW, nc, DC_KH * DC_KW);
+                filled = cb;
+            }
             for (long h = 0; h < DC_H; ++h)
                 tk_transpose(plane + ((DC_PH + h) * (long)DC_WP + DC_PW) * TK_VL, TK_VL, x + h * DC_W, (long)DC_H * DC_W, nc, DC_W);
             for (long oh = 0; oh < DC_OH; ++oh)
