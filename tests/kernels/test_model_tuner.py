@@ -2,7 +2,9 @@
 its shortlist, keeps the fastest and remembers it."""
 
 import math
+import statistics
 
+import numpy as np
 import pytest
 
 from tessera.kernels import ops
@@ -10,7 +12,7 @@ from tessera.kernels.machine import cache_sizes, cpu_isas, load_machine
 from tessera.kernels.model import predict
 from tessera.kernels.schedule import REGISTER_TILES, GemmSchedule, LoopSchedule
 from tessera.kernels.space import schedule_space
-from tessera.kernels.tuner import best_schedule, rank, spearman, tune
+from tessera.kernels.tuner import best_schedule, random_inputs, rank, spearman, tune
 
 
 def test_dram_buffers_fit_beside_the_work(monkeypatch):
@@ -140,23 +142,40 @@ def test_parallel_balance_counts_the_work_of_uneven_blocks():
     assert _balance_blocks(100, 384, 2) == 1.0 and _balance_blocks(512, 96, 1) == 1.0
 
 
-def test_shortlist_times_a_schedule_that_packs_both_operands():
-    """When every micro-kernel schedule the model puts first reads an operand straight from its
-    matrix, the best-ranked one that packs both is timed too (the model's cost of an unpacked
-    operand is its least sure: 129x3071x767 ran at 80-93 GFLOP/s unpacked, 182 packed)."""
+def test_shortlist_times_a_schedule_that_packs_both_operands_for_each_tile():
+    """For each register tile the model puts first only with an operand read straight from its
+    matrix, that tile's best-ranked schedule that packs both is timed too (the model's cost of
+    an unpacked operand is its least sure: 129x3071x767 ran at 80-93 GFLOP/s unpacked, 182
+    packed; 128x768x3072's twelve best predicted all read B in place)."""
     from tessera.kernels.tuner import Trial, shortlist
 
     tiles = [(6, 64), (8, 48), (12, 32)]
     unpacked = [Trial(GemmSchedule(isa="avx512", mr=mr, nr=nr, mc=4 * mr, nc=nr, pack_b=False), 1.0 + i)
                 for i, (mr, nr) in enumerate(tiles)]
-    packed = Trial(GemmSchedule(isa="avx512", mr=6, nr=64, mc=24, nc=64), 9.0)
+    packed = [Trial(GemmSchedule(isa="avx512", mr=mr, nr=nr, mc=4 * mr, nc=nr), 9.0 + i)
+              for i, (mr, nr) in enumerate(tiles)]
+    other = Trial(GemmSchedule(isa="avx512", mr=14, nr=32, mc=28, nc=32), 12.0)  # a tile not picked
     loops = Trial(LoopSchedule(order=("m", "n", "k")), 20.0)
-    picked = shortlist([*unpacked, packed, loops], top_k=3)
-    assert [t.schedule for t in picked] == [*(t.schedule for t in unpacked), loops.schedule, packed.schedule]
-    # one schedule that packs both among the first: nothing is added
-    picked = shortlist([unpacked[0], packed, unpacked[1], loops], top_k=3)
-    assert [t.schedule for t in picked] == [unpacked[0].schedule, packed.schedule, unpacked[1].schedule,
-                                            loops.schedule]
+    trials = [*unpacked, *packed, other, loops]
+    picked = shortlist(trials, top_k=3)
+    assert [t.schedule for t in picked] == [*(t.schedule for t in unpacked), loops.schedule,
+                                            *(t.schedule for t in packed)]
+    # a tile picked with both packed gets nothing more; the others still get theirs
+    picked = shortlist([unpacked[0], packed[0], unpacked[1], *packed[1:], other, loops], top_k=3)
+    assert [t.schedule for t in picked] == [unpacked[0].schedule, packed[0].schedule, unpacked[1].schedule,
+                                            loops.schedule, packed[1].schedule]
+
+
+def test_placements_move_every_input_to_its_own_offset_with_the_same_values():
+    from tessera.kernels.tuner import _placements
+
+    inputs = random_inputs(ops.gemm(33, 17, 9))
+    given, moved = _placements(inputs)
+    assert given == inputs
+    offsets = [x.ctypes.data % 4096 for x in moved]
+    assert len(set(offsets)) == len(moved) and all(o % 64 == 0 for o in offsets)  # whole lines, own sets
+    for x, y in zip(inputs, moved, strict=True):
+        assert y.flags.c_contiguous and y.dtype == x.dtype and np.array_equal(x, y)
 
 
 def test_tuner_measures_the_shortlist_and_remembers(machine):
@@ -164,7 +183,12 @@ def test_tuner_measures_the_shortlist_and_remembers(machine):
     tuned = tune(op, threads=1, machine=machine, top_k=3, repeats=3)
     measured = [t for t in tuned.trials if t.measured is not None]
     assert len(measured) == len(tuned.trials) >= 3 and tuned.space_size > len(measured)
-    assert tuned.best == min(measured, key=lambda t: t.measured).schedule
+    # the finalists (the first timing's 3 fastest) were timed again in 3 interleaved rounds and
+    # the fastest by its rounds' median is kept
+    finalists = sorted(measured, key=lambda t: t.measured)[:3]
+    assert all(len(t.rounds) == 3 for t in finalists)
+    assert not any(t.rounds for t in measured if all(t is not f for f in finalists))
+    assert tuned.best == min(finalists, key=lambda t: statistics.median(t.rounds)).schedule
     assert all(len(t.times) >= 3 for t in measured)
     assert -1.0 <= tuned.spearman <= 1.0 or math.isnan(tuned.spearman)
     assert best_schedule(op, threads=1, machine=machine, mode="measure") == tuned.best  # from the database
