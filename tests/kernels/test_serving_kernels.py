@@ -2,6 +2,8 @@
 layer (``Y = X W^T + b (+ R)``, any row count, tails of every tile) and the packed
 variable-length attention (softmax(scale Q K^T) V within each input and head)."""
 
+import statistics
+
 import pytest
 import torch
 
@@ -70,6 +72,31 @@ def test_dense_tuning_ranks_only_the_dense_loops(monkeypatch):
         s = dense_kernel(768, 768, threads=threads, m_hint=2048).schedule
         assert (s.order, s.inner, s.nc >= 768) == ("ic,pc,jc", "jr,ir", True)
         assert threads == 1 or s.parallel == "jr"
+
+
+def test_dense_measured_tuning_times_distinct_kernels_then_finalist_rounds(monkeypatch):
+    """mode="measure" compiles each distinct dense kernel of the shortlist once (schedules that
+    differ only in what the dense loops ignore are one kernel), times them, then times the
+    three fastest again in interleaved rounds and keeps the best median of its rounds."""
+    from tessera.kernels import dense, tuner
+
+    saved, finalists = [], []
+    monkeypatch.setattr(dense, "saved_choice", lambda *a: None)
+    monkeypatch.setattr(dense, "save_choice", lambda op, threads, machine, s, mode: saved.append((s, mode)))
+
+    def spy(picked, retime):
+        keys = [(t.schedule.mr, t.schedule.nr, t.schedule.mc, t.schedule.kc) for t in picked]
+        assert len(keys) == len(set(keys)) >= 2 and all(len(t.times) == 5 for t in picked)
+        best = tuner.final_rounds(picked, retime)
+        finalists.extend(t for t in picked if t.rounds)
+        return best
+
+    monkeypatch.setattr(dense, "final_rounds", spy)
+    kernel = dense_kernel(40, 24, mode="measure", m_hint=16)
+    assert len(finalists) == min(tuner.FINALISTS, len(finalists)) >= 2
+    assert all(len(t.rounds) == tuner.FINAL_ROUNDS for t in finalists)
+    assert kernel.schedule == min(finalists, key=lambda t: statistics.median(t.rounds)).schedule
+    assert saved == [(kernel.schedule, "measure")]
 
 
 def _segments(lengths):

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessera.kernels.blas_libs import AnchorAbsent, BlasLibrary
+from tessera.kernels.kernel import aligned_empty
 from tessera.kernels.ops import Conv2dShape
 
 __all__ = [
@@ -46,8 +47,15 @@ class Runner:
 
 
 def _rng_inputs(*shapes):
+    """Standard-normal arrays, each starting on a cache line as Tessera's inputs (``random_inputs``)
+    and torch's tensors do."""
     rng = np.random.default_rng(0)
-    return [rng.standard_normal(s, dtype=np.float32) for s in shapes]
+    out = []
+    for s in shapes:
+        x = aligned_empty(s)
+        x[...] = rng.standard_normal(s, dtype=np.float32)
+        out.append(x)
+    return out
 
 
 # ---- torch -------------------------------------------------------------------------------

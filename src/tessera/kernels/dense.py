@@ -6,8 +6,8 @@ count in nearly every batch, so this kernel fixes only what the model fixes (``N
 and takes ``M`` at run time (``csrc/tessera_dense.c``). Its register tile and cache blocks
 come from the GEMM tuner's space: ``dense_kernel(..., mode="model")`` takes the analytic
 model's pick for an ``m_hint x N x K`` GEMM; ``mode="measure"`` compiles the model's
-shortlist as dense kernels, times them at ``m_hint`` rows and keeps the fastest, recorded on
-disk beside the GEMM tuner's choices (a restart does not re-tune).
+shortlist as dense kernels, times them at ``m_hint`` rows, times the three fastest again in
+interleaved rounds (``tuner.final_rounds``) and keeps the fastest, recorded on disk beside the GEMM tuner's choices (a restart does not re-tune).
 
 Results do not depend on ``M`` or on the thread count: each output is reduced over K in one
 fixed order (KC blocks in order), so a request computes the same bits alone or in a batch.
@@ -28,7 +28,7 @@ from tessera.kernels import ops
 from tessera.kernels.compiler import CSRC, Compiled, compile_source, load
 from tessera.kernels.machine import load_machine
 from tessera.kernels.schedule import GemmSchedule, schedule_from_dict
-from tessera.kernels.tuner import MODES, rank, save_choice, saved_choice, shortlist
+from tessera.kernels.tuner import MODES, final_rounds, rank, save_choice, saved_choice, shortlist
 
 SOURCE = CSRC / "tessera_dense.c"
 
@@ -191,11 +191,20 @@ def dense_kernel(
     if mode == "model":
         best = trials[0].schedule
     else:
-        timed = []
+        # the dense kernel takes only the tile, mc and kc from a schedule (it packs X's rows and
+        # reads W prepacked): schedules that differ in nothing else are one kernel
+        picked = {}
         for t in shortlist(trials, top_k):
-            kernel = _build(n, k, t.schedule)
-            timed.append((statistics.median(kernel.time(m_hint, threads=threads, repeats=5)), t.schedule))
-        best = min(timed, key=lambda p: p[0])[1]
+            s = t.schedule
+            picked.setdefault((s.isa, s.mr, s.nr, s.mc, s.kc, s.unroll), t)
+        picked = list(picked.values())
+        kernels = [_build(n, k, t.schedule) for t in picked]
+        for t, kernel in zip(picked, kernels, strict=True):
+            t.times = kernel.time(m_hint, threads=threads, repeats=5)
+            t.measured = statistics.median(t.times)
+        best = final_rounds(
+            picked, lambda i: statistics.median(kernels[i].time(m_hint, threads=threads, repeats=5))
+        ).schedule
     save_choice(key, threads, machine, best, mode)
     return _build(n, k, best)
 

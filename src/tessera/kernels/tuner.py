@@ -18,7 +18,7 @@ import numpy as np
 
 from tessera.kernels.compiler import cache_dir
 from tessera.kernels.ir import Operator
-from tessera.kernels.kernel import compile_kernel
+from tessera.kernels.kernel import aligned_empty, compile_kernel
 from tessera.kernels.machine import Machine, load_machine
 from tessera.kernels.model import predict
 from tessera.kernels.schedule import GemmSchedule, Schedule, schedule_from_dict
@@ -148,8 +148,14 @@ def _lowering(s: Schedule) -> str:
 
 
 def random_inputs(op: Operator, seed: int = 0) -> list[np.ndarray]:
+    """Standard-normal inputs of ``op``, each starting on a cache line (as torch's tensors do)."""
     rng = np.random.default_rng(seed)
-    return [rng.standard_normal(t.shape, dtype=np.float32) for t in op.inputs]
+    out = []
+    for t in op.inputs:
+        x = aligned_empty(t.shape)
+        x[...] = rng.standard_normal(t.shape, dtype=np.float32)
+        out.append(x)
+    return out
 
 
 REJECT_FACTOR = 1.5  # a first run this much slower than the best median so far ends the candidate ...
@@ -187,14 +193,15 @@ def _reads_in_place(s: Schedule) -> bool:
 
 
 def _placements(inputs: list[np.ndarray]) -> list[list[np.ndarray]]:
-    """``inputs`` as given and a copy of each at another offset from a page (cache-line
-    aligned, each input at its own offset). An operand read in place ran at 106 to 154
-    GFLOP/s by where it lay (128x768x3072, B in place: a numpy array 16 bytes past a page
-    splits every B row's vector loads across cache lines) while the packed schedules moved
-    only within the timing noise, so such a schedule is timed at both and judged by the slower."""
+    """``inputs`` as given (on cache lines, as torch allocates) and a copy of each 16 bytes past
+    a line (as numpy's large arrays lie), each input at its own offset from a page. An operand
+    read in place ran at 106 to 154 GFLOP/s by where it lay (128x768x3072, B in place: 16
+    bytes off a line, every B row's vector loads split across two lines) while the packed
+    schedules moved only within the timing noise, so such a schedule is timed at both and
+    judged by the slower."""
     moved = []
     for i, x in enumerate(inputs):
-        offset = 64 * (1 + 17 * i) % 4096  # bytes past a page, a different cache set per input
+        offset = 16 + 64 * (1 + 17 * i) % 4096  # bytes past a page: off a line, a set of its own
         buf = np.empty(x.size + 2048, dtype=np.float32)
         start = (-buf.ctypes.data % 4096 + offset) // 4
         view = buf[start:start + x.size].reshape(x.shape)
@@ -207,23 +214,33 @@ FINALISTS = 3  # the fastest this many of the first timing ...
 FINAL_ROUNDS = 3  # ... are timed again this many times, in turn
 
 
-def _final_rounds(picked: list[Trial], kernels, placements, threads: int, repeats: int) -> Schedule:
-    """The schedule to keep: the fastest of the first timing's ``FINALISTS`` best, each timed
-    again in ``FINAL_ROUNDS`` interleaved rounds (a median of repeats each; the slower
-    placement for a schedule that reads an operand in place), by the median of its rounds.
-    Candidates timed one after another each meet the machine at another moment, and this
-    VM's speed moves by 10% over seconds. Each finalist's rounds are kept in
-    ``Trial.rounds``; ``Trial.measured`` stays the first timing's median."""
+def final_rounds(picked: list[Trial], retime) -> Trial:
+    """The trial to keep: the fastest of the first timing's ``FINALISTS`` best, each timed
+    again (``retime(i)``: a median of repeats of ``picked[i]``) in ``FINAL_ROUNDS``
+    interleaved rounds, by the median of its rounds. Candidates timed one after another each
+    meet the machine at another moment, and this VM's speed moves by 10% over seconds. Each
+    finalist's rounds are kept in ``Trial.rounds``; ``Trial.measured`` stays the first
+    timing's median."""
     timed = sorted((i for i, t in enumerate(picked) if len(t.times) > 1), key=lambda i: picked[i].measured)
     finalists = timed[:FINALISTS]
     if len(finalists) < 2:
-        return min(picked, key=lambda t: t.measured).schedule
+        return min(picked, key=lambda t: t.measured)
     for _ in range(FINAL_ROUNDS):
         for i in finalists:
-            reps = max(3, min(repeats, int(1.0 / max(picked[i].measured, 1e-6))))
-            where = placements if _reads_in_place(picked[i].schedule) else placements[:1]
-            picked[i].rounds.append(_median_time(kernels[i], where, threads, reps)[0])
-    return picked[min(finalists, key=lambda i: statistics.median(picked[i].rounds))].schedule
+            picked[i].rounds.append(retime(i))
+    return picked[min(finalists, key=lambda i: statistics.median(picked[i].rounds))]
+
+
+def _retimer(picked: list[Trial], kernels, placements, threads: int, repeats: int):
+    """``final_rounds``' timer of a compiled candidate: the slower placement for a schedule
+    that reads an operand in place."""
+
+    def retime(i: int) -> float:
+        reps = max(3, min(repeats, int(1.0 / max(picked[i].measured, 1e-6))))
+        where = placements if _reads_in_place(picked[i].schedule) else placements[:1]
+        return _median_time(kernels[i], where, threads, reps)[0]
+
+    return retime
 
 
 # Other schedule kinds (tessera.stencil) time and record their candidates with these: an
@@ -267,7 +284,7 @@ def tune(
         where = placements if _reads_in_place(trial.schedule) else None
         _measure(trial, kernel, inputs, threads, repeats, best_so_far, where)
         best_so_far = min(best_so_far, trial.measured)
-    best = _final_rounds(picked, kernels, placements, threads, repeats)
+    best = final_rounds(picked, _retimer(picked, kernels, placements, threads, repeats)).schedule
     measure_seconds = time.perf_counter() - t0
     tuned = Tuned(op, threads, best, picked, len(trials), model_seconds, compile_seconds, measure_seconds,
                   time.perf_counter() - began)
@@ -306,4 +323,4 @@ def best_schedule(op: Operator, *, threads: int = 1, machine: Machine | None = N
     return best
 
 
-__all__ = ["GemmSchedule", "Trial", "Tuned", "best_schedule", "rank", "shortlist", "spearman", "tune"]
+__all__ = ["GemmSchedule", "Trial", "Tuned", "best_schedule", "final_rounds", "rank", "shortlist", "spearman", "tune"]
