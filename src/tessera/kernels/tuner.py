@@ -162,43 +162,28 @@ REJECT_FACTOR = 1.5  # a first run this much slower than the best median so far 
 REJECT_AFTER_S = 0.05  # ... when it took this long (cold-call costs are then a small part of it)
 
 
-def _median_time(kernel, placements, threads: int, repeats: int, warmup: int = 1) -> tuple[float, list[float]]:
-    """The slowest placement's median of ``repeats`` timed runs, and that placement's times."""
-    runs = [kernel.time(*inputs, threads=threads, repeats=repeats, warmup=warmup) for inputs in placements]
-    times = max(runs, key=statistics.median)
-    return statistics.median(times), times
-
-
-def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int, best: float, placements=None) -> None:
+def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int, best: float) -> None:
     """Median of up to ``repeats`` timed runs (about a second per candidate at most) after
     a timed warm-up run and an untimed one. A candidate whose long warm-up run is already far slower than the
     best median found keeps that one time (its cold cost, a few per cent above a warm one at
-    that length): the rank stays right, and large shapes tune in a fraction of the time.
-    ``placements``: the inputs at more than one address (``_placements``), for a schedule
-    whose speed depends on where its inputs lie; it keeps the slowest one's median."""
-    placements = placements or [inputs]
-    first = kernel.time(*placements[0], threads=threads, repeats=1, warmup=0)[0]
+    that length): the rank stays right, and large shapes tune in a fraction of the time."""
+    first = kernel.time(*inputs, threads=threads, repeats=1, warmup=0)[0]
     if first > REJECT_AFTER_S and first > REJECT_FACTOR * best:
         trial.times, trial.measured = [first], first
         return
     reps = max(3, min(repeats, int(1.0 / max(first, 1e-6))))
     # one more untimed run: a kernel with scratch of its own (Winograd's transforms) is still
     # warming its caches and pages on the second call (1.9 ms, then 1.3-1.4 at 64ch 56x56)
-    trial.measured, trial.times = _median_time(kernel, placements, threads, reps)
-
-
-def _reads_in_place(s: Schedule) -> bool:
-    """Does a GEMM schedule read A or B straight from the caller's array (not packed)?"""
-    return isinstance(s, GemmSchedule) and not _packs_both(s)
+    trial.times = kernel.time(*inputs, threads=threads, repeats=reps, warmup=1)
+    trial.measured = statistics.median(trial.times)
 
 
 def _placements(inputs: list[np.ndarray]) -> list[list[np.ndarray]]:
     """``inputs`` as given (on cache lines, as torch allocates) and a copy of each 16 bytes past
-    a line (as numpy's large arrays lie), each input at its own offset from a page. An operand
-    read in place ran at 106 to 154 GFLOP/s by where it lay (128x768x3072, B in place: 16
-    bytes off a line, every B row's vector loads split across two lines) while the packed
-    schedules moved only within the timing noise, so such a schedule is timed at both and
-    judged by the slower."""
+    a line (as numpy's large arrays lie), each input at its own offset from a page. A kernel
+    that reads an operand in place depends on where it lies (128x768x3072 with B in place ran
+    at 106 to 154 GFLOP/s by where B lay: 16 bytes off a line, every B row's vector loads split
+    across two lines), so the finalists are judged at both."""
     moved = []
     for i, x in enumerate(inputs):
         offset = 16 + 64 * (1 + 17 * i) % 4096  # bytes past a page: off a line, a set of its own
@@ -211,36 +196,30 @@ def _placements(inputs: list[np.ndarray]) -> list[list[np.ndarray]]:
 
 
 FINALISTS = 3  # the fastest this many of the first timing ...
-FINAL_ROUNDS = 3  # ... are timed again this many times, in turn
+FINAL_ROUNDS = 2  # ... are timed again this many times per placement of the inputs, in turn
 
 
-def final_rounds(picked: list[Trial], retime) -> Trial:
+def final_rounds(picked: list[Trial], retime, placements: int = 1, rounds: int = FINAL_ROUNDS) -> Trial:
     """The trial to keep: the fastest of the first timing's ``FINALISTS`` best, each timed
-    again (``retime(i)``: a median of repeats of ``picked[i]``) in ``FINAL_ROUNDS``
-    interleaved rounds, by the median of its rounds. Candidates timed one after another each
-    meet the machine at another moment, and this VM's speed moves by 10% over seconds. Each
-    finalist's rounds are kept in ``Trial.rounds``; ``Trial.measured`` stays the first
-    timing's median."""
+    again (``retime(i, p)``: a median of repeats of ``picked[i]`` at placement ``p``) in
+    ``rounds`` interleaved rounds per placement, judged by its slowest placement's median.
+    Candidates timed one after another each meet the machine at another moment, and this VM's
+    speed moves by 10% over seconds; every finalist meets every placement (a direct kernel
+    reads its inputs in place as much as a GEMM that does not pack them). Each finalist's
+    times are kept in ``Trial.rounds`` (placement by placement, round after round);
+    ``Trial.measured`` stays the first timing's median."""
     timed = sorted((i for i, t in enumerate(picked) if len(t.times) > 1), key=lambda i: picked[i].measured)
     finalists = timed[:FINALISTS]
     if len(finalists) < 2:
         return min(picked, key=lambda t: t.measured)
-    for _ in range(FINAL_ROUNDS):
+    for r in range(rounds * placements):
         for i in finalists:
-            picked[i].rounds.append(retime(i))
-    return picked[min(finalists, key=lambda i: statistics.median(picked[i].rounds))]
+            picked[i].rounds.append(retime(i, r % placements))
 
+    def score(i: int) -> float:
+        return max(statistics.median(picked[i].rounds[p::placements]) for p in range(placements))
 
-def _retimer(picked: list[Trial], kernels, placements, threads: int, repeats: int):
-    """``final_rounds``' timer of a compiled candidate: the slower placement for a schedule
-    that reads an operand in place."""
-
-    def retime(i: int) -> float:
-        reps = max(3, min(repeats, int(1.0 / max(picked[i].measured, 1e-6))))
-        where = placements if _reads_in_place(picked[i].schedule) else placements[:1]
-        return _median_time(kernels[i], where, threads, reps)[0]
-
-    return retime
+    return picked[min(finalists, key=score)]
 
 
 # Other schedule kinds (tessera.stencil) time and record their candidates with these: an
@@ -276,15 +255,19 @@ def tune(
         kernels = list(pool.map(lambda t: compile_kernel(op, t.schedule), picked))
     compile_seconds = time.perf_counter() - t0
     inputs = random_inputs(op)
-    placements = _placements(inputs)
     t0 = time.perf_counter()
     best_so_far = float("inf")
     for trial, kernel in zip(picked, kernels, strict=True):
         trial.compile_seconds = kernel.compiled.compile_seconds
-        where = placements if _reads_in_place(trial.schedule) else None
-        _measure(trial, kernel, inputs, threads, repeats, best_so_far, where)
+        _measure(trial, kernel, inputs, threads, repeats, best_so_far)
         best_so_far = min(best_so_far, trial.measured)
-    best = final_rounds(picked, _retimer(picked, kernels, placements, threads, repeats)).schedule
+    placements = _placements(inputs)
+
+    def retime(i: int, p: int) -> float:
+        reps = max(3, min(repeats, int(1.0 / max(picked[i].measured, 1e-6))))
+        return statistics.median(kernels[i].time(*placements[p], threads=threads, repeats=reps))
+
+    best = final_rounds(picked, retime, placements=len(placements)).schedule
     measure_seconds = time.perf_counter() - t0
     tuned = Tuned(op, threads, best, picked, len(trials), model_seconds, compile_seconds, measure_seconds,
                   time.perf_counter() - began)
