@@ -4,6 +4,7 @@ absence said otherwise) and numpy, each best anchor with its code path, the
 headline has its figures, and the JSON, markdown and roofline PNG are written."""
 
 import json
+import statistics
 
 from tessera.bench.harness import write_results
 from tessera.bench.kernels import QUICK, plot_kernels, run_kernels_bench
@@ -29,6 +30,13 @@ def test_quick_kernels_bench(tmp_path, measured_machine):
     # machine either can be slowed alone (1.49 was seen with 15 processes per core), so the
     # bound only catches a unit error (x1000), not performance
     assert 0 < h["sgemm_256_fraction_of_peak_1_thread"] < 10
+    # ... and over the peak probed in each timing round, just before Tessera's timing (the square
+    # GEMM rows only): one ratio per round, their median in the headline, per thread count
+    for threads in (1, 2):
+        per_round = h[f"sgemm_256_fraction_of_same_moment_peak_{threads}_thread_rounds"]
+        assert len(per_round) == QUICK.rounds and all(0 < x < 10 for x in per_round)
+        assert h[f"sgemm_256_fraction_of_same_moment_peak_{threads}_thread"] == statistics.median(per_round)
+    assert all("peak_gflops" not in x for r in result.rows if r["kind"] == "conv" for x in r["rounds"])
     assert 0 <= h["win_fraction_vs_best_anchor"] <= 1 and h["shapes"] == len(result.rows)
     # a GEMM row also times its schedule with the weight (B) packed once, beside MKL's packed SGEMM
     # when its pick is the micro-kernel GEMM (on a loaded machine the timing can pick a loop nest

@@ -38,7 +38,7 @@ from tessera.bench.kernels_headline import headline as make_headline
 from tessera.bench.kernels_training import train_curves
 from tessera.kernels import ops, tvm_anchor
 from tessera.kernels.kernel import compile_kernel
-from tessera.kernels.machine import measure, save_machine
+from tessera.kernels.machine import measure, peak_flops, save_machine
 from tessera.kernels.model import predict
 from tessera.kernels.schedule import GemmSchedule
 from tessera.kernels.tuner import random_inputs, rank, spearman, tune
@@ -172,6 +172,9 @@ def _min_bytes(op) -> float:
     return 4.0 * (op.output.tensor.numel + sum(t.numel for t in op.inputs))
 
 
+PEAK_PROBE_S = 0.3  # the same-moment FMA peak's probe, per round of a square GEMM row
+
+
 def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_set) -> dict:
     tuned = tune(op, threads=threads, machine=machine, top_k=plan.top_k, repeats=plan.repeats)
     kernel = compile_kernel(op, tuned.best)
@@ -180,12 +183,18 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
     call, _ = kernel.bind(*inputs, threads=threads)
     prepacked = _prepacked_call(kind, op, tuned, inputs, threads, plan.repeats)
     rounds = []
+    # the square GEMMs' fraction of peak: the FMA peak probed in each round just before
+    # Tessera's timing, so the two share the VM's moment (the run's start-up probe can be
+    # 20 minutes and 10% away: 228 GFLOP/s at the start of a run whose 2048^3 row met 237)
+    same_moment_peak = kind == "gemm" and label.endswith("^3")
     for _ in range(plan.rounds):
+        peak = {"peak_gflops": round(peak_flops(threads, seconds=PEAK_PROBE_S, isa=machine.isa) / GIGA, 2)} \
+            if same_moment_peak else {}
         seconds = _median_seconds(call, plan.repeats)
         got = anchor_set.measure(kind, spec, threads, flops, _median_seconds, plan.repeats, plan.settle_s)
         if prepacked is not None:
             got["tessera_prepacked_gflops"] = round(flops / _median_seconds(prepacked, plan.repeats) / GIGA, 2)
-        rounds.append({"gflops": round(flops / seconds / GIGA, 2), "seconds": seconds, **got})
+        rounds.append({"gflops": round(flops / seconds / GIGA, 2), "seconds": seconds, **peak, **got})
     row = {
         "kind": kind, "shape": label, "threads": threads, **ka.median_of_rounds(rounds),
         "predicted_s": predict(op, tuned.best, machine, threads),

@@ -40,6 +40,20 @@ def either_side_prepacked(rows: list[dict]) -> dict:
     }
 
 
+def same_moment_fractions(rows: list[dict], shape: str | None) -> dict:
+    """``shape``'s (the largest square SGEMM's) GFLOP/s over the FMA peak probed in the same
+    timing round, per thread count: the median over rounds, and each round's."""
+    out = {}
+    for r in rows:
+        if r["shape"] != shape or not all(x.get("peak_gflops") for x in r.get("rounds", [])):
+            continue
+        per_round = [round(x["gflops"] / x["peak_gflops"], 3) for x in r["rounds"]]
+        n = shape.split("^")[0]
+        out[f"sgemm_{n}_fraction_of_same_moment_peak_{r['threads']}_thread"] = statistics.median(per_round)
+        out[f"sgemm_{n}_fraction_of_same_moment_peak_{r['threads']}_thread_rounds"] = per_round
+    return out
+
+
 def headline(rows, machine, validation, tvm_note, curves, anchor_report, absent) -> dict:
     for r in rows:
         ka.best_anchor(r)
@@ -53,6 +67,7 @@ def headline(rows, machine, validation, tvm_note, curves, anchor_report, absent)
         f"sgemm_{top['shape'].split('^')[0]}_fraction_of_peak_1_thread" if top else "sgemm": (
             round(top["gflops"] * GIGA / peak, 3) if top else None),
         **({f"sgemm_{top['shape'].split('^')[0]}_vs_best_anchor_1_thread": top["vs_best_anchor"]} if top else {}),
+        **same_moment_fractions(rows, top["shape"] if top else None),
         **ka.anchor_headline(rows, absent, anchor_report),
         **ka.rounds_headline(rows),
         "shapes": len(rows),
