@@ -83,12 +83,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     elif args.name == "kernels":
         import dataclasses
 
-        plan = module.QUICK if args.quick else module.FULL
+        plan = module.QUICK if args.quick else module.SQUARE if args.square_only else module.FULL
         if args.tvm_trials == 0:  # TVM left out: the rest of the run in minutes
             plan = dataclasses.replace(plan, tvm_gemms=(), tvm_convs=())
         elif args.tvm_trials is not None:
             plan = dataclasses.replace(plan, tvm_trials=args.tvm_trials)
         result = module.run_kernels_bench(plan)
+        if args.square_only and not args.quick:  # beside the full run's files, not over them
+            result = dataclasses.replace(result, name="kernels-sgemm")
     else:
         result = getattr(module, run_name)(quick=args.quick)
     paths = write_results(result, args.out, getattr(module, plot_name))
@@ -169,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_int,
         help="kernels: TVM MetaSchedule's measured trials per shape (default 1000, what TVM's CPU tuning "
         "tutorial recommends; the speed-versus-trials curve is recorded either way; 0: TVM not run)",
+    )
+    p.add_argument(
+        "--square-only",
+        action="store_true",
+        help="kernels: only the square SGEMM rows (256^3-4096^3, 1 and 2 threads) with their fraction of the FMA "
+        "peak probed in each timing round; written as kernels-sgemm.* beside the full run's files",
     )
     p.set_defaults(handler=cmd_bench)
 

@@ -71,3 +71,14 @@ def test_quick_kernels_bench(tmp_path, measured_machine):
     data = json.loads(paths[0].read_text())
     assert data["headline"] == h and data["machine_parameters"]["isa"] == h["isa"]
     assert "## Machine" in paths[1].read_text() and paths[2].stat().st_size > 10_000
+
+
+def test_square_only_plan_has_only_the_square_sgemm_rows():
+    """`tessera bench kernels --square-only`: the full run's square SGEMM sizes, no other family,
+    no TVM (the rows whose fraction of the same-moment peak it is for)."""
+    from tessera.bench.kernels import FULL, SQUARE, _cases
+
+    labels = [c[1] for c in _cases(SQUARE)]
+    assert labels == [f"{n}^3" for n in FULL.gemm_sizes] and all(c[0] == "gemm" for c in _cases(SQUARE))
+    assert not (SQUARE.tvm_gemms or SQUARE.tvm_convs) and SQUARE.threads == FULL.threads
+    assert SQUARE.rounds == FULL.rounds and SQUARE.repeats == FULL.repeats  # timed as the full run

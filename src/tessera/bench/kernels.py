@@ -126,6 +126,12 @@ QUICK = KernelsPlan(
 )
 
 
+# the square SGEMM rows alone (`tessera bench kernels --square-only`: ~6 minutes), for their
+# fraction of the same-moment FMA peak; TVM left out, the model validated on one GEMM
+SQUARE = dataclasses.replace(FULL, gemm_shapes=(), convs=(), tvm_gemms=(), tvm_convs=(), validation=("gemm:512",),
+                             train_steps=4)
+
+
 def _median_seconds(call, repeats: int) -> float:
     call()
     first = time.perf_counter()
