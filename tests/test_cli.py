@@ -165,3 +165,10 @@ def test_train_gpt2_text_fp16_with_activation_checkpointing_and_block_chunks(tmp
     assert "apply to gpt2-text" in _error_of(
         capsys, ["train", "--recipe", "digits-dit", "--activation-checkpointing"]
     )
+
+
+def test_square_only_names_what_it_needs(capsys):
+    """`--square-only` belongs to the kernels benchmark's full plan: elsewhere, a one-line error
+    before anything runs."""
+    assert "got bench 'serve'" in _error_of(capsys, ["bench", "serve", "--square-only"])
+    assert "with --quick" in _error_of(capsys, ["bench", "kernels", "--square-only", "--quick"])

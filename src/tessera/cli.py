@@ -76,6 +76,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     if args.name not in BENCHES:
         raise UserError(f"unknown benchmark {args.name!r}; available: {', '.join(sorted(BENCHES))}")
+    if args.square_only and (args.name != "kernels" or args.quick):
+        raise UserError(f"--square-only selects the kernels benchmark's square SGEMM rows; got bench {args.name!r}"
+                        f"{' with --quick' if args.quick else ''} (use: tessera bench kernels --square-only)")
     module_name, run_name, plot_name = BENCHES[args.name]
     module = importlib.import_module(f"tessera.bench.{module_name}")
     if args.name == "dit":
@@ -83,13 +86,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
     elif args.name == "kernels":
         import dataclasses
 
-        plan = module.QUICK if args.quick else module.SQUARE if args.square_only else module.FULL
+        plan = module.SQUARE if args.square_only else module.QUICK if args.quick else module.FULL
         if args.tvm_trials == 0:  # TVM left out: the rest of the run in minutes
             plan = dataclasses.replace(plan, tvm_gemms=(), tvm_convs=())
         elif args.tvm_trials is not None:
             plan = dataclasses.replace(plan, tvm_trials=args.tvm_trials)
         result = module.run_kernels_bench(plan)
-        if args.square_only and not args.quick:  # beside the full run's files, not over them
+        if args.square_only:  # beside the full run's files, not over them
             result = dataclasses.replace(result, name="kernels-sgemm")
     else:
         result = getattr(module, run_name)(quick=args.quick)
