@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tessera.kernels.blas_libs import AnchorAbsent, BlasLibrary
-from tessera.kernels.kernel import aligned_empty
+from tessera.kernels.kernel import aligned_normal
 from tessera.kernels.ops import Conv2dShape
 
 __all__ = [
@@ -47,15 +47,8 @@ class Runner:
 
 
 def _rng_inputs(*shapes):
-    """Standard-normal arrays, each starting on a cache line as Tessera's inputs (``random_inputs``)
-    and torch's tensors do."""
-    rng = np.random.default_rng(0)
-    out = []
-    for s in shapes:
-        x = aligned_empty(s)
-        x[...] = rng.standard_normal(s, dtype=np.float32)
-        out.append(x)
-    return out
+    """The anchors' inputs: the same draws as Tessera's (``random_inputs``), on cache lines."""
+    return aligned_normal(shapes, 0)
 
 
 # ---- torch -------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ and takes ``M`` at run time (``csrc/tessera_dense.c``). Its register tile and ca
 come from the GEMM tuner's space: ``dense_kernel(..., mode="model")`` takes the analytic
 model's pick for an ``m_hint x N x K`` GEMM; ``mode="measure"`` compiles the model's
 shortlist as dense kernels, times them at ``m_hint`` rows, times the three fastest again in
-interleaved rounds (``tuner.final_rounds``) and keeps the fastest, recorded on disk beside the GEMM tuner's choices (a restart does not re-tune).
+interleaved rounds (``tuner.final_rounds``) and keeps the fastest, recorded on disk beside
+the GEMM tuner's choices (a restart does not re-tune).
 
 Results do not depend on ``M`` or on the thread count: each output is reduced over K in one
 fixed order (KC blocks in order), so a request computes the same bits alone or in a batch.
@@ -183,21 +184,18 @@ def dense_kernel(
     entry = saved_choice(key, threads, machine)
     if entry and (mode == "model" or entry["mode"] == "measure"):
         return _build(n, k, schedule_from_dict(entry["schedule"]))
-    trials = [
-        t
-        for t in rank(ops.gemm(m_hint, n, k, trans_b=True), threads=threads, machine=machine)
-        if _dense_loops(t.schedule, n, threads)
-    ]
+    # the dense kernel takes only the tile, mc and kc from a schedule (it packs X's rows and
+    # reads W prepacked): of schedules that differ in nothing else, the best ranked stands for all
+    trials, seen = [], set()
+    for t in rank(ops.gemm(m_hint, n, k, trans_b=True), threads=threads, machine=machine):
+        s = t.schedule
+        if _dense_loops(s, n, threads) and (s.isa, s.mr, s.nr, s.mc, s.kc, s.unroll) not in seen:
+            seen.add((s.isa, s.mr, s.nr, s.mc, s.kc, s.unroll))
+            trials.append(t)
     if mode == "model":
         best = trials[0].schedule
     else:
-        # the dense kernel takes only the tile, mc and kc from a schedule (it packs X's rows and
-        # reads W prepacked): schedules that differ in nothing else are one kernel
-        picked = {}
-        for t in shortlist(trials, top_k):
-            s = t.schedule
-            picked.setdefault((s.isa, s.mr, s.nr, s.mc, s.kc, s.unroll), t)
-        picked = list(picked.values())
+        picked = shortlist(trials, top_k)
         kernels = [_build(n, k, t.schedule) for t in picked]
         for t, kernel in zip(picked, kernels, strict=True):
             t.times = kernel.time(m_hint, threads=threads, repeats=5)

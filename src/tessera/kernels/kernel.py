@@ -76,6 +76,18 @@ def aligned_empty(shape, dtype=np.float32) -> np.ndarray:
     return buf[start:start + count * dtype.itemsize].view(dtype).reshape(shape)
 
 
+def aligned_normal(shapes, seed: int = 0) -> list[np.ndarray]:
+    """Standard-normal float32 arrays of ``shapes`` (drawn in order from one generator seeded
+    ``seed``), each starting on a cache line: the tuner's and the benchmark anchors' inputs."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for shape in shapes:
+        x = aligned_empty(shape)
+        x[...] = rng.standard_normal(shape, dtype=np.float32)
+        out.append(x)
+    return out
+
+
 @dataclass
 class Kernel:
     op: Operator

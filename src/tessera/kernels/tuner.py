@@ -18,7 +18,7 @@ import numpy as np
 
 from tessera.kernels.compiler import cache_dir
 from tessera.kernels.ir import Operator
-from tessera.kernels.kernel import aligned_empty, compile_kernel
+from tessera.kernels.kernel import aligned_normal, compile_kernel
 from tessera.kernels.machine import Machine, load_machine
 from tessera.kernels.model import predict
 from tessera.kernels.schedule import GemmSchedule, Schedule, schedule_from_dict
@@ -149,17 +149,17 @@ def _lowering(s: Schedule) -> str:
 
 def random_inputs(op: Operator, seed: int = 0) -> list[np.ndarray]:
     """Standard-normal inputs of ``op``, each starting on a cache line (as torch's tensors do)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for t in op.inputs:
-        x = aligned_empty(t.shape)
-        x[...] = rng.standard_normal(t.shape, dtype=np.float32)
-        out.append(x)
-    return out
+    return aligned_normal([t.shape for t in op.inputs], seed)
 
 
 REJECT_FACTOR = 1.5  # a first run this much slower than the best median so far ends the candidate ...
 REJECT_AFTER_S = 0.05  # ... when it took this long (cold-call costs are then a small part of it)
+
+
+def _repeats(repeats: int, seconds: float) -> int:
+    """Timed runs of a candidate that takes ``seconds`` a call: at most ``repeats``, about a
+    second's worth, at least 3."""
+    return max(3, min(repeats, int(1.0 / max(seconds, 1e-6))))
 
 
 def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int, best: float) -> None:
@@ -171,7 +171,7 @@ def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int, best: flo
     if first > REJECT_AFTER_S and first > REJECT_FACTOR * best:
         trial.times, trial.measured = [first], first
         return
-    reps = max(3, min(repeats, int(1.0 / max(first, 1e-6))))
+    reps = _repeats(repeats, first)
     # one more untimed run: a kernel with scratch of its own (Winograd's transforms) is still
     # warming its caches and pages on the second call (1.9 ms, then 1.3-1.4 at 64ch 56x56)
     trial.times = kernel.time(*inputs, threads=threads, repeats=reps, warmup=1)
@@ -264,8 +264,8 @@ def tune(
     placements = _placements(inputs)
 
     def retime(i: int, p: int) -> float:
-        reps = max(3, min(repeats, int(1.0 / max(picked[i].measured, 1e-6))))
-        return statistics.median(kernels[i].time(*placements[p], threads=threads, repeats=reps))
+        return statistics.median(kernels[i].time(*placements[p], threads=threads,
+                                                 repeats=_repeats(repeats, picked[i].measured)))
 
     best = final_rounds(picked, retime, placements=len(placements)).schedule
     measure_seconds = time.perf_counter() - t0
