@@ -39,11 +39,36 @@ def test_dense_equals_the_float64_reference_at_any_row_count(n, k):
         x, r = torch.randn(50, k, generator=g), torch.randn(50, n, generator=g)
         got = kernel(x, packed, b, r, layer_norm=ln)
         torch.testing.assert_close(got.double(), reference(x, w, b, r, ln), atol=2e-5, rtol=1e-5)
+    # BERT's intermediate layer: GELU (erf) in the epilogue; its own error (<= 0.75e-7 |y|) is far
+    # below the sum's rounding, so the dense tolerance above holds
+    x = torch.randn(97, k, generator=g)
+    torch.testing.assert_close(kernel(x, packed, b, gelu=True).double(), reference(x, w, b, gelu=True),
+                               atol=1e-4, rtol=1e-5)  # fmt: skip
     # threads split W's panels, never K: the same bits at 1 and 2 threads
     x = torch.randn(77, k, generator=g)
-    assert torch.equal(kernel(x, packed, b, threads=1), kernel(x, packed, b, threads=2))
-    # a row's result does not depend on the rows batched with it
-    assert torch.equal(kernel(x, packed, b)[5:6], kernel(x[5:6].clone(), packed, b))
+    for gelu in (False, True):
+        assert torch.equal(kernel(x, packed, b, gelu=gelu, threads=1), kernel(x, packed, b, gelu=gelu, threads=2))
+        # a row's result does not depend on the rows batched with it (a full tile or a tail)
+        assert torch.equal(kernel(x, packed, b, gelu=gelu)[5:6], kernel(x[5:6].clone(), packed, b, gelu=gelu))
+
+
+def test_dense_gelu_equals_the_float64_gelu():
+    """Through an identity weight each output is one input value exactly (every other product
+    is a zero), so what is left is the epilogue's GELU alone, against float64 over [-12, 12],
+    the tails and zero included."""
+    n = 64
+    kernel = dense_kernel(n, n)
+    packed = kernel.pack(torch.eye(n))
+    x = torch.cat([torch.linspace(-12, 12, 64 * 63), torch.tensor([0.0, -0.0, 1e-30, -1e-30] + [-40.0, 40.0] * 30)])
+    x = x.reshape(-1, n)
+    got = kernel(x, packed, torch.zeros(n), gelu=True)
+    want = torch.nn.functional.gelu(x.double())
+    # Abramowitz-Stegun 7.1.26 bounds erf's error by 1.5e-7, so GELU's by 0.75e-7 |x| (the
+    # float32 rounding of x / sqrt 2 and of the products adds a few ulp): 1e-6 at |x| <= 12 is
+    # ~10x that bound and far below a wrong formula (tanh-GELU differs by up to 5e-4)
+    torch.testing.assert_close(got.double(), want, atol=1e-6, rtol=1e-6)
+    # far tails: GELU(40) is 40 exactly, GELU(-40) ~ -1e-348 (exp is held at e^-87 there)
+    assert torch.equal(got[x == 40.0], x[x == 40.0]) and got[x == -40.0].abs().max() < 1e-30
 
 
 def test_dense_refuses_bad_inputs_by_name():
@@ -57,6 +82,8 @@ def test_dense_refuses_bad_inputs_by_name():
         kernel(torch.randn(4, 16), torch.zeros(3), torch.zeros(8))
     with pytest.raises(ValueError, match="dense_kernel: n must be a positive int, got 0"):
         dense_kernel(0, 16)
+    with pytest.raises(ValueError, match="dense: gelu=True and layer_norm together"):
+        kernel(torch.randn(4, 16), packed, torch.zeros(8), gelu=True, layer_norm=(torch.ones(8), torch.zeros(8), 1e-5))
 
 
 def test_dense_tuning_ranks_only_the_dense_loops(monkeypatch):

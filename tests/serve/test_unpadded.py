@@ -63,7 +63,7 @@ def test_packed_batches_equal_one_request_at_a_time(encoder_dirs, family, task, 
     assert on_kernels["fused_residuals"] == (
         2 * served.config.num_hidden_layers if family in ("bert", "roberta") else 0
     )
-    assert on_kernels["gelus_in_place"] == (
+    assert on_kernels["gelus_fused"] == (
         served.config.num_hidden_layers if family in ("bert", "roberta") else 0
     )
     assert not any("forward" in m.__dict__ for m in served.model.modules())  # the model is left as it was

@@ -75,7 +75,7 @@ class DenseKernel:
         self._lib.tk_pack_weight.restype = None
         self._lib.tk_dense.restype = None
         self._lib.tk_dense.argtypes = [ctypes.c_void_p, ctypes.c_long] + [ctypes.c_void_p] * 6 + [
-            ctypes.c_float, ctypes.c_int]  # fmt: skip
+            ctypes.c_float, ctypes.c_int, ctypes.c_int]  # fmt: skip
         self.packed_floats = int(self._lib.tk_packed_floats())
 
     def pack(self, weight: Tensor) -> Tensor:
@@ -93,11 +93,13 @@ class DenseKernel:
         residual: Tensor | None = None,
         *,
         layer_norm: tuple[Tensor, Tensor, float] | None = None,
+        gelu: bool = False,
         out: Tensor | None = None,
         threads: int = 1,
     ) -> Tensor:
-        """``x`` (M x K) @ W^T + ``bias`` (+ ``residual``, M x N), then LayerNorm over each row
-        when ``layer_norm`` = (weight, bias, eps) is given; ``packed`` from ``pack``."""
+        """``x`` (M x K) @ W^T + ``bias`` (+ ``residual``, M x N), then GELU (erf form) of each
+        value when ``gelu``, or LayerNorm over each row when ``layer_norm`` = (weight, bias,
+        eps) is given; ``packed`` from ``pack``."""
         if x.dim() != 2:
             raise ValueError(f"dense: x must be 2-D (tokens x {self.k}), got shape {tuple(x.shape)}")
         m = x.shape[0]
@@ -115,6 +117,8 @@ class DenseKernel:
             out = _checked(out, "out", (m, self.n))
         if not isinstance(threads, int) or threads < 1:
             raise ValueError(f"dense: threads must be an int >= 1, got {threads!r}")
+        if gelu and layer_norm is not None:
+            raise ValueError("dense: gelu=True and layer_norm together; an encoder's layer has one or the other")
         gamma = beta = None
         eps = 0.0
         if layer_norm is not None:
@@ -134,6 +138,7 @@ class DenseKernel:
                 None if gamma is None else gamma.data_ptr(),
                 None if beta is None else beta.data_ptr(),
                 float(eps),
+                int(bool(gelu)),
                 threads,
             )
         return out
@@ -219,11 +224,13 @@ def _dense_loops(s, n: int, threads: int) -> bool:
 
 def reference(
     x: Tensor, weight: Tensor, bias: Tensor, residual: Tensor | None = None,
-    layer_norm: tuple[Tensor, Tensor, float] | None = None,
+    layer_norm: tuple[Tensor, Tensor, float] | None = None, gelu: bool = False,
 ) -> Tensor:  # fmt: skip
     """The plain float64 semantics the kernel is tested against."""
     y = x.double() @ weight.double().T + bias.double()
     y = y if residual is None else y + residual.double()
+    if gelu:
+        y = torch.nn.functional.gelu(y)  # the erf form, in float64
     if layer_norm is not None:
         gamma, beta, eps = layer_norm
         y = torch.nn.functional.layer_norm(y, (y.shape[-1],), gamma.double(), beta.double(), eps)

@@ -7,8 +7,9 @@
  * into MR-row panels, and walks BLIS's inner loops (panels of W outside, rows of X inside,
  * so a W micro-panel stays in L1 while the rows stream past). The epilogue runs on the
  * register tile on the last KC block, before the store: bias, and the residual R when given
- * (Y = X W^T + bias + R, the sum that a post-LayerNorm encoder feeds its LayerNorm), and that
- * LayerNorm itself, row by row, once a block of rows is complete and still in cache.
+ * (Y = X W^T + bias + R, the sum that a post-LayerNorm encoder feeds its LayerNorm), or GELU
+ * (an encoder's intermediate layer), and that LayerNorm itself, row by row, once a block of
+ * rows is complete and still in cache.
  *
  * Defined by the generator before this file: TK_VEC, TK_MR, TK_NR, TK_UNROLL (see
  * tessera_primitives.h), TK_N, TK_K, TK_KC, TK_MC.
@@ -99,11 +100,79 @@ TK_INLINE void tk_tile_sums_pf(long kc, const float *restrict a, const float *re
     for (; l < npf; ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
 }
 
+#if TK_VEC == 512
+typedef __m512i tk_vi;
+#define tk_mulv _mm512_mul_ps
+#define tk_divv _mm512_div_ps
+#define tk_maxv _mm512_max_ps
+#define tk_cvt_i _mm512_cvtps_epi32
+#define tk_cvt_f _mm512_cvtepi32_ps
+#define tk_iadd _mm512_add_epi32
+#define tk_iset1 _mm512_set1_epi32
+#define tk_islli _mm512_slli_epi32
+#define tk_iand _mm512_and_si512
+#define tk_f2i _mm512_castps_si512
+#define tk_i2f _mm512_castsi512_ps
+#define tk_select_neg(z, neg, pos) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((z), _mm512_setzero_ps(), _CMP_LT_OQ), (pos), (neg))
+#else
+typedef __m256i tk_vi;
+#define tk_mulv _mm256_mul_ps
+#define tk_divv _mm256_div_ps
+#define tk_maxv _mm256_max_ps
+#define tk_cvt_i _mm256_cvtps_epi32
+#define tk_cvt_f _mm256_cvtepi32_ps
+#define tk_iadd _mm256_add_epi32
+#define tk_iset1 _mm256_set1_epi32
+#define tk_islli _mm256_slli_epi32
+#define tk_iand _mm256_and_si256
+#define tk_f2i _mm256_castps_si256
+#define tk_i2f _mm256_castsi256_ps
+#define tk_select_neg(z, neg, pos) _mm256_blendv_ps((pos), (neg), _mm256_cmp_ps((z), _mm256_setzero_ps(), _CMP_LT_OQ))
+#endif
+
+/* exp(a) for a in [-87, 0] (below -87 it returns exp(-87), ~2e-38, where its caller's product
+ * is zero to float precision): a = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to
+ * r^7 (truncation < 2e-8 relative), times 2^n built in the exponent bits. */
+TK_INLINE tk_vf tk_exp_neg(tk_vf a) {
+    a = tk_maxv(a, tk_set1(-87.0f));
+    tk_vi n = tk_cvt_i(tk_mulv(a, tk_set1(1.44269504f)));  /* round to nearest */
+    tk_vf nf = tk_cvt_f(n);
+    tk_vf r = tk_fma(nf, tk_set1(-0.693145752f), a);       /* ln 2 in two parts: hi exact in n * hi */
+    r = tk_fma(nf, tk_set1(-1.42860677e-6f), r);
+    tk_vf p = tk_set1(1.0f / 5040.0f);
+    p = tk_fma(p, r, tk_set1(1.0f / 720.0f));
+    p = tk_fma(p, r, tk_set1(1.0f / 120.0f));
+    p = tk_fma(p, r, tk_set1(1.0f / 24.0f));
+    p = tk_fma(p, r, tk_set1(1.0f / 6.0f));
+    p = tk_fma(p, r, tk_set1(0.5f));
+    p = tk_fma(p, r, tk_set1(1.0f));
+    p = tk_fma(p, r, tk_set1(1.0f));
+    return tk_mulv(p, tk_i2f(tk_islli(tk_iadd(n, tk_iset1(127)), 23)));
+}
+
+/* GELU(x) = x Phi(x) = x / 2 (1 + erf(x / sqrt 2)), with erf(|z|) = 1 - q, q = t P(t) exp(-z^2),
+ * t = 1 / (1 + p |z|) (Abramowitz and Stegun 7.1.26: |error of erf| <= 1.5e-7). For z < 0 the
+ * factor 1 + erf(z) is q itself (no cancellation against 1), for z >= 0 it is 2 - q. Each lane
+ * on its own: a value's result does not depend on its neighbours (nor on the tile it is in). */
+TK_INLINE tk_vf tk_gelu(tk_vf x) {
+    tk_vf z = tk_mulv(x, tk_set1(0.707106781f));
+    tk_vf az = tk_i2f(tk_iand(tk_f2i(z), tk_iset1(0x7fffffff)));
+    tk_vf t = tk_divv(tk_set1(1.0f), tk_fma(tk_set1(0.3275911f), az, tk_set1(1.0f)));
+    tk_vf poly = tk_set1(1.061405429f);
+    poly = tk_fma(poly, t, tk_set1(-1.453152027f));
+    poly = tk_fma(poly, t, tk_set1(1.421413741f));
+    poly = tk_fma(poly, t, tk_set1(-0.284496736f));
+    poly = tk_fma(poly, t, tk_set1(0.254829592f));
+    tk_vf q = tk_mulv(tk_mulv(poly, t), tk_exp_neg(tk_mulv(tk_mulv(az, az), tk_set1(-1.0f))));
+    tk_vf one_plus_erf = tk_select_neg(z, q, tk_fma(q, tk_set1(-1.0f), tk_set1(2.0f)));
+    return tk_mulv(tk_mulv(x, tk_set1(0.5f)), one_plus_erf);
+}
+
 /* One MR x NR tile of Y (row stride N): accumulate over kc, then (first block) store or add;
  * on the last block add bias and R. mr, nr: the valid part. */
 TK_INLINE void tk_dense_tile(long kc, const float *restrict a, const float *restrict b, float *restrict y,
                              int first, int last, const float *restrict bias, const float *restrict r,
-                             long mr, long nr, const char *pf, long npf) {
+                             long mr, long nr, const char *pf, long npf, int gelu) {
     tk_vf acc[TK_MR][TK_NV];
     tk_tile_sums_pf(kc, a, b, acc, pf, npf);
     if (mr == TK_MR && nr == TK_NR) {
@@ -114,6 +183,7 @@ TK_INLINE void tk_dense_tile(long kc, const float *restrict a, const float *rest
                 if (last) {
                     v = tk_add(v, tk_load(bias + j * TK_VL));
                     if (r) v = tk_add(v, tk_load(r + i * TK_N + j * TK_VL));
+                    if (gelu) v = tk_gelu(v);
                 }
                 tk_store(yr + j * TK_VL, v);
             }
@@ -130,8 +200,13 @@ TK_INLINE void tk_dense_tile(long kc, const float *restrict a, const float *rest
                 v += bias[j];
                 if (r) v += r[i * TK_N + j];
             }
-            y[i * TK_N + j] = v;
+            tile[i * TK_NR + j] = v;
         }
+    if (last && gelu)  /* the same vector GELU as a full tile's: a row's bits do not depend on the batch */
+        for (int i = 0; i < TK_MR; ++i)
+            for (int j = 0; j < TK_NV; ++j) tk_store(tile + i * TK_NR + j * TK_VL, tk_gelu(tk_load(tile + i * TK_NR + j * TK_VL)));
+    for (long i = 0; i < mr; ++i)
+        for (long j = 0; j < nr; ++j) y[i * TK_N + j] = tile[i * TK_NR + j];
 }
 
 /* The packed X block of the calling thread, grown once and kept (no allocation per call). */
@@ -172,12 +247,12 @@ static void tk_layer_norm_rows(float *restrict y, long rows, const float *restri
     }
 }
 
-/* Y = X W^T + bias (+ R when r is not NULL), then, when gamma is not NULL, LayerNorm of each
- * row (gamma, beta, eps) while the block's rows are still in cache. X: M x K, Y and R: M x N,
- * row-major. */
+/* Y = X W^T + bias (+ R when r is not NULL), then GELU of each value when gelu is not 0, then,
+ * when gamma is not NULL, LayerNorm of each row (gamma, beta, eps) while the block's rows are
+ * still in cache. X: M x K, Y and R: M x N, row-major. */
 void tk_dense(const float *restrict X, long M, const float *restrict Wp, const float *restrict bias,
               const float *restrict R, float *restrict Y, const float *restrict gamma,
-              const float *restrict beta, float eps, int nthreads) {
+              const float *restrict beta, float eps, int gelu, int nthreads) {
     if (!tk_xbuf) tk_xbuf = tk_alloc((long)TK_MC * TK_KC);
     float *Ap = tk_xbuf;
     for (long ic = 0; ic < M; ic += TK_MC) {
@@ -201,7 +276,7 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
                     long row = ic + ir, l0 = ir / TK_MR * per, l1 = tk_min(l0 + per, lines);
                     tk_dense_tile(kc, Ap + ir * kc, blk + p * TK_NR * kc, Y + row * TK_N + n0, first, last,
                                   bias + n0, R ? R + row * TK_N + n0 : 0, tk_min(TK_MR, mc - ir), nr,
-                                  next + l0 * 64, l1 > l0 ? l1 - l0 : 0);
+                                  next + l0 * 64, l1 > l0 ? l1 - l0 : 0, gelu);
                 }
             }
         }
