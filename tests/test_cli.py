@@ -172,3 +172,11 @@ def test_square_only_names_what_it_needs(capsys):
     before anything runs."""
     assert "got bench 'serve'" in _error_of(capsys, ["bench", "serve", "--square-only"])
     assert "with --quick" in _error_of(capsys, ["bench", "kernels", "--square-only", "--quick"])
+
+
+def test_serve_model_names_what_it_needs(capsys):
+    """`--model` picks one model of the serve benchmark's full plan: elsewhere, or a model not in
+    it, a one-line error before anything runs."""
+    assert "got bench 'kernels'" in _error_of(capsys, ["bench", "kernels", "--model", "12x768"])
+    assert "with --quick" in _error_of(capsys, ["bench", "serve", "--model", "12x768", "--quick"])
+    assert "choose one of 6x384, 12x768" in _error_of(capsys, ["bench", "serve", "--model", "12x769"])

@@ -79,6 +79,9 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.square_only and (args.name != "kernels" or args.quick):
         raise UserError(f"--square-only selects the kernels benchmark's square SGEMM rows; got bench {args.name!r}"
                         f"{' with --quick' if args.quick else ''} (use: tessera bench kernels --square-only)")
+    if args.model is not None and (args.name != "serve" or args.quick):
+        raise UserError(f"--model picks one model of the serve benchmark's full plan; got bench {args.name!r}"
+                        f"{' with --quick' if args.quick else ''} (use: tessera bench serve --model 12x768)")
     module_name, run_name, plot_name = BENCHES[args.name]
     module = importlib.import_module(f"tessera.bench.{module_name}")
     if args.name == "dit":
@@ -94,6 +97,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
         result = module.run_kernels_bench(plan)
         if args.square_only:  # beside the full run's files, not over them
             result = dataclasses.replace(result, name="kernels-sgemm")
+    elif args.name == "serve" and args.model is not None:
+        try:
+            result = module.run_serve_bench(only=args.model)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     else:
         result = getattr(module, run_name)(quick=args.quick)
     paths = write_results(result, args.out, getattr(module, plot_name))
@@ -180,6 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="kernels: only the square SGEMM rows (256^3-4096^3, 1 and 2 threads) with their fraction of the FMA "
         "peak probed in each timing round; written as kernels-sgemm.* beside the full run's files",
+    )
+    p.add_argument(
+        "--model",
+        help="serve: one model of the full plan (6x384 or 12x768), run as in the whole plan; written as "
+        "serve-<model>.* beside the full run's files",
     )
     p.set_defaults(handler=cmd_bench)
 

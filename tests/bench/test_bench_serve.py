@@ -103,3 +103,43 @@ def test_request_flops_match_torch_flop_counter(tmp_path):
         with FlopCounterMode(display=False) as counter, torch.inference_mode():
             model(input_ids=torch.randint(5, 900, (1, tokens)))
         assert counter.get_total_flops() == round(request_gflop(spec, tokens) * 1e9)
+
+
+def test_one_model_runs_as_in_the_whole_plan(monkeypatch):
+    """`tessera bench serve --model M`: only M's phases run, as they would in the whole plan (a
+    model after the first is lean; the two-core and memory-plan phases stay the first's), and
+    the result is named for M; a model not in the plan is refused before anything runs."""
+    from tessera.bench import serve
+    from tessera.bench.harness import BenchResult
+
+    ran = []
+
+    class FakeBench:
+        def __init__(self, plan, spec, cache, progress, absent):
+            self.model, self.rows, self.systems, self.folder = serve.model_name(spec), [], {}, cache
+
+        def run(self, lean):
+            ran.append(("run", self.model, lean))
+            return {}
+
+        def workers(self):
+            ran.append(("workers", self.model))
+
+    monkeypatch.setattr(serve, "_Bench", FakeBench)
+    monkeypatch.setattr(serve, "measure_memory_plan", lambda *a: ran.append(("memory",)))
+    monkeypatch.setattr(serve, "result", lambda plan, rows, systems, absent, models, memory: BenchResult(
+        "serve", {m: {} for m in models}, rows, []))  # fmt: skip
+    got = serve.run_serve_bench(progress=False, only="12x768")
+    assert ran == [("run", "12x768", True)] and got.name == "serve-12x768" and list(got.headline) == ["12x768"]
+    assert "12x768 alone" in got.notes[-1]
+    ran.clear()
+    assert serve.run_serve_bench(progress=False, only="6x384").name == "serve-6x384"
+    assert ran == [("run", "6x384", False), ("workers", "6x384"), ("memory",)]
+    ran.clear()
+    try:
+        serve.run_serve_bench(progress=False, only="7x7")
+    except ValueError as exc:
+        assert "'7x7' is not in the plan; choose one of 6x384, 12x768" in str(exc)
+    else:
+        raise AssertionError("an unknown model ran")
+    assert ran == []

@@ -38,6 +38,7 @@ default thread pool at its best batch size.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -269,7 +270,7 @@ class _Bench:
 
     def __init__(self, plan: ServeBenchPlan, spec: EncoderSpec, cache: Path, progress: bool, absent: dict):
         self.plan, self.spec, self.progress, self.absent = plan, spec, progress, absent
-        self.model = f"{spec.layers}x{spec.hidden}"
+        self.model = model_name(spec)
         self.folder = model_folder(spec, cache)
         self.log_dir = cache / "logs" / self.model
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -399,13 +400,26 @@ class _Bench:
                 "fma_peak_gflops": [p for p in peak if p]}  # fmt: skip
 
 
+def model_name(spec: EncoderSpec) -> str:
+    return f"{spec.layers}x{spec.hidden}"
+
+
 def run_serve_bench(
-    quick: bool = False, progress: bool = True, plan: ServeBenchPlan | None = None, cache: Path = CACHE
-) -> BenchResult:
+    quick: bool = False, progress: bool = True, plan: ServeBenchPlan | None = None, cache: Path = CACHE,
+    only: str | None = None,
+) -> BenchResult:  # fmt: skip
+    """The plan's models in order; ``only``: one of them (a name such as ``12x768``), run as in
+    the whole plan (lean when it is not the first; the two-core and memory-plan phases belong to
+    the first model), its result named ``serve-<model>`` (a full run takes over 2 hours)."""
     plan = plan or (QUICK if quick else FULL)
+    names = [model_name(s) for s in plan.specs]
+    if only is not None and only not in names:
+        raise ValueError(f"bench serve: model {only!r} is not in the plan; choose one of {', '.join(names)}")
     rows, systems, absent, models = [], {}, {}, {}
     memory = None
     for i, spec in enumerate(plan.specs):
+        if only is not None and names[i] != only:
+            continue
         bench = _Bench(plan, spec, cache, progress, absent)
         models[bench.model] = bench.run(lean=plan.lean_after_first and i > 0)
         if i == 0 and plan.workers_requests:
@@ -416,7 +430,11 @@ def run_serve_bench(
             _say(progress, "memory plan on the first model's final workload batches (in process)")
             lengths = workload(plan, spec, plan.saturation_requests, _seed(plan, "final"))[1]
             memory = measure_memory_plan(bench.folder, lengths)
-    return result(plan, rows, systems, absent, models, memory)
+    done = result(plan, rows, systems, absent, models, memory)
+    if only is not None:
+        done.notes.append(f"this run: model {only} alone, as in the whole plan (`tessera bench serve --model {only}`)")
+        done = dataclasses.replace(done, name=f"serve-{only}")
+    return done
 
 
 def _say(progress: bool, message: str) -> None:
