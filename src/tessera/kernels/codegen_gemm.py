@@ -183,25 +183,27 @@ class _Gen:
                 "if (nr < TK_NR) { tk_pack_b_rows(Bbt, b_k + pc, jc + jr, nr, kc, Bt); b_ = Bt; b_rs = TK_NR; }"
             )
             b = "b_, b_rs"
-        lines.append(self.prefetch_next_panel())
-        lines.append(f"tk_ukernel(kc, {a}, {b}, {tail});")
+        pf = self.prefetch_next_panel()
+        lines.append(pf)
+        lines.append(f"tk_ukernel(kc, {a}, {b}, {tail}, {'pf_, npf_' if pf else '0, 0'});")
         return "{ " + " ".join(lines) + " }"
 
     def prefetch_next_panel(self) -> str:
         """A prepacked operand's micro-panel held across the inner loop is read from memory the
         first time, not from a copy just made: the next one is fetched into L2 a slice per call
-        of the inner loop (as the serving dense kernel does with its packed weight; a prefetch
-        past the end is dropped, never a fault)."""
+        of the inner loop (``pf_``, ``npf_``: lines the micro-kernel prefetches spread over its k
+        loop, as the serving dense kernel does with its packed weight; a prefetch past the end is
+        dropped, never a fault)."""
         held = "B" if self.s.inner == "jr,ir" else "A"
         if self.prepacked != held:
             return ""
         outer, inner, extent, unit = ("jr", "ir", "mc", "TK_MR") if held == "B" else ("ir", "jr", "nc", "TK_NR")
         width = "TK_NR" if held == "B" else "TK_MR"
         return (
-            f"{{ const char *next_ = (const char *)({held}p + ({outer} + {width}) * kc);"
+            f"const char *next_ = (const char *)({held}p + ({outer} + {width}) * kc);"
             f" long lines_ = {width} * kc / 16, calls_ = ({extent} + {unit} - 1) / {unit}, per_ = (lines_ + calls_ - 1) / calls_;"
             f" long l0_ = {inner} / {unit} * per_, l1_ = tk_min(l0_ + per_, lines_);"
-            " for (long l_ = l0_; l_ < l1_; ++l_) _mm_prefetch(next_ + l_ * 64, _MM_HINT_T1); }"
+            " const char *pf_ = next_ + l0_ * 64; long npf_ = l1_ > l0_ ? l1_ - l0_ : 0;"
         )
 
     # ---- the loop nest -------------------------------------------------------------------

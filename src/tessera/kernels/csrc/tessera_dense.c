@@ -64,42 +64,6 @@ static void tk_pack_x(const float *restrict X, long m0, long mc, long pc, long k
     }
 }
 
-/* The register tile's sums (as tk_tile_sums on packed operands), with npf lines from pf
- * prefetched into L2 spread over the k loop, a few every TK_PF_GROUP steps: issued all at once
- * before the tile, they filled the core's miss buffers and held the FMAs back until the lines
- * came (a model's weights stream from memory: at tens of rows the weight's fetch and the
- * arithmetic then took turns instead of overlapping). */
-#ifndef TK_PF_GROUP
-#define TK_PF_GROUP 8
-#endif
-TK_INLINE void tk_tile_sums_pf(long kc, const float *restrict a, const float *restrict b, tk_vf acc[TK_MR][TK_NV],
-                               const char *pf, long npf) {
-    for (int i = 0; i < TK_MR; ++i)
-        for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_zero();
-    long groups = kc / TK_PF_GROUP, per = groups ? (npf + groups - 1) / groups : 0, l = 0, k = 0;
-    for (long g = 0; g < groups; ++g) {
-        TK_UNROLL_LOOP(TK_PF_GROUP)
-        for (long kk = 0; kk < TK_PF_GROUP; ++kk, ++k) {
-            tk_vf bv[TK_NV];
-            for (int j = 0; j < TK_NV; ++j) bv[j] = tk_load(b + k * TK_NR + j * TK_VL);
-            for (int i = 0; i < TK_MR; ++i) {
-                tk_vf ai = tk_set1(a[i + k * TK_MR]);
-                for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_fma(ai, bv[j], acc[i][j]);
-            }
-        }
-        for (long q = 0; q < per && l < npf; ++q, ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
-    }
-    for (; k < kc; ++k) {
-        tk_vf bv[TK_NV];
-        for (int j = 0; j < TK_NV; ++j) bv[j] = tk_load(b + k * TK_NR + j * TK_VL);
-        for (int i = 0; i < TK_MR; ++i) {
-            tk_vf ai = tk_set1(a[i + k * TK_MR]);
-            for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_fma(ai, bv[j], acc[i][j]);
-        }
-    }
-    for (; l < npf; ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
-}
-
 #if TK_VEC == 512
 typedef __m512i tk_vi;
 #define tk_mulv _mm512_mul_ps
@@ -174,7 +138,7 @@ TK_INLINE void tk_dense_tile(long kc, const float *restrict a, const float *rest
                              int first, int last, const float *restrict bias, const float *restrict r,
                              long mr, long nr, const char *pf, long npf, int gelu) {
     tk_vf acc[TK_MR][TK_NV];
-    tk_tile_sums_pf(kc, a, b, acc, pf, npf);
+    tk_tile_sums_pf(kc, a, 1, TK_MR, b, TK_NR, acc, pf, npf);
     if (mr == TK_MR && nr == TK_NR) {
         for (int i = 0; i < TK_MR; ++i) {
             float *yr = y + i * TK_N;

@@ -31,11 +31,11 @@ double tk_ukernel_gflops(long kc, int ir_outer, double seconds) {
         if (ir_outer) {
             for (long ir = 0; ir < mc; ir += TK_MR)
                 for (long jr = 0; jr < nc; jr += TK_NR)
-                    tk_ukernel(kc, a + ir * kc, 1, TK_MR, b + jr * kc, TK_NR, c + jr, crow + ir, 0, 0, TK_MR, TK_NR);
+                    tk_ukernel(kc, a + ir * kc, 1, TK_MR, b + jr * kc, TK_NR, c + jr, crow + ir, 0, 0, TK_MR, TK_NR, 0, 0);
         } else {
             for (long jr = 0; jr < nc; jr += TK_NR)
                 for (long ir = 0; ir < mc; ir += TK_MR)
-                    tk_ukernel(kc, a + ir * kc, 1, TK_MR, b + jr * kc, TK_NR, c + jr, crow + ir, 0, 0, TK_MR, TK_NR);
+                    tk_ukernel(kc, a + ir * kc, 1, TK_MR, b + jr * kc, TK_NR, c + jr, crow + ir, 0, 0, TK_MR, TK_NR, 0, 0);
         }
         __asm__ volatile("" ::: "memory");
         double rate = 2.0 * mc * nc * kc / (tk_now() - t0) / 1e9;
