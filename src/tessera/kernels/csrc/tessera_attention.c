@@ -19,6 +19,7 @@
 #define TK_NR (2 * (TK_VEC / 32))
 #define TK_UNROLL 1
 #include "tessera_primitives.h"
+#include "tessera_math.h"
 
 #include <math.h>
 
@@ -34,27 +35,9 @@
 #endif
 
 #if TK_VEC == 512
-typedef __m512i tk_vi;
-#define tk_max _mm512_max_ps
-#define tk_mul _mm512_mul_ps
-#define tk_round(x) _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define tk_cvt _mm512_cvtps_epi32
-#define tk_addi _mm512_add_epi32
-#define tk_set1i _mm512_set1_epi32
-#define tk_slli _mm512_slli_epi32
-#define tk_asf _mm512_castsi512_ps
 TK_INLINE float tk_hmax(tk_vf v) { return _mm512_reduce_max_ps(v); }
 TK_INLINE float tk_hsum(tk_vf v) { return _mm512_reduce_add_ps(v); }
 #else
-typedef __m256i tk_vi;
-#define tk_max _mm256_max_ps
-#define tk_mul _mm256_mul_ps
-#define tk_round(x) _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define tk_cvt _mm256_cvtps_epi32
-#define tk_addi _mm256_add_epi32
-#define tk_set1i _mm256_set1_epi32
-#define tk_slli _mm256_slli_epi32
-#define tk_asf _mm256_castsi256_ps
 TK_INLINE float tk_hmax(tk_vf v) {
     float t[8];
     _mm256_storeu_ps(t, v);
@@ -69,26 +52,6 @@ TK_INLINE float tk_hsum(tk_vf v) {
     return s;
 }
 #endif
-
-/* exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact
- * to float precision), exp(r) by its Taylor series to r^6 (truncation below 1.3e-7
- * relative), times 2^n built in the exponent bits. Below -87 the result is ~1e-38, where a
- * softmax weight is nothing against the row's maximum term, 1. */
-TK_INLINE tk_vf tk_exp_neg(tk_vf x) {
-    x = tk_max(x, tk_set1(-87.0f));
-    tk_vf n = tk_round(tk_mul(x, tk_set1(1.44269504088896341f)));
-    tk_vf r = tk_fma(n, tk_set1(-0.693145751953125f), x);
-    r = tk_fma(n, tk_set1(-1.42860682030941723212e-6f), r);
-    tk_vf p = tk_set1(1.0f / 720.0f);
-    p = tk_fma(p, r, tk_set1(1.0f / 120.0f));
-    p = tk_fma(p, r, tk_set1(1.0f / 24.0f));
-    p = tk_fma(p, r, tk_set1(1.0f / 6.0f));
-    p = tk_fma(p, r, tk_set1(0.5f));
-    p = tk_fma(p, r, tk_set1(1.0f));
-    p = tk_fma(p, r, tk_set1(1.0f));
-    tk_vi bits = tk_slli(tk_addi(tk_cvt(n), tk_set1i(127)), 23);
-    return tk_mul(p, tk_asf(bits));
-}
 
 void tk_init(void) {}
 

@@ -19,14 +19,10 @@
  */
 #define TK_NG 0
 #include "tessera_primitives.h"
+#include "tessera_math.h"
 
 #include <math.h>
 
-#if TK_VEC == 512
-#define tk_mul _mm512_mul_ps
-#else
-#define tk_mul _mm256_mul_ps
-#endif
 
 #define TK_NP ((TK_N + TK_NR - 1) / TK_NR)
 
@@ -64,72 +60,22 @@ static void tk_pack_x(const float *restrict X, long m0, long mc, long pc, long k
     }
 }
 
-#if TK_VEC == 512
-typedef __m512i tk_vi;
-#define tk_mulv _mm512_mul_ps
-#define tk_divv _mm512_div_ps
-#define tk_maxv _mm512_max_ps
-#define tk_cvt_i _mm512_cvtps_epi32
-#define tk_cvt_f _mm512_cvtepi32_ps
-#define tk_iadd _mm512_add_epi32
-#define tk_iset1 _mm512_set1_epi32
-#define tk_islli _mm512_slli_epi32
-#define tk_iand _mm512_and_si512
-#define tk_f2i _mm512_castps_si512
-#define tk_i2f _mm512_castsi512_ps
-#define tk_select_neg(z, neg, pos) _mm512_mask_blend_ps(_mm512_cmp_ps_mask((z), _mm512_setzero_ps(), _CMP_LT_OQ), (pos), (neg))
-#else
-typedef __m256i tk_vi;
-#define tk_mulv _mm256_mul_ps
-#define tk_divv _mm256_div_ps
-#define tk_maxv _mm256_max_ps
-#define tk_cvt_i _mm256_cvtps_epi32
-#define tk_cvt_f _mm256_cvtepi32_ps
-#define tk_iadd _mm256_add_epi32
-#define tk_iset1 _mm256_set1_epi32
-#define tk_islli _mm256_slli_epi32
-#define tk_iand _mm256_and_si256
-#define tk_f2i _mm256_castps_si256
-#define tk_i2f _mm256_castsi256_ps
-#define tk_select_neg(z, neg, pos) _mm256_blendv_ps((pos), (neg), _mm256_cmp_ps((z), _mm256_setzero_ps(), _CMP_LT_OQ))
-#endif
-
-/* exp(a) for a in [-87, 0] (below -87 it returns exp(-87), ~2e-38, where its caller's product
- * is zero to float precision): a = n ln2 + r, |r| <= ln2 / 2, exp(r) by its Taylor series to
- * r^7 (truncation < 2e-8 relative), times 2^n built in the exponent bits. */
-TK_INLINE tk_vf tk_exp_neg(tk_vf a) {
-    a = tk_maxv(a, tk_set1(-87.0f));
-    tk_vi n = tk_cvt_i(tk_mulv(a, tk_set1(1.44269504f)));  /* round to nearest */
-    tk_vf nf = tk_cvt_f(n);
-    tk_vf r = tk_fma(nf, tk_set1(-0.693145752f), a);       /* ln 2 in two parts: hi exact in n * hi */
-    r = tk_fma(nf, tk_set1(-1.42860677e-6f), r);
-    tk_vf p = tk_set1(1.0f / 5040.0f);
-    p = tk_fma(p, r, tk_set1(1.0f / 720.0f));
-    p = tk_fma(p, r, tk_set1(1.0f / 120.0f));
-    p = tk_fma(p, r, tk_set1(1.0f / 24.0f));
-    p = tk_fma(p, r, tk_set1(1.0f / 6.0f));
-    p = tk_fma(p, r, tk_set1(0.5f));
-    p = tk_fma(p, r, tk_set1(1.0f));
-    p = tk_fma(p, r, tk_set1(1.0f));
-    return tk_mulv(p, tk_i2f(tk_islli(tk_iadd(n, tk_iset1(127)), 23)));
-}
-
 /* GELU(x) = x Phi(x) = x / 2 (1 + erf(x / sqrt 2)), with erf(|z|) = 1 - q, q = t P(t) exp(-z^2),
  * t = 1 / (1 + p |z|) (Abramowitz and Stegun 7.1.26: |error of erf| <= 1.5e-7). For z < 0 the
  * factor 1 + erf(z) is q itself (no cancellation against 1), for z >= 0 it is 2 - q. Each lane
  * on its own: a value's result does not depend on its neighbours (nor on the tile it is in). */
 TK_INLINE tk_vf tk_gelu(tk_vf x) {
-    tk_vf z = tk_mulv(x, tk_set1(0.707106781f));
-    tk_vf az = tk_i2f(tk_iand(tk_f2i(z), tk_iset1(0x7fffffff)));
-    tk_vf t = tk_divv(tk_set1(1.0f), tk_fma(tk_set1(0.3275911f), az, tk_set1(1.0f)));
+    tk_vf z = tk_mul(x, tk_set1(0.707106781f));
+    tk_vf az = tk_asf(tk_andi(tk_asi(z), tk_set1i(0x7fffffff)));
+    tk_vf t = tk_div(tk_set1(1.0f), tk_fma(tk_set1(0.3275911f), az, tk_set1(1.0f)));
     tk_vf poly = tk_set1(1.061405429f);
     poly = tk_fma(poly, t, tk_set1(-1.453152027f));
     poly = tk_fma(poly, t, tk_set1(1.421413741f));
     poly = tk_fma(poly, t, tk_set1(-0.284496736f));
     poly = tk_fma(poly, t, tk_set1(0.254829592f));
-    tk_vf q = tk_mulv(tk_mulv(poly, t), tk_exp_neg(tk_mulv(tk_mulv(az, az), tk_set1(-1.0f))));
+    tk_vf q = tk_mul(tk_mul(poly, t), tk_exp_neg(tk_mul(tk_mul(az, az), tk_set1(-1.0f))));
     tk_vf one_plus_erf = tk_select_neg(z, q, tk_fma(q, tk_set1(-1.0f), tk_set1(2.0f)));
-    return tk_mulv(tk_mulv(x, tk_set1(0.5f)), one_plus_erf);
+    return tk_mul(tk_mul(x, tk_set1(0.5f)), one_plus_erf);
 }
 
 /* One MR x NR tile of Y (row stride N): accumulate over kc, then (first block) store or add;
