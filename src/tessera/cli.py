@@ -76,12 +76,13 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     if args.name not in BENCHES:
         raise UserError(f"unknown benchmark {args.name!r}; available: {', '.join(sorted(BENCHES))}")
-    if args.square_only and (args.name != "kernels" or args.quick):
-        raise UserError(f"--square-only selects the kernels benchmark's square SGEMM rows; got bench {args.name!r}"
-                        f"{' with --quick' if args.quick else ''} (use: tessera bench kernels --square-only)")
-    if args.model is not None and (args.name != "serve" or args.quick):
-        raise UserError(f"--model picks one model of the serve benchmark's full plan; got bench {args.name!r}"
-                        f"{' with --quick' if args.quick else ''} (use: tessera bench serve --model 12x768)")
+    for given, flag, bench, what, use in (
+        (args.square_only, "--square-only", "kernels", "selects the kernels benchmark's square SGEMM rows", ""),
+        (args.model is not None, "--model", "serve", "picks one model of the serve benchmark's full plan", " 12x768"),
+    ):  # options of one benchmark's full plan
+        if given and (args.name != bench or args.quick):
+            raise UserError(f"{flag} {what}; got bench {args.name!r}{' with --quick' if args.quick else ''} "
+                            f"(use: tessera bench {bench} {flag}{use})")
     module_name, run_name, plot_name = BENCHES[args.name]
     module = importlib.import_module(f"tessera.bench.{module_name}")
     if args.name == "dit":

@@ -200,10 +200,8 @@ class _Gen:
         outer, inner, extent, unit = ("jr", "ir", "mc", "TK_MR") if held == "B" else ("ir", "jr", "nc", "TK_NR")
         width = "TK_NR" if held == "B" else "TK_MR"
         return (
-            f"const char *next_ = (const char *)({held}p + ({outer} + {width}) * kc);"
-            f" long lines_ = {width} * kc / 16, calls_ = ({extent} + {unit} - 1) / {unit}, per_ = (lines_ + calls_ - 1) / calls_;"
-            f" long l0_ = {inner} / {unit} * per_, l1_ = tk_min(l0_ + per_, lines_);"
-            " const char *pf_ = next_ + l0_ * 64; long npf_ = l1_ > l0_ ? l1_ - l0_ : 0;"
+            f"long npf_; const char *pf_ = tk_pf_share((const char *)({held}p + ({outer} + {width}) * kc),"
+            f" {width} * kc / 16, ({extent} + {unit} - 1) / {unit}, {inner} / {unit}, &npf_);"
         )
 
     # ---- the loop nest -------------------------------------------------------------------

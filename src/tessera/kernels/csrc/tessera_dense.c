@@ -23,7 +23,6 @@
 
 #include <math.h>
 
-
 #define TK_NP ((TK_N + TK_NR - 1) / TK_NR)
 
 void tk_init(void) {}
@@ -180,13 +179,12 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
                  * the packed weights of a whole model outgrow the caches, and the hardware
                  * prefetcher alone left ~10% of the time waiting on the first row tile. */
                 const char *next = (const char *)(blk + (p + 1) * TK_NR * kc);
-                long lines = TK_NR * kc / 16, tiles = (mc + TK_MR - 1) / TK_MR;
-                long per = (lines + tiles - 1) / tiles;
+                long lines = TK_NR * kc / 16, tiles = (mc + TK_MR - 1) / TK_MR, npf;
                 for (long ir = 0; ir < mc; ir += TK_MR) {
-                    long row = ic + ir, l0 = ir / TK_MR * per, l1 = tk_min(l0 + per, lines);
+                    long row = ic + ir;
+                    const char *pf = tk_pf_share(next, lines, tiles, ir / TK_MR, &npf);
                     tk_dense_tile(kc, Ap + ir * kc, blk + p * TK_NR * kc, Y + row * TK_N + n0, first, last,
-                                  bias + n0, R ? R + row * TK_N + n0 : 0, tk_min(TK_MR, mc - ir), nr,
-                                  next + l0 * 64, l1 > l0 ? l1 - l0 : 0, gelu);
+                                  bias + n0, R ? R + row * TK_N + n0 : 0, tk_min(TK_MR, mc - ir), nr, pf, npf, gelu);
                 }
             }
         }

@@ -76,6 +76,14 @@ TK_INLINE void tk_tile_sums_pf(long kc, const float *restrict a, long a_rs, long
     for (; l < npf; ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
 }
 
+/* Call `call` of `calls` over one panel takes its share of the next panel's `lines` cache lines
+ * (from `next`) to prefetch on the way: the first line of the share, its count in *npf. */
+TK_INLINE const char *tk_pf_share(const char *next, long lines, long calls, long call, long *npf) {
+    long per = (lines + calls - 1) / calls, l0 = call * per, l1 = tk_min(l0 + per, lines);
+    *npf = l1 > l0 ? l1 - l0 : 0;
+    return next + l0 * 64;
+}
+
 /* pf, npf: lines to prefetch on the way (tk_tile_sums_pf), or none (npf 0, a literal at every
  * call that has none, so the plain loop is all that is compiled there). */
 TK_INLINE void tk_ukernel(long kc, const float *restrict a, long a_rs, long a_cs,
