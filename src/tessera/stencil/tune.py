@@ -16,11 +16,13 @@ import numpy as np
 from tessera.kernels.machine import Machine, load_machine
 from tessera.kernels.tuner import Trial, measure_trial, save_choice, saved_choice, spearman
 from tessera.stencil.kernel import compile_stencil
-from tessera.stencil.model import predict_stencil
+from tessera.stencil.model import predict_parts, predict_stencil
 from tessera.stencil.schedule import SPLIT_LEVELS, StencilSchedule
 from tessera.stencil.stencil import Stencil, check_grid, padded_shape
 
-TZ, TY, RY, RZ = (1, 2, 4, 8), (4, 8, 16, 32, 64), (1, 2, 4), (1, 2, 4)
+# tile depths: shallow blocks, and deep ones that stream through z (the grid's whole depth is
+# added per shape), reading each plane's rows once while a z step's planes stay in L2
+TZ, TY, RY, RZ = (1, 2, 4, 8, 16, 32, 64, 128, 256), (4, 8, 16, 32, 64), (1, 2, 4), (1, 2, 4)
 MAX_JAMMED = 8  # rz x ry accumulators at most (of the 16 or 32 vector registers)
 SPLITS = (2, 3, 4, 6, 8, 12)
 PREFETCH = 32  # floats ahead (two AVX-512 vectors) of the prefetch twins the tuner times
@@ -59,7 +61,8 @@ def schedule_space(stencil: Stencil, shape, isas: tuple[str, ...]) -> list[Stenc
     nz, ny, _ = shape
     splits = [1] + [k for k in SPLITS if stencil.variable and k <= len(stencil.points)]
     out = []
-    for isa, tz, ty, ry, rz, vec, split in itertools.product(isas, TZ, TY, RY, RZ, (True, False), splits):
+    depths = sorted({t for t in TZ if t <= nz} | {nz})
+    for isa, tz, ty, ry, rz, vec, split in itertools.product(isas, depths, TY, RY, RZ, (True, False), splits):
         if tz > nz or ty > max(ny, TY[0]) or ry > ty or rz > tz or ry * rz > MAX_JAMMED:
             continue
         if rz > 1 and (split > 1 or not vec):  # z blocks where they pay: undecomposed vector kernels (a pruning)
@@ -71,16 +74,23 @@ def schedule_space(stencil: Stencil, shape, isas: tuple[str, ...]) -> list[Stenc
 
 
 def rank(stencil: Stencil, shape, *, threads: int, machine: Machine) -> list[Trial]:
+    """The space, best predicted first; the model's ties broken by its memory time, then its
+    compute time (a memory-bound schedule that also computes faster, or the reverse)."""
     isas = tuple(i for i in ("avx2", "avx512") if i in machine.peak_flops)
-    trials = [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in schedule_space(stencil, shape, isas)]
-    return sorted(trials, key=lambda t: t.predicted)
+    keyed = []
+    for s in schedule_space(stencil, shape, isas):
+        mem, compute, _ = predict_parts(stencil, shape, s, machine, threads)
+        keyed.append(((predict_stencil(stencil, shape, s, machine, threads), mem, compute), s))
+    keyed.sort(key=lambda k: k[0])
+    return [Trial(s, key[0]) for key, s in keyed]
 
 
 def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
     """The ``top_k`` best predicted, at most one per (tile depth tz, decomposition) family (the
     model's near-ties within a family are where it is least sure, so the timed set spreads
     over tile shapes and splits), plus the best undecomposed and the best decomposed one
-    when those are not among them (both are reported)."""
+    when those are not among them (both are reported), and the best of each vector ISA
+    not among them (the model's per-ISA load costs are estimates)."""
     picked, seen = [], set()
     for t in trials:
         family = (t.schedule.tz, t.schedule.split, t.schedule.split_level)
@@ -92,6 +102,11 @@ def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
     for want in (False, True):
         if not any(t.schedule.decomposed == want for t in picked):
             extra = next((t for t in trials if t.schedule.decomposed == want), None)
+            if extra is not None:
+                picked.append(extra)
+    for isa in dict.fromkeys(t.schedule.isa for t in trials):
+        if not any(t.schedule.isa == isa and t.schedule.vectorize for t in picked):
+            extra = next((t for t in trials if t.schedule.isa == isa and t.schedule.vectorize), None)
             if extra is not None:
                 picked.append(extra)
     return picked
