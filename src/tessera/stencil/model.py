@@ -4,25 +4,15 @@ peak that gives the cycle time).
 
 Per sweep of an interior of P points:
 
-    DRAM bytes = P x (4 x coefficient arrays streamed + 4 (the field, once) + 4 written)
+    DRAM bytes = P x (4 x coefficient arrays streamed + 4 x field reads + 4 written)
                + grid-level decomposition: P x (split - 1) x (4 field + 8 output) more
-    re-read bytes = P x 4 x (field reads - 1) (x passes at grid level)
-    memory time  = reads / (read bandwidth x stream efficiency) + re-reads / their level's
-                   bandwidth + writes / write bandwidth
+    memory time  = reads / (read bandwidth x stream efficiency) + writes / write bandwidth
     compute time = per vector: field loads x FIELD_LOAD_CYCLES + other loads / 2, per thread
                    (field loads: the distinct values of the ``rz`` x ``ry`` jammed rows, per row)
     time = max(memory, compute) + passes x (per-row loop set-up) + the call
 
-Field reads from beyond L2, per point, from the tile's geometry (r the radius; the tiles of a
-thread run z-block by z-block, y-tiles inner; inside a tile ``rz`` planes at a time, rows inner):
-(tz + 2r) / tz while a whole tile's field (tz + 2r planes x ty + 2r rows) stays in L2 with the
-coefficient and output rows streamed through it meanwhile (the next y-tile finds its overlap
-there); x (ty + 2r) / ty while only the window of one z step (rz + 2r planes x ty + 2r rows)
-does (a deep tile streaming through z reads each plane's rows once); (rz + 2r) / rz x
-(ty + 2r) / ty when not even that fits. The first read comes from DRAM; the re-reads from
-L3 at its measured bandwidth while the planes the threads touch fit there, else from DRAM.
-(On a VM whose L3 runs at DRAM speed, re-reads are what keeps a constant-coefficient
-stencil in shallow tiles off its roofline.)
+Field reads: 1 per point when the planes the tiles touch (tz + 2r whole planes per thread)
+fit in the shared L3, else one per plane of the stencil (2r + 1).
 
 Stream efficiency: a sweep reading S arrays at once keeps S read streams in flight per
 thread; past the hardware prefetcher's streams (``PREFETCH_STREAMS``) the prefetcher loses
@@ -63,8 +53,6 @@ class Traffic:
     loads: float  # per point, vector-lane loads issued
     flops: float  # per point
     streams: int  # concurrent read streams per thread in the widest pass
-    reread_bytes: float = 0.0  # per point, the field's re-reads from beyond L2 (L3 or DRAM: ``reread_level``)
-    reread_level: str = "L3"
 
 
 def roofline_bytes(stencil: Stencil) -> tuple[int, int]:
@@ -79,52 +67,35 @@ def _pass_arrays(stencil: Stencil, s: StencilSchedule) -> list[int]:
             for r in split_points(len(pts), s.split)]
 
 
-def field_reads(stencil: Stencil, shape, s: StencilSchedule, m: Machine, arrays: int = 0) -> float:
-    """Reads of each field value from beyond L2 per sweep (>= 1), from the tile's geometry;
-    ``arrays``: coefficient arrays streamed through L2 beside it (with the output)."""
+def _field_reads(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int) -> float:
+    """Field reads from DRAM per point: 1 while the planes the threads' tiles touch (a tile's
+    tz planes and r on either side, whole planes since the tiles of a z-block run in y order)
+    fit in the shared L3, else one per plane of the stencil (2r + 1)."""
     nz, ny, nx = shape
     r = stencil.radius
-    tz, ty = min(s.tz, nz), min(s.ty, ny)
-    rz = min(s.rz, tz)
-    row = 4.0 * (nx + 2 * stencil.halo)
-    streamed = 4.0 * (arrays + 1) * nx  # coefficient and output bytes of one output row
-    room = 0.75 * m.cache_bytes["L2"]
-    if (tz + 2 * r) * (ty + 2 * r) * row + tz * ty * streamed <= room:
-        return (tz + 2 * r) / tz
-    y_halo = (ty + 2 * r) / ty
-    if (rz + 2 * r) * (ty + 2 * r) * row + rz * ty * streamed <= room:
-        return (tz + 2 * r) / tz * y_halo
-    return (rz + 2 * r) / rz * y_halo
-
-
-def _in_l3(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int) -> bool:
-    """Whether the planes the threads' tiles touch (tz + 2r whole planes each) fit in the shared L3."""
-    nz, ny, nx = shape
     plane = 4.0 * (ny + 2 * stencil.halo) * (nx + 2 * stencil.halo)
-    return (min(s.tz, nz) + 2 * stencil.radius) * plane * threads <= 0.75 * m.cache_bytes["L3"]
+    live = (min(s.tz, nz) + 2 * r) * plane * threads
+    return 1.0 if live <= 0.75 * m.cache_bytes["L3"] else float(2 * r + 1)
 
 
 def traffic(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int) -> Traffic:
     arrays = _pass_arrays(stencil, s)
     passes = len(arrays)
-    widest = max(arrays) if s.split_level != "row" else sum(arrays)
-    reads = field_reads(stencil, shape, s, m, widest)
-    read = 4.0 * sum(arrays) + 4.0
-    reread = 4.0 * (reads - 1.0)
+    u_reads = _field_reads(stencil, shape, s, m, threads)
+    read = 4.0 * sum(arrays) + 4.0 * u_reads
     write = 4.0
     if s.split_level == "grid" and passes > 1:
-        read += (passes - 1) * 8.0  # each later pass reads the field and the output again
-        reread *= passes
+        read += (passes - 1) * (4.0 * u_reads + 4.0)
         write += (passes - 1) * 4.0
     elif s.split_level == "tile" and passes > 1:
         out_tile = 4.0 * min(s.tz, shape[0]) * min(s.ty, shape[1]) * shape[2]
         if out_tile > 0.75 * m.cache_bytes["L2"]:
             read += (passes - 1) * 4.0
             write += (passes - 1) * 4.0
+    widest = max(arrays) if s.split_level != "row" else sum(arrays)
     n = len(stencil.points)
     loads = _field_loads(stencil, shape, s.ry, s.rz) + sum(arrays) + passes  # field, coefficients, the output
-    level = "L3" if _in_l3(stencil, shape, s, m, threads) else "DRAM"
-    return Traffic(read, write, loads, 2.0 * n, widest + 2, reread, level)
+    return Traffic(read, write, loads, 2.0 * n, widest + 2)
 
 
 def _field_loads(stencil: Stencil, shape, ry: int, rz: int = 1) -> float:
@@ -143,15 +114,6 @@ def stream_efficiency(streams: int, run_bytes: float) -> float:
 
 def predict_stencil(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int = 1) -> float:
     """Predicted seconds of one sweep over an interior of ``shape``."""
-    t_mem, t_compute, t_rows = predict_parts(stencil, shape, s, m, threads)
-    return CALL_SECONDS + max(t_mem, t_compute) + t_rows
-
-
-def predict_parts(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int = 1
-                  ) -> tuple[float, float, float]:
-    """(memory, compute, row set-up) seconds of one sweep: ``predict_stencil`` takes the
-    longer of the first two; the tuner breaks the model's ties on them (a schedule bound
-    by compute still does better moving fewer bytes, and the reverse)."""
     nz, ny, nx = shape
     points = nz * ny * nx
     t = traffic(stencil, shape, s, m, threads)
@@ -159,9 +121,7 @@ def predict_parts(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threa
     busy = math.ceil(tiles / threads) * threads / tiles  # the static schedule's last round
     run = 4.0 * (min(s.ty, ny) if not s.tx or s.tx >= nx else 1) * min(s.tx or nx, nx)
     read_bw = m.bandwidth("DRAM", threads) * stream_efficiency(t.streams, run)
-    reread_bw = read_bw if t.reread_level == "DRAM" else m.bandwidth("L3", threads)
-    t_mem = points * (t.read_bytes / read_bw + t.reread_bytes / reread_bw
-                      + t.write_bytes / m.write_bw[min(threads, max(m.write_bw))])
+    t_mem = points * (t.read_bytes / read_bw + t.write_bytes / m.write_bw[min(threads, max(m.write_bw))])
     isa_vl = 16 if s.isa == "avx512" else 8
     vl = isa_vl if s.vectorize else 1
     cycle = 2 * isa_vl * 2 / m.peak(1, s.isa)  # 2 FMA pipes of the ISA's lanes, 2 flops each
@@ -172,7 +132,7 @@ def predict_parts(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threa
     per_vector = field * FIELD_LOAD_CYCLES[s.isa] + (t.loads - field) / LOADS_PER_CYCLE
     t_compute = points * per_vector / (vl * fill) * cycle * busy / threads
     t_rows = nz * ny * math.ceil(nx / tx) * passes * ROW_CYCLES * cycle / threads
-    return t_mem, t_compute, t_rows
+    return CALL_SECONDS + max(t_mem, t_compute) + t_rows
 
 
 def incore_seconds(stencil: Stencil, shape, s: StencilSchedule, m: Machine, threads: int = 1) -> float:

@@ -16,17 +16,16 @@ import numpy as np
 from tessera.kernels.machine import Machine, load_machine
 from tessera.kernels.tuner import Trial, measure_trial, save_choice, saved_choice, spearman
 from tessera.stencil.kernel import compile_stencil
-from tessera.stencil.model import predict_parts, predict_stencil
+from tessera.stencil.model import predict_stencil
 from tessera.stencil.schedule import SPLIT_LEVELS, StencilSchedule
 from tessera.stencil.stencil import Stencil, check_grid, padded_shape
 
-# tile depths: shallow blocks, and deep ones that stream through z (the grid's whole depth is
-# added per shape), reading each plane's rows once while a z step's planes stay in L2
-TZ, TY, RY, RZ = (1, 2, 4, 8, 16, 32, 64, 128, 256), (4, 8, 16, 32, 64), (1, 2, 4), (1, 2, 4)
+TZ, TY, RY, RZ = (1, 2, 4, 8), (4, 8, 16, 32, 64), (1, 2, 4), (1, 2, 4)
 MAX_JAMMED = 8  # rz x ry accumulators at most (of the 16 or 32 vector registers)
 SPLITS = (2, 3, 4, 6, 8, 12)
 PREFETCH = 32  # floats ahead (two AVX-512 vectors) of the prefetch twins the tuner times
-PREFETCH_TWINS = 2  # of the shortlist's undecomposed vector schedules, the best this many
+TWINS = 2  # of the shortlist's undecomposed vector schedules, the best this many get twins
+DEEP_TY = 32  # rows of a deep twin at least (a radius-6 halo is 12 rows)
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,7 @@ def schedule_space(stencil: Stencil, shape, isas: tuple[str, ...]) -> list[Stenc
     nz, ny, _ = shape
     splits = [1] + [k for k in SPLITS if stencil.variable and k <= len(stencil.points)]
     out = []
-    depths = sorted({t for t in TZ if t <= nz} | {nz})
-    for isa, tz, ty, ry, rz, vec, split in itertools.product(isas, depths, TY, RY, RZ, (True, False), splits):
+    for isa, tz, ty, ry, rz, vec, split in itertools.product(isas, TZ, TY, RY, RZ, (True, False), splits):
         if tz > nz or ty > max(ny, TY[0]) or ry > ty or rz > tz or ry * rz > MAX_JAMMED:
             continue
         if rz > 1 and (split > 1 or not vec):  # z blocks where they pay: undecomposed vector kernels (a pruning)
@@ -74,15 +72,9 @@ def schedule_space(stencil: Stencil, shape, isas: tuple[str, ...]) -> list[Stenc
 
 
 def rank(stencil: Stencil, shape, *, threads: int, machine: Machine) -> list[Trial]:
-    """The space, best predicted first; the model's ties broken by its memory time, then its
-    compute time (a memory-bound schedule that also computes faster, or the reverse)."""
     isas = tuple(i for i in ("avx2", "avx512") if i in machine.peak_flops)
-    keyed = []
-    for s in schedule_space(stencil, shape, isas):
-        mem, compute, _ = predict_parts(stencil, shape, s, machine, threads)
-        keyed.append(((predict_stencil(stencil, shape, s, machine, threads), mem, compute), s))
-    keyed.sort(key=lambda k: k[0])
-    return [Trial(s, key[0]) for key, s in keyed]
+    trials = [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in schedule_space(stencil, shape, isas)]
+    return sorted(trials, key=lambda t: t.predicted)
 
 
 def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
@@ -112,14 +104,22 @@ def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
     return picked
 
 
-def prefetch_twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, threads: int) -> list[Trial]:
-    """The same schedules with software prefetch, for the best ``PREFETCH_TWINS`` undecomposed
-    vector schedules of the shortlist: the model has no term for it (whether the hardware
-    prefetchers keep up with a stencil's rows is measured, not predicted)."""
+def twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, threads: int) -> list[Trial]:
+    """Variants the model has no term for, of the best ``TWINS`` undecomposed vector
+    schedules of the shortlist, timed beside it: with software prefetch (whether the
+    hardware prefetchers keep up with a stencil's rows is measured, not predicted), and
+    as deep tiles (the grid's whole depth, ``tz = nz``: each thread walks z through its
+    columns, and a plane's rows, read once from memory, serve the next z steps from L2
+    while the window of one step fits there; the model counts one read of the field
+    either way), at least ``DEEP_TY`` rows wide so the y halo is a small part of what it
+    reads."""
     bases = [t.schedule for t in picked if t.schedule.vectorize and not t.schedule.decomposed
-             and not t.schedule.prefetch][:PREFETCH_TWINS]
-    return [Trial(s, predict_stencil(stencil, shape, s, machine, threads))
-            for s in (replace(b, prefetch=PREFETCH) for b in bases)]
+             and not t.schedule.prefetch][:TWINS]
+    variants = [replace(b, prefetch=PREFETCH) for b in bases]
+    variants += [replace(b, tz=shape[0], ty=max(b.ty, min(DEEP_TY, shape[1]))) for b in bases if b.tz < shape[0]]
+    seen = {t.schedule for t in picked}
+    variants = [v for v in dict.fromkeys(variants) if v not in seen]  # two bases may share a deep twin
+    return [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in variants]
 
 
 def sample_inputs(stencil: Stencil, shape, seed: int = 0):
@@ -137,7 +137,7 @@ def tune_stencil(stencil: Stencil, shape, *, threads: int = 1, machine: Machine 
     machine = machine or load_machine()
     trials = rank(stencil, shape, threads=threads, machine=machine)
     picked = shortlist(trials, top_k)
-    picked += prefetch_twins(picked, stencil, shape, machine, threads)
+    picked += twins(picked, stencil, shape, machine, threads)
     picked += [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in extra]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # compiles only
         kernels = list(pool.map(lambda t: compile_stencil(stencil, shape, t.schedule), picked))
