@@ -108,7 +108,6 @@ def test_timed_calls_do_not_first_touch_the_output():
     assert faults[0] <= 2, faults
 
 
-
 def test_shortlist_holds_each_isa(machine):
     """The model's per-ISA load costs are estimates: the shortlist times the best schedule of
     each vector ISA even when the other fills the top (star7 is memory-bound: a tie)."""
