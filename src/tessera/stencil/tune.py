@@ -91,14 +91,11 @@ def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
             seen.add(family)
         if len(picked) == top_k:
             break
-    for want in (False, True):
-        if not any(t.schedule.decomposed == want for t in picked):
-            extra = next((t for t in trials if t.schedule.decomposed == want), None)
-            if extra is not None:
-                picked.append(extra)
-    for isa in dict.fromkeys(t.schedule.isa for t in trials):
-        if not any(t.schedule.isa == isa and t.schedule.vectorize for t in picked):
-            extra = next((t for t in trials if t.schedule.isa == isa and t.schedule.vectorize), None)
+    wants = [lambda s: not s.decomposed, lambda s: s.decomposed]
+    wants += [lambda s, isa=isa: s.isa == isa and s.vectorize for isa in dict.fromkeys(t.schedule.isa for t in trials)]
+    for want in wants:  # the best of each kind the top ones lack
+        if not any(want(t.schedule) for t in picked):
+            extra = next((t for t in trials if want(t.schedule)), None)
             if extra is not None:
                 picked.append(extra)
     return picked

@@ -29,12 +29,6 @@
 #ifndef TK_PREFETCH_C
 #define TK_PREFETCH_C 1
 #endif
-/* The micro-kernel: C[rows i, cols j] (+)= sum_k A(i, k) B(k, j) for one MR x NR tile.
- * A(i, k) = a[i * a_rs + k * a_cs] (packed: a_rs = 1, a_cs = MR), B(k, :) starts at
- * b + k * b_rs (packed: b_rs = NR). Callers pass literal strides, so after inlining the
- * compiler sees constants. C row i starts at c + crow[i]; columns are contiguous when
- * ncol is NULL, else column j lives at ncol[j]. `first` overwrites instead of adding
- * (the first k block). mr, nr: the valid part of the tile. */
 /* Step k of the register tile's sums: acc[i][j] += A(i, k) B(k, j-th vector). */
 TK_INLINE void tk_tile_step(long k, const float *restrict a, long a_rs, long a_cs,
                             const float *restrict b, long b_rs, tk_vf acc[TK_MR][TK_NV]) {
@@ -84,7 +78,13 @@ TK_INLINE const char *tk_pf_share(const char *next, long lines, long calls, long
     return next + l0 * 64;
 }
 
-/* pf, npf: lines to prefetch on the way (tk_tile_sums_pf), or none (npf 0, a literal at every
+/* The micro-kernel: C[rows i, cols j] (+)= sum_k A(i, k) B(k, j) for one MR x NR tile.
+ * A(i, k) = a[i * a_rs + k * a_cs] (packed: a_rs = 1, a_cs = MR), B(k, :) starts at
+ * b + k * b_rs (packed: b_rs = NR). Callers pass literal strides, so after inlining the
+ * compiler sees constants. C row i starts at c + crow[i]; columns are contiguous when
+ * ncol is NULL, else column j lives at ncol[j]. `first` overwrites instead of adding
+ * (the first k block). mr, nr: the valid part of the tile.
+ * pf, npf: lines to prefetch on the way (tk_tile_sums_pf), or none (npf 0, a literal at every
  * call that has none, so the plain loop is all that is compiled there). */
 TK_INLINE void tk_ukernel(long kc, const float *restrict a, long a_rs, long a_cs,
                           const float *restrict b, long b_rs, float *restrict c,
