@@ -52,6 +52,29 @@ def test_dense_equals_the_float64_reference_at_any_row_count(n, k):
         assert torch.equal(kernel(x, packed, b, gelu=gelu)[5:6], kernel(x[5:6].clone(), packed, b, gelu=gelu))
 
 
+@pytest.mark.parametrize("mr,nr", [(8, 32), (6, 32)])
+def test_dense_packs_rows_of_every_tile_height(mr, nr):
+    """An 8-row tile packs its rows through a register transpose 8 columns at a time, the last
+    k % 8 columns and a tail of fewer rows one value at a time; other heights take the plain
+    loop. K = 300 (300 % 8 = 4, two KC blocks of 256 + 44) and row counts around the tile."""
+    import dataclasses
+
+    from tessera.kernels import dense as dense_module
+
+    n, k = 70, 300
+    base = dense_kernel(n, k).schedule
+    nr = nr if base.isa == "avx512" else 8  # AVX2's 16 registers: an 8 x 8 tile
+    schedule = dataclasses.replace(base, mr=mr, nr=nr, kc=256, mc=4 * mr, nc=nr * 3)
+    kernel = dense_module._build(n, k, schedule)
+    g = _gen(mr)
+    w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    packed = kernel.pack(w)
+    for m in (1, 7, 8, 9, 4 * mr + 3):
+        x = torch.randn(m, k, generator=g)
+        # the tolerance of the dense test above (sums of 300 products of N(0, 1) values)
+        torch.testing.assert_close(kernel(x, packed, b).double(), reference(x, w, b), atol=1e-4, rtol=1e-5)
+
+
 def test_dense_gelu_equals_the_float64_gelu():
     """Through an identity weight each output is one input value exactly (every other product
     is a zero), so what is left is the epilogue's GELU alone, against float64 over [-12, 12],
@@ -150,6 +173,24 @@ def test_packed_attention_equals_the_float64_reference(head_dim):
         # ~scale_up within 2e-5 absolute (measured at most 1.2e-5); a row attending across two
         # inputs, or a missed key, moves them by ~0.1-1
         torch.testing.assert_close(got.double(), want, atol=2e-5 * scale_up, rtol=1e-5)
+
+
+def test_packed_attention_reads_column_slices_of_a_fused_projection():
+    """Q, K and V as column slices of one (T, 3 H D) projection output (rows 3 H D apart) are
+    read in place: the same bits as from contiguous copies, and the float64 reference."""
+    d = 16 if attn.supports(16) else 8
+    kernel = attn.attention_kernel(d)
+    heads, offsets = 3, _segments([5, 40, 1, 17])
+    t, width = offsets[-1], heads * d
+    y = torch.randn(t, 3 * width, generator=_gen(5))
+    q, k, v = (y[:, i * width : (i + 1) * width].view(t, heads, d) for i in range(3))
+    assert not q.is_contiguous()
+    got = kernel(q, k, v, torch.tensor(offsets), d**-0.5)
+    assert torch.equal(
+        got, kernel(q.contiguous(), k.contiguous(), v.contiguous(), torch.tensor(offsets), d**-0.5)
+    )
+    # the tolerance of the test above at scale 1
+    torch.testing.assert_close(got.double(), attn.reference(q, k, v, offsets, d**-0.5), atol=2e-5, rtol=1e-5)
 
 
 def test_packed_attention_refuses_bad_inputs_by_name():

@@ -213,8 +213,21 @@ def test_tessera_attention_kernel_serves_like_one_request_at_a_time(tmp_path, fa
     served = load_model(build_encoder(tmp_path / family, spec), task="classify")
     runner = UnpaddedRunner(served, kernels="tessera")
     assert runner.describe()["attention_kernel"] == "tessera"
+    # BERT's and RoBERTa's layers run whole (Q, K and V from one GEMM); the others module by module
+    layers = served.config.num_hidden_layers if family in ("bert", "roberta") else 0
+    assert runner.describe()["whole_layers"] == layers
     for seed, lengths in enumerate(compositions(served.max_length)):
         sequences = tokens_for(lengths, seed=seed)
         torch.testing.assert_close(
             runner(sequences), reference_outputs(served, sequences), atol=ATOL, rtol=RTOL
         )
+    # a whole layer makes four dense calls (Q/K/V fused, output, intermediate, output) where the
+    # same layer module by module (no attention kernel: the padded split) makes six
+    by_modules = UnpaddedRunner(served, kernels="tessera", attention="padded")
+    assert by_modules.describe()["whole_layers"] == 0
+    calls = []
+    for r in (runner, by_modules):
+        before = r.describe()["dense_calls"]
+        r(tokens_for([9, 4]))
+        calls.append(r.describe()["dense_calls"] - before)
+    assert calls[1] - calls[0] == 2 * layers

@@ -50,7 +50,8 @@ class AttentionKernel:
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor, offsets: Tensor, scale: float, *,
                  out: Tensor | None = None, threads: int = 1) -> Tensor:  # fmt: skip
-        """(T, H, D) q, k, v; ``offsets``: int64 (inputs + 1,) from 0 to T."""
+        """(T, H, D) q, k, v (rows at any stride, each row's heads contiguous: read in place,
+        else copied); ``offsets``: int64 (inputs + 1,) from 0 to T."""
         t, h, d = q.shape
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x.shape != (t, h, d) or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -67,7 +68,8 @@ class AttentionKernel:
             raise ValueError(
                 f"attention: offsets must be int64 from 0 to {t} (the tokens), got {offsets.tolist()}"
             )
-        q, k, v, offsets = (x.contiguous() for x in (q, k, v, offsets))
+        (q, ldq), (k, ldk), (v, ldv) = (_rows(x) for x in (q, k, v))
+        offsets = offsets.contiguous()
         if out is None:
             out = torch.empty(t, h, d)
         elif out.shape != (t, h, d) or out.dtype != torch.float32 or not out.is_contiguous():
@@ -76,8 +78,17 @@ class AttentionKernel:
             )
         if t:
             self._lib.tk_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), offsets.data_ptr(),
-                                   offsets.numel() - 1, h, h * d, h * d, h * d, h * d, scale, threads)  # fmt: skip
+                                   offsets.numel() - 1, h, ldq, ldk, ldv, h * d, scale, threads)  # fmt: skip
         return out
+
+
+def _rows(x: Tensor) -> tuple[Tensor, int]:
+    """``x`` (T, H, D) and its row stride, as the kernel reads it: each row's heads contiguous
+    (a column slice of a fused Q/K/V projection's output is read in place), else a copy."""
+    t, h, d = x.shape
+    if (h == 1 or x.stride(1) == d) and (d == 1 or x.stride(2) == 1) and (t == 1 or x.stride(0) >= h * d):
+        return x, x.stride(0) if t > 1 else h * d
+    return x.contiguous(), h * d
 
 
 @cache

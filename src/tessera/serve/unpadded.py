@@ -251,16 +251,17 @@ class UnpaddedRunner(Runner):
                 "the memory plan traces ATen ops and Tessera's dense kernels run outside ATen: "
                 "use --kernels torch with --memory-plan"
             )
-        self.dense = (
-            DenseLayers(served.model, mode=tuning, threads=torch.get_num_threads(),
-                        packed_from=dense_from.dense if dense_from is not None else None)  # fmt: skip
-            if kernels == "tessera"
-            else None
-        )
         self.attention_kernel, self.buffers = None, {}
         head_dim = served.config.hidden_size // served.config.num_attention_heads
         if kernels == "tessera" and attention == "per_request" and supports(head_dim):
             self.attention_kernel = attention_kernel(head_dim)
+        self.dense = (
+            DenseLayers(served.model, mode=tuning, threads=torch.get_num_threads(),
+                        packed_from=dense_from.dense if dense_from is not None else None,
+                        attend=_on_kernel if self.attention_kernel is not None else None)  # fmt: skip
+            if kernels == "tessera"
+            else None
+        )
         if memory_plan and attention != "padded":
             raise ValueError(
                 f"the memory plan needs attention 'padded' (one op sequence for every batch), got {attention!r}"

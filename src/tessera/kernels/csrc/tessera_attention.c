@@ -34,25 +34,6 @@
 #error "TK_D must be a multiple of the vector length"
 #endif
 
-#if TK_VEC == 512
-TK_INLINE float tk_hmax(tk_vf v) { return _mm512_reduce_max_ps(v); }
-TK_INLINE float tk_hsum(tk_vf v) { return _mm512_reduce_add_ps(v); }
-#else
-TK_INLINE float tk_hmax(tk_vf v) {
-    float t[8];
-    _mm256_storeu_ps(t, v);
-    float m = t[0];
-    for (int i = 1; i < 8; ++i) m = t[i] > m ? t[i] : m;
-    return m;
-}
-TK_INLINE float tk_hsum(tk_vf v) {
-    float t[8], s = 0.0f;
-    _mm256_storeu_ps(t, v);
-    for (int i = 0; i < 8; ++i) s += t[i];
-    return s;
-}
-#endif
-
 void tk_init(void) {}
 
 /* One (segment, head): rows a .. a + n of column block h. Kt: npad x D scratch (K packed

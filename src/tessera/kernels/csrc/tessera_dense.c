@@ -46,15 +46,41 @@ void tk_pack_weight(const float *restrict W, float *restrict Wp) {
     }
 }
 
+#if TK_MR == 8
+/* dst[k * 8 + i] = rows[i][k] for k < 8: an 8 x 8 transpose in eight AVX registers. */
+TK_INLINE void tk_transpose8(const float *const rows[8], long k, float *restrict dst) {
+    __m256 r[8], t[8], u[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + k);
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      /* rows i, i+1 at k 0, 1 | 4, 5 */
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  /* rows i, i+1 at k 2, 3 | 6, 7 */
+    }
+    for (int h = 0; h < 8; h += 4)
+        for (int j = 0; j < 2; ++j) {
+            u[h + 2 * j] = _mm256_shuffle_ps(t[h + j], t[h + j + 2], 0x44);      /* k 2j   | 2j+4 */
+            u[h + 2 * j + 1] = _mm256_shuffle_ps(t[h + j], t[h + j + 2], 0xee);  /* k 2j+1 | 2j+5 */
+        }
+    for (int c = 0; c < 4; ++c) {
+        _mm256_storeu_ps(dst + c * 8, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));        /* k = c */
+        _mm256_storeu_ps(dst + (c + 4) * 8, _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));  /* k = c + 4 */
+    }
+}
+#endif
+
 /* Rows m0 .. m0 + mc of X, columns pc .. pc + kc, into MR-row panels (k-major, MR floats per
- * k); rows past mc are zeros. */
+ * k); rows past mc are zeros. A full panel of 8 rows goes 8 k at a time through a register
+ * transpose (element by element, the packing took ~15% of a 256 x 384 x 384 call). */
 static void tk_pack_x(const float *restrict X, long m0, long mc, long pc, long kc, float *restrict Ap) {
     for (long ir = 0; ir < mc; ir += TK_MR) {
-        long mr = tk_min(TK_MR, mc - ir);
+        long mr = tk_min(TK_MR, mc - ir), k = 0;
         float *dst = Ap + ir * kc;
         const float *rows[TK_MR];
         for (int i = 0; i < TK_MR; ++i) rows[i] = X + (m0 + ir + (i < mr ? i : 0)) * TK_K + pc;
-        for (long k = 0; k < kc; ++k)
+#if TK_MR == 8
+        if (mr == TK_MR)
+            for (; k + 8 <= kc; k += 8) tk_transpose8(rows, k, dst + k * TK_MR);
+#endif
+        for (; k < kc; ++k)
             for (int i = 0; i < TK_MR; ++i) dst[k * TK_MR + i] = i < mr ? rows[i][k] : 0.0f;
     }
 }
@@ -66,7 +92,7 @@ static void tk_pack_x(const float *restrict X, long m0, long mc, long pc, long k
 TK_INLINE tk_vf tk_gelu(tk_vf x) {
     tk_vf z = tk_mul(x, tk_set1(0.707106781f));
     tk_vf az = tk_asf(tk_andi(tk_asi(z), tk_set1i(0x7fffffff)));
-    tk_vf t = tk_div(tk_set1(1.0f), tk_fma(tk_set1(0.3275911f), az, tk_set1(1.0f)));
+    tk_vf t = tk_recip(tk_fma(tk_set1(0.3275911f), az, tk_set1(1.0f)));
     tk_vf poly = tk_set1(1.061405429f);
     poly = tk_fma(poly, t, tk_set1(-1.453152027f));
     poly = tk_fma(poly, t, tk_set1(1.421413741f));
@@ -83,6 +109,11 @@ TK_INLINE void tk_dense_tile(long kc, const float *restrict a, const float *rest
                              int first, int last, const float *restrict bias, const float *restrict r,
                              long mr, long nr, const char *pf, long npf, int gelu) {
     tk_vf acc[TK_MR][TK_NV];
+    if (first)  /* the output's lines are asked for now and arrive while the FMAs run: in a model,
+                 * a layer's output buffer was last written a whole forward ago, out of cache, and
+                 * each store's read-for-ownership waited on memory (~10% of a MiniLM-size forward) */
+        for (long i = 0; i < mr; ++i)
+            for (long j = 0; j < nr; j += 16) _mm_prefetch((const char *)(y + i * TK_N + j), _MM_HINT_T0);
     tk_tile_sums_pf(kc, a, 1, TK_MR, b, TK_NR, acc, pf, npf);
     if (mr == TK_MR && nr == TK_NR) {
         for (int i = 0; i < TK_MR; ++i) {
@@ -121,34 +152,38 @@ TK_INLINE void tk_dense_tile(long kc, const float *restrict a, const float *rest
 /* The packed X block of the calling thread, grown once and kept (no allocation per call). */
 static __thread float *tk_xbuf;
 
+/* The sum over a row's N values of (v - shift), or of its square when sq: four vector sums
+ * side by side (a fixed order: lanes, sums 0 + 1 and 2 + 3, the lanes' tree, then the tail in
+ * order), where one running sum made every add wait on the one before. */
+TK_INLINE float tk_row_sum(const float *restrict row, float shift, int sq) {
+    tk_vf s[4] = {tk_zero(), tk_zero(), tk_zero(), tk_zero()}, m = tk_set1(-shift);
+    long j = 0;
+    for (; j + 4 * TK_VL <= TK_N; j += 4 * TK_VL)
+        for (int u = 0; u < 4; ++u) {
+            tk_vf d = tk_add(tk_load(row + j + u * TK_VL), m);
+            s[u] = sq ? tk_fma(d, d, s[u]) : tk_add(s[u], d);
+        }
+    for (; j + TK_VL <= TK_N; j += TK_VL) {
+        tk_vf d = tk_add(tk_load(row + j), m);
+        s[0] = sq ? tk_fma(d, d, s[0]) : tk_add(s[0], d);
+    }
+    float t = tk_hsum(tk_add(tk_add(s[0], s[1]), tk_add(s[2], s[3])));
+    for (; j < TK_N; ++j) t += sq ? (row[j] - shift) * (row[j] - shift) : row[j] - shift;
+    return t;
+}
+
 /* LayerNorm of rows y[0 .. rows) in place over their N values: (y - mean) / sqrt(var + eps)
- * * gamma + beta, the mean and the (biased) variance each a sum in order over the row, as
- * two passes (the second over the deviations, not over squares minus a squared mean). */
+ * * gamma + beta, the mean and the (biased) variance each a sum in a fixed order over the
+ * row, as two passes (the second over the deviations, not over squares minus a squared mean). */
 static void tk_layer_norm_rows(float *restrict y, long rows, const float *restrict gamma,
                                const float *restrict beta, float eps) {
     for (long i = 0; i < rows; ++i) {
         float *row = y + i * TK_N;
-        tk_vf acc = tk_zero();
-        long j = 0;
-        for (; j + TK_VL <= TK_N; j += TK_VL) acc = tk_add(acc, tk_load(row + j));
-        float tile[TK_VL] __attribute__((aligned(64)));
-        tk_store(tile, acc);
-        float sum = 0.0f;
-        for (int v = 0; v < TK_VL; ++v) sum += tile[v];
-        for (; j < TK_N; ++j) sum += row[j];
-        float mean = sum / TK_N;
-        tk_vf sq = tk_zero();
-        for (j = 0; j + TK_VL <= TK_N; j += TK_VL) {
-            tk_vf d = tk_add(tk_load(row + j), tk_set1(-mean));
-            sq = tk_fma(d, d, sq);
-        }
-        tk_store(tile, sq);
-        float var = 0.0f;
-        for (int v = 0; v < TK_VL; ++v) var += tile[v];
-        for (; j < TK_N; ++j) var += (row[j] - mean) * (row[j] - mean);
-        float rstd = 1.0f / sqrtf(var / TK_N + eps);
+        float mean = tk_row_sum(row, 0.0f, 0) / TK_N;
+        float rstd = 1.0f / sqrtf(tk_row_sum(row, mean, 1) / TK_N + eps);
         tk_vf rv = tk_set1(rstd);
-        for (j = 0; j + TK_VL <= TK_N; j += TK_VL) {
+        long j = 0;
+        for (; j + TK_VL <= TK_N; j += TK_VL) {
             tk_vf d = tk_mul(tk_add(tk_load(row + j), tk_set1(-mean)), rv);
             tk_store(row + j, tk_fma(d, tk_load(gamma + j), tk_load(beta + j)));
         }
