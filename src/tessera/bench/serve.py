@@ -25,9 +25,12 @@ Three phases per model, each on its own requests (seeded apart):
 2. Finals (test workloads, never used in the sweep): each peer's best configuration,
    ``one_by_one`` and ``tessera``; saturation from ``saturation_requests`` requests after a
    warm-up, ``repeats`` times (repeat i uses the same requests for every system): median and
-   range; Tessera's ratio to the best peer per repeat.
+   range; Tessera's ratio to the best peer per repeat. In rounds: round i starts each finalist
+   in turn (the order rotated each round) and runs its i-th repeat, so the VM's drift over
+   the phase falls on every system alike.
 3. One shared rate: open-loop Poisson arrivals at ``shared_fraction`` of the best peer's
-   sweep saturation, the same for every finalist, so their p50/p99 compare.
+   sweep saturation, the same for every finalist, so their p50/p99 compare (in the same
+   rounds, after each saturation repeat).
 
 Then, on the first model, two cores for the server: Tessera as one engine worker of two
 threads and as two workers of one thread, and infinity's ONNX Runtime engine with its own
@@ -303,7 +306,10 @@ class _Bench:
         try:
             path = "/embeddings" if system in INFINITY_ENGINES else "/v1/embeddings"
             facts = self.systems.setdefault(label, {})
-            facts["max_abs_diff_vs_model"] = agreement(server.url, path, *self.check)
+            # a system started once a round: the worst agreement of its starts, and the batch
+            # statistics of its last start (one round's work)
+            diff = agreement(server.url, path, *self.check)
+            facts["max_abs_diff_vs_model"] = max(diff, facts.get("max_abs_diff_vs_model", diff))
             warm_up(server.url, path, self.plan, self.spec, self.client_core)
             work(server.url, path)
             facts |= server.cores()
@@ -335,20 +341,25 @@ class _Bench:
         return best
 
     def finals(self, configs: list[tuple[str, int | None]], shared_rate: float) -> None:
+        """Saturation and the shared rate, in rounds: round i starts every system in turn (the
+        order rotated by one each round), runs its i-th saturation repeat and its i-th shared-rate
+        repeat, and stops it. One system's repeats back to back let the VM's drift between
+        systems into the ratios: in a run of that design, fifo_padded at batch 1 and one_by_one
+        (the same computation: one request a forward on torch's eager model) came 18.8 and
+        22.5 req/s, 20 minutes apart."""
         plan = self.plan
-        for system, batch in configs:
+        for repeat in range(plan.repeats):
+            for system, batch in _rotated(configs, repeat):
 
-            def work(url, path, system=system, batch=batch):
-                for repeat in range(plan.repeats):
+                def work(url, path, system=system, batch=batch, repeat=repeat):
                     sat = saturation(url, path, plan, self.spec, self.client_core, plan.saturation_requests,
                                      _seed(plan, "final", repeat))  # fmt: skip
                     self.rows.append({"model": self.model, "phase": "final", "system": system, "batch": batch,
                                       "repeat": repeat, **sat})  # fmt: skip
                     self.say(f"final {system}@{batch} #{repeat}: {sat['throughput_rps']:.2f} req/s")
-                # repeated too: one 300-request run's p99 is its third-worst request, and it moved
-                # by 1.5 s between two runs of the same arrivals here; repeat i is the same
-                # arrivals for every system
-                for repeat in range(plan.repeats):
+                    # repeated too: one 300-request run's p99 is its third-worst request, and it
+                    # moved by 1.5 s between two runs of the same arrivals here; repeat i is the
+                    # same arrivals for every system
                     job = _job(url, path, plan, self.spec, "open", plan.shared_requests,
                                _seed(plan, "shared", repeat), rate=shared_rate)  # fmt: skip
                     stats = summarize(run_load(job, self.client_core), plan.slo_s)
@@ -356,20 +367,20 @@ class _Bench:
                                       "repeat": repeat, "offered_rps": shared_rate, **stats})  # fmt: skip
                     self.say(f"shared rate {shared_rate:.2f}/s {system} #{repeat}: p99 {stats['p99_s']:.3f} s")
 
-            self.serve(system, batch, work)
+                self.serve(system, batch, work)
 
     def workers(self) -> None:
         """1 worker x 2 threads against 2 workers x 1 thread, the server on both cores; and
         infinity's ONNX Runtime engine with its default thread pool (one thread a core) at its
-        best batch size, on the same two cores."""
+        best batch size, on the same two cores; in rounds, as the finals."""
         plan = self.plan
         layouts = [("tessera_1x2", None), ("tessera_2x1", None)]
         if "infinity_optimum" in self.best:
             layouts.append(("infinity_optimum_2cores", self.best["infinity_optimum"]))
-        for system, batch in layouts:
+        for repeat in range(plan.repeats):
+            for system, batch in _rotated(layouts, repeat):
 
-            def work(url, path, system=system, batch=batch):
-                for repeat in range(plan.repeats):
+                def work(url, path, system=system, batch=batch, repeat=repeat):
                     job = _job(url, path, plan, self.spec, "closed", plan.workers_requests,
                                _seed(plan, "final", repeat), concurrency=plan.concurrency)  # fmt: skip
                     sat = summarize(run_load(job, None), plan.slo_s)
@@ -377,7 +388,7 @@ class _Bench:
                                       "repeat": repeat, **sat})  # fmt: skip
                     self.say(f"workers {system} #{repeat}: {sat['throughput_rps']:.2f} req/s")
 
-            self.serve(system, batch, work, core=None)
+                self.serve(system, batch, work, core=None)
 
     def run(self, lean: bool) -> dict:
         best = self.best = self.sweep()
@@ -398,6 +409,12 @@ class _Bench:
         return {"best_batch": best, "peers_ranked": ranked, "shared_rate_rps": shared_rate,
                 "gflop_per_request": statistics.fmean(request_gflop(self.spec, n) for n in lengths),
                 "fma_peak_gflops": [p for p in peak if p]}  # fmt: skip
+
+
+def _rotated(items: list, by: int) -> list:
+    """``items`` starting at its ``by``-th (cyclically): round ``by``'s order."""
+    k = by % len(items) if items else 0
+    return items[k:] + items[:k]
 
 
 def model_name(spec: EncoderSpec) -> str:
