@@ -157,6 +157,28 @@ def test_features_reaching_the_packed_attention_are_refused_at_the_layer(encoder
         layer.is_causal = False
 
 
+def test_a_mask_reaching_a_whole_layer_runs_its_modules_and_is_refused(tmp_path):
+    """A whole layer (BERT's, on Tessera's kernels) hands anything beyond what it computes to
+    the layer's own modules: a mask reaching it is refused there by name, never ignored."""
+    from tessera.serve.synthetic import EncoderSpec, build_encoder
+    from tessera.serve.unpadded import packed_attention_on
+
+    spec = EncoderSpec(layers=1, hidden=64, heads=4, vocab_size=200, max_length=64)
+    served = load_model(build_encoder(tmp_path / "bert", spec))
+    runner = UnpaddedRunner(served, kernels="tessera")
+    assert runner.describe()["whole_layers"] == 1
+    packed = runner.prepare(tokens_for([4, 6]))
+    layer = served.encoder.encoder.layer[0]
+    hidden = torch.randn(1, 10, 64)
+    with runner.dense.on(), packed_attention_on(served.model):
+        whole = layer(hidden, tessera_segments=packed.segments)  # no mask: the whole layer
+        with pytest.raises(ValueError, match="brings an attention mask"):
+            layer(hidden, torch.zeros(1, 1, 10, 10), tessera_segments=packed.segments)
+    # the same values as the layer's own modules on torch's kernels, attention per input
+    expected = torch.cat([layer(hidden[:, a:b])[0] for a, b in ((0, 4), (4, 10))])
+    torch.testing.assert_close(whole[0], expected, atol=ATOL, rtol=RTOL)
+
+
 def test_the_layers_softmax_scale_is_honoured_by_every_split(encoder_dirs, monkeypatch):
     """Every split passes the layer's own ``scaling`` to attention. With a scale that is not
     1/sqrt(head_dim) (set on each layer, as models with a query pre-scalar have), packed

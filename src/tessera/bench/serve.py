@@ -343,10 +343,9 @@ class _Bench:
     def finals(self, configs: list[tuple[str, int | None]], shared_rate: float) -> None:
         """Saturation and the shared rate, in rounds: round i starts every system in turn (the
         order rotated by one each round), runs its i-th saturation repeat and its i-th shared-rate
-        repeat, and stops it. One system's repeats back to back let the VM's drift between
-        systems into the ratios: in a run of that design, fifo_padded at batch 1 and one_by_one
-        (the same computation: one request a forward on torch's eager model) came 18.8 and
-        22.5 req/s, 20 minutes apart."""
+        repeat, and stops it. One system's repeats back to back would let the VM's drift over
+        the phase fall between systems and into their ratios (the FMA peak measured before and
+        after the finals of the 2026-12-05 run moved from 242.7 to 236.3 GFLOP/s)."""
         plan = self.plan
         for repeat in range(plan.repeats):
             for system, batch in _rotated(configs, repeat):

@@ -13,8 +13,9 @@ over the stored output took 2.6% of a BERT-base request of 252 tokens).
 
 Where the runner's attention is Tessera's packed kernel, BERT's and RoBERTa's encoder layers
 run whole (`_whole_layer`): Q, K and V from one GEMM on their concatenated weights, the
-attention kernel reading its column slices in place, then the three fused blocks above; the
-modules' own forwards stay swapped for anything else reaching a layer.
+attention kernel reading its column slices in place, then the three fused blocks above. Their
+Q, K and V weights are packed only so, concatenated; anything else reaching such a layer (a
+mask) runs its modules, Q, K and V on torch's kernels and the rest on Tessera's.
 
 Each layer writes into its own output buffer, reused from call to call while no tensor from
 an earlier call still holds it (checked on the storage's reference count, so an output that
@@ -125,21 +126,23 @@ class DenseLayers:
     counts: dict[str, int] = field(default_factory=lambda: {"calls": 0, "rows": 0, "buffers": 0}, init=False)
 
     def __post_init__(self) -> None:
+        modules = list(self.model.named_modules())
+        whole = [(name, m) for name, m in modules if self.attend is not None and _encoder_layer(m)]
+        # a whole layer's Q, K and V are packed once, concatenated, not each on its own as well
+        fused = {id(getattr(m.attention.self, x)) for _, m in whole for x in ("query", "key", "value")}
         layers: dict[nn.Linear, _Layer] = {}
-        for name, module in self.model.named_modules():
-            if isinstance(module, nn.Linear):
+        for name, module in modules:
+            if isinstance(module, nn.Linear) and id(module) not in fused:
                 layers[module] = self._layer(name, *_weights(module))
-        for name, module in self.model.named_modules():
-            if self.attend is not None and _encoder_layer(module):
-                sa = module.attention.self
-                parts = [_weights(x) for x in (sa.query, sa.key, sa.value)]
-                w, b = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-                qkv = self._layer(f"{name}.attention.self.query+key+value", w, b)
-                dense = [
-                    layers[m.dense] for m in (module.attention.output, module.intermediate, module.output)
-                ]
-                self.swaps.append((module, _whole_layer(module, qkv, *dense, self.attend)))
-                self.whole_layers += 1
+        for name, module in whole:
+            sa = module.attention.self
+            parts = [_weights(x) for x in (sa.query, sa.key, sa.value)]
+            w, b = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            qkv = self._layer(f"{name}.attention.self.query+key+value", w, b)
+            dense = [layers[m.dense] for m in (module.attention.output, module.intermediate, module.output)]
+            self.swaps.append((module, _whole_layer(module, qkv, *dense, self.attend)))
+            self.whole_layers += 1
+        for _, module in modules:
             if _residual_block(module):
                 self.swaps.append((module, _fused_output(module, layers[module.dense])))
                 self.fused_residuals += 1
@@ -242,7 +245,7 @@ def _whole_layer(module: nn.Module, qkv: _Layer, attention_output: _Layer, inter
     ~10 modules' Python and packed its input for Q, K and V three times (one forward of the
     MiniLM-size encoder, 8 tokens: 5.3 -> 4.7 ms; 256 tokens: about 1% faster). A batch without
     Tessera's attention kernel, or anything else reaching the layer (a mask), runs the modules
-    as before."""
+    (Q, K and V on torch's kernels: their weights are packed only concatenated)."""
     sa = module.attention.self
     heads, size = sa.num_attention_heads, sa.attention_head_size
     width = heads * size
