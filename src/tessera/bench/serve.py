@@ -42,21 +42,18 @@ default thread pool at its best batch size.
 from __future__ import annotations
 
 import dataclasses
-import json
+import functools
 import statistics
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tessera.bench.harness import BenchResult
+from tessera.bench.serve_load import agreement, run_load, scrape, summarize
 from tessera.bench.serve_memory import measure_memory_plan
 from tessera.bench.serve_report import plot_serve, result
 from tessera.bench.serve_systems import (
     INFINITY_ENGINES,
-    bench_env,
     ensure_infinity,
-    pin_to,
     server_and_client_cores,
     start_server,
 )
@@ -167,35 +164,7 @@ def model_folder(spec: EncoderSpec, cache: Path = CACHE) -> Path:
     return folder
 
 
-# ---- load and its analysis ----------------------------------------------------------------
-
-
-def run_load(job: dict, core: int | None) -> list[list]:
-    from tessera.serve import loadgen
-
-    proc = subprocess.run([sys.executable, "-P", loadgen.__file__], input=json.dumps(job), capture_output=True,
-                          text=True, env=bench_env(), preexec_fn=pin_to(core), check=True)  # fmt: skip
-    return json.loads(proc.stdout)
-
-
-def summarize(records: list[list], slo_s: float) -> dict:
-    import numpy as np
-
-    ok = [r for r in records if r[3] == 200]
-    duration = max(r[2] for r in records) - min(r[1] for r in records)
-    latency = np.array([r[2] - r[1] for r in ok]) if ok else np.array([float("nan")])
-    return {
-        "requests": len(records),
-        "ok": len(ok),
-        "errors": len(records) - len(ok),
-        "duration_s": duration,
-        "throughput_rps": len(ok) / duration,
-        "tokens_per_s": sum(r[4] for r in ok) / duration,
-        "p50_s": float(np.percentile(latency, 50)),
-        "p90_s": float(np.percentile(latency, 90)),
-        "p99_s": float(np.percentile(latency, 99)),
-        "goodput_rps": sum(1 for r in ok if r[2] - r[1] <= slo_s) / duration,
-    }
+# ---- load ---------------------------------------------------------------------------------
 
 
 def saturation(url: str, path: str, plan: ServeBenchPlan, spec: EncoderSpec, core, n: int, seed: int) -> dict:
@@ -220,26 +189,6 @@ def _seed(plan: ServeBenchPlan, phase: str, repeat: int = 0) -> int:
     return plan.seed * 1000 + offsets[phase] + repeat
 
 
-def scrape(url: str) -> dict:
-    """Batch statistics from a Tessera server's /metrics and /info."""
-    import httpx
-
-    values: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("tessera_batch") and ("_sum " in line or "_count " in line):
-            name, value = line.split(" ")
-            values[name] = float(value)
-    count = values.get("tessera_batch_size_count", 0) or 1
-    real = values.get("tessera_batch_tokens_sum", 0) or 1
-    info = httpx.get(url + "/info", timeout=10).json()["tessera"]
-    return {
-        "batches": int(values.get("tessera_batch_size_count", 0)),
-        "mean_batch_size": values.get("tessera_batch_size_sum", 0) / count,
-        "padding_overhead": values.get("tessera_batch_computed_tokens_sum", 0) / real - 1,
-        "cost_table": info["scheduler"].get("cost_table"),
-    }
-
-
 def reference_embeddings(plan: ServeBenchPlan, spec: EncoderSpec, folder: Path):
     """A few workload texts and their unit embeddings from the model alone, one at a time
     (mean pooling, as every system here is configured)."""
@@ -251,18 +200,6 @@ def reference_embeddings(plan: ServeBenchPlan, spec: EncoderSpec, folder: Path):
     served = load_model(folder)
     rows = reference_outputs(served, served.tokenizer(texts)["input_ids"])
     return texts, F.normalize(rows, dim=-1).numpy()
-
-
-def agreement(url: str, path: str, texts: list[str], reference) -> float:
-    """Max |difference| between a system's embeddings of ``texts`` (normalised here, in
-    case a system does not) and the model's: the same model served, the same pooling."""
-    import httpx
-    import numpy as np
-
-    body = httpx.post(url + path, json={"input": texts, "model": "bench"}, timeout=300).json()
-    got = np.array([d["embedding"] for d in sorted(body["data"], key=lambda d: d["index"])])
-    got /= np.linalg.norm(got, axis=1, keepdims=True)
-    return float(np.abs(got - reference).max())
 
 
 # ---- the benchmark ------------------------------------------------------------------------
@@ -340,54 +277,57 @@ class _Bench:
                 best[system] = max(mine, key=lambda r: r["throughput_rps"])["batch"]
         return best
 
+    def rounds(self, configs: list[tuple[str, int | None]], work, *, core="default") -> None:
+        """``work(url, path, system, batch, repeat)`` in rounds: round i starts every system in
+        turn (the order rotated by one each round), runs its i-th repeat, and stops it. One
+        system's repeats back to back would let the VM's drift over a phase fall between systems
+        and into their ratios (the FMA peak measured before and after the finals of the
+        2026-12-05 run moved from 242.7 to 236.3 GFLOP/s)."""
+        for repeat in range(self.plan.repeats):
+            k = repeat % len(configs)
+            for system, batch in configs[k:] + configs[:k]:
+                self.serve(system, batch, functools.partial(work, system=system, batch=batch, repeat=repeat),
+                           core=core)  # fmt: skip
+
     def finals(self, configs: list[tuple[str, int | None]], shared_rate: float) -> None:
-        """Saturation and the shared rate, in rounds: round i starts every system in turn (the
-        order rotated by one each round), runs its i-th saturation repeat and its i-th shared-rate
-        repeat, and stops it. One system's repeats back to back would let the VM's drift over
-        the phase fall between systems and into their ratios (the FMA peak measured before and
-        after the finals of the 2026-12-05 run moved from 242.7 to 236.3 GFLOP/s)."""
+        """Each repeat: saturation, then the shared rate (repeat i is the same arrivals for every
+        system: one 300-request run's p99 is its third-worst request, and it moved by 1.5 s
+        between two runs of the same arrivals here)."""
         plan = self.plan
-        for repeat in range(plan.repeats):
-            for system, batch in _rotated(configs, repeat):
 
-                def work(url, path, system=system, batch=batch, repeat=repeat):
-                    sat = saturation(url, path, plan, self.spec, self.client_core, plan.saturation_requests,
-                                     _seed(plan, "final", repeat))  # fmt: skip
-                    self.rows.append({"model": self.model, "phase": "final", "system": system, "batch": batch,
-                                      "repeat": repeat, **sat})  # fmt: skip
-                    self.say(f"final {system}@{batch} #{repeat}: {sat['throughput_rps']:.2f} req/s")
-                    # repeated too: one 300-request run's p99 is its third-worst request, and it
-                    # moved by 1.5 s between two runs of the same arrivals here; repeat i is the
-                    # same arrivals for every system
-                    job = _job(url, path, plan, self.spec, "open", plan.shared_requests,
-                               _seed(plan, "shared", repeat), rate=shared_rate)  # fmt: skip
-                    stats = summarize(run_load(job, self.client_core), plan.slo_s)
-                    self.rows.append({"model": self.model, "phase": "shared_rate", "system": system, "batch": batch,
-                                      "repeat": repeat, "offered_rps": shared_rate, **stats})  # fmt: skip
-                    self.say(f"shared rate {shared_rate:.2f}/s {system} #{repeat}: p99 {stats['p99_s']:.3f} s")
+        def work(url, path, *, system, batch, repeat):
+            sat = saturation(url, path, plan, self.spec, self.client_core, plan.saturation_requests,
+                             _seed(plan, "final", repeat))  # fmt: skip
+            self.rows.append({"model": self.model, "phase": "final", "system": system, "batch": batch,
+                              "repeat": repeat, **sat})  # fmt: skip
+            self.say(f"final {system}@{batch} #{repeat}: {sat['throughput_rps']:.2f} req/s")
+            job = _job(url, path, plan, self.spec, "open", plan.shared_requests,
+                       _seed(plan, "shared", repeat), rate=shared_rate)  # fmt: skip
+            stats = summarize(run_load(job, self.client_core), plan.slo_s)
+            self.rows.append({"model": self.model, "phase": "shared_rate", "system": system, "batch": batch,
+                              "repeat": repeat, "offered_rps": shared_rate, **stats})  # fmt: skip
+            self.say(f"shared rate {shared_rate:.2f}/s {system} #{repeat}: p99 {stats['p99_s']:.3f} s")
 
-                self.serve(system, batch, work)
+        self.rounds(configs, work)
 
     def workers(self) -> None:
         """1 worker x 2 threads against 2 workers x 1 thread, the server on both cores; and
         infinity's ONNX Runtime engine with its default thread pool (one thread a core) at its
-        best batch size, on the same two cores; in rounds, as the finals."""
+        best batch size, on the same two cores."""
         plan = self.plan
         layouts = [("tessera_1x2", None), ("tessera_2x1", None)]
         if "infinity_optimum" in self.best:
             layouts.append(("infinity_optimum_2cores", self.best["infinity_optimum"]))
-        for repeat in range(plan.repeats):
-            for system, batch in _rotated(layouts, repeat):
 
-                def work(url, path, system=system, batch=batch, repeat=repeat):
-                    job = _job(url, path, plan, self.spec, "closed", plan.workers_requests,
-                               _seed(plan, "final", repeat), concurrency=plan.concurrency)  # fmt: skip
-                    sat = summarize(run_load(job, None), plan.slo_s)
-                    self.rows.append({"model": self.model, "phase": "workers", "system": system, "batch": batch,
-                                      "repeat": repeat, **sat})  # fmt: skip
-                    self.say(f"workers {system} #{repeat}: {sat['throughput_rps']:.2f} req/s")
+        def work(url, path, *, system, batch, repeat):
+            job = _job(url, path, plan, self.spec, "closed", plan.workers_requests,
+                       _seed(plan, "final", repeat), concurrency=plan.concurrency)  # fmt: skip
+            sat = summarize(run_load(job, None), plan.slo_s)
+            self.rows.append({"model": self.model, "phase": "workers", "system": system, "batch": batch,
+                              "repeat": repeat, **sat})  # fmt: skip
+            self.say(f"workers {system} #{repeat}: {sat['throughput_rps']:.2f} req/s")
 
-                self.serve(system, batch, work, core=None)
+        self.rounds(layouts, work, core=None)
 
     def run(self, lean: bool) -> dict:
         best = self.best = self.sweep()
@@ -408,12 +348,6 @@ class _Bench:
         return {"best_batch": best, "peers_ranked": ranked, "shared_rate_rps": shared_rate,
                 "gflop_per_request": statistics.fmean(request_gflop(self.spec, n) for n in lengths),
                 "fma_peak_gflops": [p for p in peak if p]}  # fmt: skip
-
-
-def _rotated(items: list, by: int) -> list:
-    """``items`` starting at its ``by``-th (cyclically): round ``by``'s order."""
-    k = by % len(items) if items else 0
-    return items[k:] + items[:k]
 
 
 def model_name(spec: EncoderSpec) -> str:
