@@ -9,6 +9,7 @@ import torch
 
 from tessera.kernels import attention as attn
 from tessera.kernels.dense import dense_kernel, reference
+from tessera.kernels.machine import load_machine
 
 
 def _gen(seed):
@@ -156,11 +157,15 @@ def _segments(lengths):
     return offsets
 
 
-@pytest.mark.parametrize("head_dim", [16, 32, 64])
-def test_packed_attention_equals_the_float64_reference(head_dim):
-    if not attn.supports(head_dim):
+# isa None: the machine's widest (AVX-512 here); "avx2": the 8-wide build, whose transposes,
+# tails and 2^n go through other code than the 16-wide one
+@pytest.mark.parametrize("head_dim,isa", [(16, None), (32, None), (64, None), (32, "avx2"), (8, "avx2")])
+def test_packed_attention_equals_the_float64_reference(head_dim, isa):
+    if not attn.supports(head_dim) and isa is None:
         pytest.skip(f"no kernel for heads of {head_dim} on this ISA")
-    kernel = attn.attention_kernel(head_dim)
+    if isa is not None and isa not in load_machine().peak_flops:
+        pytest.skip(f"this CPU does not run {isa}")
+    kernel = attn.attention_kernel(head_dim, isa)
     heads = 3
     for scale_up, lengths in ((1.0, [1, 2, 17, 33, 100]), (3.0, [64, 5, 250])):
         offsets = _segments(lengths)

@@ -92,11 +92,15 @@ def _rows(x: Tensor) -> tuple[Tensor, int]:
 
 
 @cache
-def attention_kernel(head_dim: int) -> AttentionKernel:
-    if not supports(head_dim):
-        raise ValueError(f"attention: no kernel for heads of {head_dim} floats on {_isa()} "
-                         f"(a multiple of {ISAS[_isa()][0]} is needed)")  # fmt: skip
-    isa = _isa()
+def attention_kernel(head_dim: int, isa: str | None = None) -> AttentionKernel:
+    """The kernel for heads of ``head_dim`` floats, built for ``isa`` (default: the widest this
+    machine runs; ``"avx2"`` on an AVX-512 machine builds the 8-wide variant, as tests do)."""
+    isa = isa or _isa()
+    if isa not in ISAS:
+        raise ValueError(f"attention: isa {isa!r}; choose one of {', '.join(ISAS)}")
+    if head_dim <= 0 or head_dim % ISAS[isa][0] != 0:
+        raise ValueError(f"attention: no kernel for heads of {head_dim} floats on {isa} "
+                         f"(a multiple of {ISAS[isa][0]} is needed)")  # fmt: skip
     source = (
         f"#define TK_VEC {512 if isa == 'avx512' else 256}\n#define TK_D {head_dim}\n" + SOURCE.read_text()
     )

@@ -40,17 +40,22 @@ void tk_init(void) {}
  * panel by panel: KW keys x D, d-major inside a panel, so a panel streams in order), S: SR x npad. */
 static void tk_attend(const float *restrict Q, const float *restrict K, const float *restrict V,
                       float *restrict O, long a, long n, long h, long ldq, long ldk, long ldv, long ldo,
-                      float scale, float *restrict Kt, float *restrict S, long npad) {
+                      float scale, float *restrict Kt, float *restrict Vp, float *restrict S, long npad) {
     long panels = (n + TK_KW - 1) / TK_KW, width = panels * TK_KW;
-    for (long j = 0; j < width; ++j) {
-        float *dst = Kt + (j / TK_KW) * TK_D * TK_KW + j % TK_KW;
-        if (j < n) {
-            const float *kr = K + (a + j) * ldk + h * TK_D;
-            for (long d = 0; d < TK_D; ++d) dst[d * TK_KW] = kr[d] * scale;  /* the scale, once */
-        } else {
-            for (long d = 0; d < TK_D; ++d) dst[d * TK_KW] = 0.0f;
-        }
+    /* K's head transposed panel by panel (16 x 16 register transposes), times the scale once;
+     * a last panel's keys past n are zeros. One key at a time, this packing took ~6% of a head. */
+    for (long p = 0; p < panels; ++p) {
+        float *dst = Kt + p * TK_D * TK_KW;
+        long keys = tk_min(TK_KW, n - p * TK_KW);
+        if (keys < TK_KW)
+            for (long i = 0; i < TK_D * TK_KW; i += TK_VL) tk_store(dst + i, tk_zero());
+        tk_transpose(dst, TK_KW, K + (a + p * TK_KW) * ldk + h * TK_D, ldk, keys, TK_D);
+        for (long i = 0; i < TK_D * TK_KW; i += TK_VL) tk_store(dst + i, tk_mul(tk_load(dst + i), tk_set1(scale)));
     }
+    /* V's head copied contiguous: read in place, its rows (a fused projection's, 3 H D floats
+     * apart) fall into a few of L1's sets and were fetched again for every block of queries */
+    for (long j = 0; j < n; ++j)
+        for (int v = 0; v < TK_DV; ++v) tk_store(Vp + j * TK_D + v * TK_VL, tk_load(V + (a + j) * ldv + h * TK_D + v * TK_VL));
     for (long i0 = 0; i0 < n; i0 += TK_SR) {
         long mr = tk_min(TK_SR, n - i0);
         const float *qr[TK_SR];
@@ -80,9 +85,10 @@ static void tk_attend(const float *restrict Q, const float *restrict K, const fl
             for (long j = n; j < width; ++j) s[j] = -INFINITY;
             tk_vf m = tk_set1(-INFINITY);
             for (long j = 0; j < width; j += TK_VL) m = tk_max(m, tk_load(s + j));
-            tk_vf mv = tk_set1(tk_hmax(m)), sum = tk_zero();
+            /* exp(s - max) = 2^((s - max) log2 e), the shift and the product one FMA */
+            tk_vf l2e = tk_set1(1.44269504088896341f), shift = tk_set1(-tk_hmax(m) * 1.44269504088896341f), sum = tk_zero();
             for (long j = 0; j < width; j += TK_VL) {
-                tk_vf e = tk_exp_neg(tk_add(tk_load(s + j), tk_mul(mv, tk_set1(-1.0f))));
+                tk_vf e = tk_exp2_neg(tk_fma(tk_load(s + j), l2e, shift));
                 tk_store(s + j, e);
                 sum = tk_add(sum, e);
             }
@@ -94,7 +100,7 @@ static void tk_attend(const float *restrict Q, const float *restrict K, const fl
             for (int i = 0; i < TK_PR; ++i)
                 for (int v = 0; v < TK_DV; ++v) acc[i][v] = tk_zero();
             for (long j = 0; j < n; ++j) {
-                const float *vr = V + (a + j) * ldv + h * TK_D;
+                const float *vr = Vp + j * TK_D;
                 tk_vf vv[TK_DV];
                 for (int v = 0; v < TK_DV; ++v) vv[v] = tk_load(vr + v * TK_VL);
                 for (int i = 0; i < TK_PR; ++i) {
@@ -121,13 +127,14 @@ void tk_attention(const float *Q, const float *K, const float *V, float *O, cons
     if (npad == 0) return;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        float *Kt = tk_alloc((long)TK_D * npad), *S = tk_alloc((long)TK_SR * npad);
+        float *Kt = tk_alloc((long)TK_D * npad), *Vp = tk_alloc((long)TK_D * npad), *S = tk_alloc((long)TK_SR * npad);
 #pragma omp for schedule(dynamic)
         for (long w = 0; w < segments * heads; ++w) {
             long s = w / heads, h = w % heads, a = offsets[s], n = offsets[s + 1] - a;
-            if (n > 0) tk_attend(Q, K, V, O, a, n, h, ldq, ldk, ldv, ldo, scale, Kt, S, npad);
+            if (n > 0) tk_attend(Q, K, V, O, a, n, h, ldq, ldk, ldv, ldo, scale, Kt, Vp, S, npad);
         }
         free(Kt);
+        free(Vp);
         free(S);
     }
 }

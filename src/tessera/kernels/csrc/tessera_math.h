@@ -71,6 +71,30 @@ TK_INLINE tk_vf tk_exp_neg(tk_vf x) {
 #endif
 }
 
+/* 2^t for t <= 0, clamped at -125 (2^-125 ~ 2.4e-38 stays a normal float: a softmax weight
+ * that far below the row's maximum term, 1, is nothing against it): t = n + f with n an
+ * integer and |f| <= 1/2, 2^f = exp(f ln2) by its Taylor series to (f ln2)^6 (truncation
+ * below 1.3e-7 relative), times 2^n. Two operations fewer than tk_exp_neg on a softmax's
+ * (s - max) log2(e), whose product and shift are one FMA. */
+TK_INLINE tk_vf tk_exp2_neg(tk_vf t) {
+    t = tk_max(t, tk_set1(-125.0f));
+    tk_vf n = tk_round(t);
+    tk_vf f = tk_add(t, tk_mul(n, tk_set1(-1.0f)));  /* exact: t and n are within 1/2 */
+    tk_vf p = tk_set1(1.5403530393381606e-4f);
+    p = tk_fma(p, f, tk_set1(1.3333558146428443e-3f));
+    p = tk_fma(p, f, tk_set1(9.6181291076284772e-3f));
+    p = tk_fma(p, f, tk_set1(5.5504108664821580e-2f));
+    p = tk_fma(p, f, tk_set1(2.4022650695910071e-1f));
+    p = tk_fma(p, f, tk_set1(6.9314718055994531e-1f));
+    p = tk_fma(p, f, tk_set1(1.0f));
+#if TK_VEC == 512
+    return _mm512_scalef_ps(p, n);
+#else
+    tk_vi bits = tk_slli(tk_addi(tk_cvt(n), tk_set1i(127)), 23);
+    return tk_mul(p, tk_asf(bits));
+#endif
+}
+
 /* A vector's largest lane and its lanes' sum (512: the library's reduction tree). */
 #if TK_VEC == 512
 TK_INLINE float tk_hmax(tk_vf v) { return _mm512_reduce_max_ps(v); }
