@@ -75,6 +75,33 @@ def test_packed_batches_equal_one_request_at_a_time(encoder_dirs, family, task, 
     assert served.config._attn_implementation == "sdpa"  # the model's own choice is back
 
 
+@pytest.mark.parametrize("family", ["bert", "albert"])
+@pytest.mark.parametrize("task", ["embed", "classify"])
+def test_the_encoders_pooler_is_skipped_and_the_mean_is_segment_reduces(encoder_dirs, family, task):
+    """The encoder's own pooler (token 0 of the packed row: the first input's alone) is not run
+    while a packed batch runs; only a classification head pools, once per batch, each input's
+    first token. Mean pooling gives segment_reduce's bits."""
+    served = load_model(encoder_dirs[family, task], task=task, pooling="mean")
+    outputs = []
+    hook = served.encoder.pooler.register_forward_hook(lambda m, args, out: outputs.append(out))
+    try:
+        runner = UnpaddedRunner(served)
+        sequences = tokens_for([6, 11, 4])
+        got = runner(sequences)
+    finally:
+        hook.remove()
+    real = [o for o in outputs if o is not None]
+    assert len(outputs) == (2 if task == "classify" else 1)  # the skipped call and the head's
+    assert len(real) == (1 if task == "classify" else 0) and (not real or real[0].shape[0] == 3)
+    torch.testing.assert_close(got, reference_outputs(served, sequences), atol=ATOL, rtol=RTOL)
+    assert "forward" not in served.encoder.pooler.__dict__
+    if task == "embed":
+        packed = runner.prepare(sequences)
+        with torch.inference_mode():
+            hidden = runner.hidden_states(packed)
+        assert torch.equal(runner._compute(packed), torch.segment_reduce(hidden, "mean", lengths=packed.lengths, axis=0))
+
+
 def test_positions_matter_so_the_check_can_fail(encoder_dirs):
     """Packed without per-input positions (positions running on across inputs) is wrong by
     far more than the tolerance: the parity test above would catch it."""
