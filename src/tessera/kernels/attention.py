@@ -31,9 +31,10 @@ def _isa() -> str:
     return "avx512" if "avx512" in machine.peak_flops else "avx2"
 
 
-def supports(head_dim: int) -> bool:
-    """Whether the kernel takes heads of ``head_dim`` floats on this machine."""
-    return head_dim > 0 and head_dim % ISAS[_isa()][0] == 0
+def supports(head_dim: int, isa: str | None = None) -> bool:
+    """Whether the kernel takes heads of ``head_dim`` floats built for ``isa`` (default: the
+    widest this machine runs)."""
+    return head_dim > 0 and head_dim % ISAS[isa or _isa()][0] == 0
 
 
 @dataclass
@@ -98,7 +99,7 @@ def attention_kernel(head_dim: int, isa: str | None = None) -> AttentionKernel:
     isa = isa or _isa()
     if isa not in ISAS:
         raise ValueError(f"attention: isa {isa!r}; choose one of {', '.join(ISAS)}")
-    if head_dim <= 0 or head_dim % ISAS[isa][0] != 0:
+    if not supports(head_dim, isa):
         raise ValueError(f"attention: no kernel for heads of {head_dim} floats on {isa} "
                          f"(a multiple of {ISAS[isa][0]} is needed)")  # fmt: skip
     source = (

@@ -77,6 +77,23 @@ class _Layer:
         return self.out[:m]
 
 
+@contextlib.contextmanager
+def swapped_forwards(swaps):
+    """Each (module, forward) of ``swaps`` runs ``forward`` as the module's own while inside;
+    after, each module has whatever it had before (its class's forward, or an earlier swap)."""
+    saved = [(m, m.__dict__.get("forward")) for m, _ in swaps]
+    for module, forward in swaps:
+        module.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        for module, previous in saved:
+            if previous is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = previous
+
+
 def held_elsewhere(buffer: torch.Tensor) -> bool:
     """Whether a tensor other than ``buffer`` (a view it returned) shares its storage; the
     query itself holds one reference (the storage object it is asked through)."""
@@ -171,19 +188,8 @@ class DenseLayers:
         self.shapes.add((n, k))
         return _Layer(mine.kernel, mine.packed, mine.bias, self.counts)
 
-    @contextlib.contextmanager
     def on(self):
-        saved = [(m, m.__dict__.get("forward")) for m, _ in self.swaps]
-        for module, forward in self.swaps:
-            module.forward = forward
-        try:
-            yield
-        finally:
-            for module, previous in saved:
-                if previous is None:
-                    del module.forward
-                else:
-                    module.forward = previous
+        return swapped_forwards(self.swaps)
 
     def describe(self) -> dict:
         return {

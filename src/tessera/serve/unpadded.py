@@ -32,7 +32,7 @@ from torch import nn
 from transformers import AttentionInterface
 
 from tessera.kernels.attention import attention_kernel, supports
-from tessera.serve.dense_layers import KERNELS, DenseLayers, held_elsewhere
+from tessera.serve.dense_layers import KERNELS, DenseLayers, held_elsewhere, swapped_forwards
 from tessera.serve.model import ServedModel
 from tessera.serve.runner import Runner
 
@@ -213,24 +213,13 @@ def packed_attention_on(model):
         config._attn_implementation = before
 
 
-@contextlib.contextmanager
 def _pooler_skipped(encoder):
     """The encoder's pooler (dense + tanh of packed token 0, the first input's alone) returns
     None while the packed batch runs: its output is never read (a classification head pools
     each input's first token itself), and it cost a dense call and a tanh every forward."""
     parts = [m for m in (getattr(encoder, "pooler", None), getattr(encoder, "pooler_activation", None))
              if isinstance(m, nn.Module)]  # fmt: skip
-    saved = [m.__dict__.get("forward") for m in parts]
-    for m in parts:
-        m.__dict__["forward"] = _nothing
-    try:
-        yield
-    finally:
-        for m, previous in zip(parts, saved, strict=True):
-            if previous is None:
-                del m.__dict__["forward"]
-            else:
-                m.__dict__["forward"] = previous
+    return swapped_forwards([(m, _nothing) for m in parts])
 
 
 def _nothing(*args, **kwargs) -> None:

@@ -47,6 +47,17 @@ TK_INLINE tk_vf tk_recip(tk_vf d) {
     return tk_mul(e, tk_fma(tk_mul(d, tk_set1(-1.0f)), e, tk_set1(2.0f)));
 }
 
+/* p 2^n for an integer-valued n in the normal exponent range (AVX-512's scalef in one
+ * instruction, else n built into a float's exponent bits). */
+TK_INLINE tk_vf tk_times_2n(tk_vf p, tk_vf n) {
+#if TK_VEC == 512
+    return _mm512_scalef_ps(p, n);
+#else
+    tk_vi bits = tk_slli(tk_addi(tk_cvt(n), tk_set1i(127)), 23);
+    return tk_mul(p, tk_asf(bits));
+#endif
+}
+
 /* exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact
  * to float precision), exp(r) by its Taylor series to r^6 (truncation below 1.3e-7
  * relative), times 2^n (AVX-512's scalef, else built in the exponent bits). Below -87 the
@@ -63,12 +74,7 @@ TK_INLINE tk_vf tk_exp_neg(tk_vf x) {
     p = tk_fma(p, r, tk_set1(0.5f));
     p = tk_fma(p, r, tk_set1(1.0f));
     p = tk_fma(p, r, tk_set1(1.0f));
-#if TK_VEC == 512
-    return _mm512_scalef_ps(p, n); /* p 2^n in one instruction */
-#else
-    tk_vi bits = tk_slli(tk_addi(tk_cvt(n), tk_set1i(127)), 23);
-    return tk_mul(p, tk_asf(bits));
-#endif
+    return tk_times_2n(p, n);
 }
 
 /* 2^t for t <= 0, clamped at -125 (2^-125 ~ 2.4e-38 stays a normal float: a softmax weight
@@ -87,12 +93,7 @@ TK_INLINE tk_vf tk_exp2_neg(tk_vf t) {
     p = tk_fma(p, f, tk_set1(2.4022650695910071e-1f));
     p = tk_fma(p, f, tk_set1(6.9314718055994531e-1f));
     p = tk_fma(p, f, tk_set1(1.0f));
-#if TK_VEC == 512
-    return _mm512_scalef_ps(p, n);
-#else
-    tk_vi bits = tk_slli(tk_addi(tk_cvt(n), tk_set1i(127)), 23);
-    return tk_mul(p, tk_asf(bits));
-#endif
+    return tk_times_2n(p, n);
 }
 
 /* A vector's largest lane and its lanes' sum (512: the library's reduction tree). */
