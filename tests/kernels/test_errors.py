@@ -103,6 +103,10 @@ def test_schedules_the_generator_cannot_honour():
         GemmSchedule(mr=8, nr=16)
     with pytest.raises(ValueError, match="mc=10 must be a positive multiple of 6"):
         GemmSchedule(mc=10)
+    with pytest.raises(ValueError, match="prefetch_b=8 applies to B read in place; use pack_b=False"):
+        GemmSchedule(prefetch_b=8)
+    with pytest.raises(ValueError, match="prefetch_b=-1 must be an int >= 0"):
+        GemmSchedule(pack_b=False, prefetch_b=-1)
     s = ops.Conv2dShape(batch=1, in_channels=2, out_channels=2, height=5, width=5, kernel=(3, 3), padding=(1, 1))
     col2im = ops.col2im(s)
     with pytest.raises(ValueError, match="axis 'oh' does not own its output elements"):

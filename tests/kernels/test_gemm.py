@@ -3,6 +3,9 @@ their reduction length (conftest.error_bound), over odd shapes (1, primes, tails
 register or cache tile divides), every transposition, batches, each loop order, packing
 on and off, every parallel loop; and bit-identical results for one binary."""
 
+import ctypes
+import dataclasses
+
 import numpy as np
 import pytest
 from kernel_checks import assert_within_bound, random_inputs, run
@@ -113,3 +116,37 @@ def test_prepacking_what_cannot_be_packed_whole_is_refused():
     assert unpacked.prepack_operand(1) is None and unpacked.prepack_operand(0) == "A"
     with pytest.raises(ValueError, match="constant=3"):
         unpacked.bind(*random_inputs(ops.gemm(7, 13, 5)).values(), constant=3)
+
+
+@pytest.mark.parametrize("op,schedule", [
+    (ops.gemm(37, 64, 45), GemmSchedule(mc=12, nc=32, kc=8, pack_b=False, prefetch_b=12)),
+    (ops.gemm(19, 48, 23), GemmSchedule(mc=12, nc=16, kc=7, order="ic,pc,jc", inner="ir,jr", pack_b=False,
+                                        parallel="jr")),
+    (ops.batched_gemm(3, 11, 32, 13), GemmSchedule(mc=12, nc=16, kc=5, pack_b=False, fuse_n=False, prefetch_b=4)),
+], ids=lambda x: x.name if hasattr(x, "axes") else x.short())
+def test_b_read_in_place_when_its_rows_lie_on_cache_lines_else_packed(op, schedule):
+    """A schedule that reads B in place has two runs, in place (B's start and rows on cache
+    lines) and packing B (otherwise); tk_run picks one by where B lies. Both give the bits of
+    the same blocking with B packed (the same sums in the same order; the prefetch ahead changes
+    no value), for B on lines and B 16 bytes off them, at 1 and 2 threads."""
+    inputs = random_inputs(op, seed=11)
+    names = [t.name for t in op.inputs]
+    packed = compile_kernel(op, dataclasses.replace(schedule, pack_b=True, prefetch_b=0))
+    want = run(packed, op, inputs)
+    assert_within_bound(want, op, inputs)
+    kernel = compile_kernel(op, schedule)
+    b = names[1]
+    off = np.empty(inputs[b].size + 16, dtype=np.float32)[4:4 + inputs[b].size].reshape(inputs[b].shape)
+    off[...] = inputs[b]
+    assert off.ctypes.data % 64 != 0 or inputs[b].ctypes.data % 64 != 0
+    out = np.empty(op.output.tensor.shape, dtype=np.float32)
+    for b_value in (inputs[b], off):
+        args = [inputs[names[0]], b_value]
+        for threads in (1, 2):
+            assert np.array_equal(kernel(*args, threads=threads), want), (threads, b_value.ctypes.data % 64)
+            for path in ("tk_run_b_in_place", "tk_run_b_packed"):  # each run alone, wherever B lies
+                fn = getattr(kernel._lib, path)
+                fn.restype = None
+                out.fill(np.nan)
+                fn(*(ctypes.c_void_p(x.ctypes.data) for x in (out, *args)), ctypes.c_int(threads))
+                assert np.array_equal(out, want), path
