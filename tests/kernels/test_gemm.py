@@ -11,6 +11,7 @@ import pytest
 from kernel_checks import assert_within_bound, random_inputs, run
 
 from tessera.kernels import compile_kernel, ops
+from tessera.kernels.kernel import aligned_empty
 from tessera.kernels.machine import cpu_isas
 from tessera.kernels.schedule import GemmSchedule, LoopSchedule
 
@@ -136,11 +137,14 @@ def test_b_read_in_place_when_its_rows_lie_on_cache_lines_else_packed(op, schedu
     assert_within_bound(want, op, inputs)
     kernel = compile_kernel(op, schedule)
     b = names[1]
-    off = np.empty(inputs[b].size + 16, dtype=np.float32)[4:4 + inputs[b].size].reshape(inputs[b].shape)
+    lined = aligned_empty(inputs[b].shape)
+    lined[...] = inputs[b]
+    buf = aligned_empty((inputs[b].size + 16,))
+    off = buf[4:4 + inputs[b].size].reshape(inputs[b].shape)  # 16 bytes past a line
     off[...] = inputs[b]
-    assert off.ctypes.data % 64 != 0 or inputs[b].ctypes.data % 64 != 0
+    assert lined.ctypes.data % 64 == 0 and off.ctypes.data % 64 == 16
     out = np.empty(op.output.tensor.shape, dtype=np.float32)
-    for b_value in (inputs[b], off):
+    for b_value in (lined, off):
         args = [inputs[names[0]], b_value]
         for threads in (1, 2):
             assert np.array_equal(kernel(*args, threads=threads), want), (threads, b_value.ctypes.data % 64)

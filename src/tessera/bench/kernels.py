@@ -226,7 +226,8 @@ def _prepacked_call(kind, op, tuned, inputs, threads, repeats):
     index = 1 if kind == "gemm" else 0
     schedules = []
     if isinstance(tuned.best, GemmSchedule):
-        schedules.append(dataclasses.replace(tuned.best, **({"pack_b": True} if index else {"pack_a": True})))
+        packs = {"pack_b": True, "prefetch_b": 0} if index else {"pack_a": True}  # a packed B is not read in place
+        schedules.append(dataclasses.replace(tuned.best, **packs))
     elif kind != "gemm":
         schedules.append(tuned.best)
     if kind != "gemm":
