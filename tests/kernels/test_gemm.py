@@ -154,3 +154,29 @@ def test_b_read_in_place_when_its_rows_lie_on_cache_lines_else_packed(op, schedu
                 out.fill(np.nan)
                 fn(*(ctypes.c_void_p(x.ctypes.data) for x in (out, *args)), ctypes.c_int(threads))
                 assert np.array_equal(out, want), path
+
+
+@pytest.mark.parametrize("order,inner,parallel", [
+    ("ic,pc,jc", "jr,ir", "ic"), ("jc,pc,ic", "ir,jr", "jr"), ("jc,pc,ic", "jr,ir", "jc"), ("ic,pc,jc", "ir,jr", "ir"),
+])
+def test_b_packed_by_each_panels_first_tile_gives_the_bits_of_packing_first(order, inner, parallel):
+    """With pack_b_first_tile, where the thread that packs a B panel is the only one reading
+    it, the panel's first row tile packs it while it computes (tk_ukernel_packing_b; a tail panel
+    is packed first, as before); under a parallel ir loop B is packed first. Either way the bits
+    are those of B packed once, before any call (the same sums in the same order), at 1 and 2
+    threads, with tails of rows, columns and k (29 x 53 x 37 in blocks of 12 x 32 x 8), calls
+    repeated."""
+    from tessera.kernels.codegen_gemm import packs_b_by_first_tile
+
+    op = ops.gemm(29, 53, 37)
+    schedule = GemmSchedule(mc=12, nc=32, kc=8, order=order, inner=inner, parallel=parallel, pack_b_first_tile=True)
+    assert packs_b_by_first_tile(op, schedule) == (parallel != "ir")
+    assert not packs_b_by_first_tile(op, dataclasses.replace(schedule, pack_b_first_tile=False))
+    inputs = random_inputs(op, seed=13)
+    args = [inputs[t.name] for t in op.inputs]
+    kernel = compile_kernel(op, schedule)
+    call, want = kernel.bind(*args, threads=1, constant=1)
+    call()
+    assert_within_bound(want, op, inputs)
+    for threads in (1, 2, 2):
+        assert np.array_equal(kernel(*args, threads=threads), want), threads

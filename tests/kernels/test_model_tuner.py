@@ -249,10 +249,15 @@ def test_prefetch_twins_read_b_in_place_where_it_can_be():
     machine = load_machine()
     op = ops.gemm(64, 96, 32)
     in_place = GemmSchedule(isa="avx2", mc=48, nc=32, kc=8, pack_b=False)
-    packing = [GemmSchedule(isa="avx2", mc=12 * i, nc=32, kc=8) for i in (1, 2, 3)]
+    # the first packing schedule's B block is its thread's own (ic,pc,jc): it also gets a twin
+    # packing each panel in its first tile; the second's is shared under a parallel ic loop: not
+    packing = [GemmSchedule(isa="avx2", mc=12 * i, nc=32, kc=8, order="ic,pc,jc" if i == 1 else "jc,pc,ic")
+               for i in (1, 2, 3)]
     picked = [Trial(s, 1.0) for s in (in_place, *packing)]
     got = [t.schedule for t in prefetch_twins(op, picked, machine, 1)]
-    assert got == [dataclasses.replace(s, pack_b=False, prefetch_b=PREFETCH_B_ROWS) for s in (in_place, *packing[:2])]
+    twin = dataclasses.replace
+    assert got == [twin(in_place, prefetch_b=PREFETCH_B_ROWS), twin(packing[0], pack_b=False, prefetch_b=PREFETCH_B_ROWS),
+                   twin(packing[0], pack_b_first_tile=True), twin(packing[1], pack_b=False, prefetch_b=PREFETCH_B_ROWS)]
     conv = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=3, out_channels=8, height=9, width=9, kernel=(3, 3),
                                       padding=(1, 1)))
     assert prefetch_twins(conv, [Trial(GemmSchedule(isa="avx2", mc=12, nc=32, kc=8), 1.0)], machine, 1) == []

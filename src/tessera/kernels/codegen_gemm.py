@@ -54,6 +54,7 @@ class _Gen:
         self.pack_a = s.pack_a or None in self.a_scale
         self.pack_b = s.pack_b or not (self.b_rows and self.b_rs is not None)
         self.prepacked: str | None = None  # "A" or "B" while the prepacked run is generated
+        self.fuse_b = False  # B packed by each panel's first tile (set by loops())
 
     def prepackable(self, which: str) -> bool:
         """Can a prepacked run take operand ``which`` ("A" or "B") whole: packed by the
@@ -151,7 +152,7 @@ class _Gen:
                 "for (long p = 0; p < mc; p += TK_MR) "
                 + self.pack_a_call("ic + p", "tk_min(TK_MR, mc - p)", "Ap + p * kc")
             )
-        if not self.pack_b:
+        if not self.pack_b or self.fuse_b:  # (fuse_b: each panel is packed by its first tile)
             return ""
         if not shared:
             return self.pack_b_call("jc", "nc", "Bp")
@@ -177,6 +178,13 @@ class _Gen:
             a = "a_, a_rs, a_cs"
         if self.pack_b:
             b = "Bp + jr * kc, TK_NR"
+            if self.fuse_b:
+                first = "ir == 0" if self.s.order == "ic,pc,jc" else "ic == 0 && ir == 0"
+                return "{ " + " ".join(lines) + (
+                    f" if ({first} && nr == TK_NR) tk_ukernel_packing_b(kc, {a}, Bbt + pc * {self.b_rs}L + jc + jr,"
+                    f" {self.b_rs}, Bp + jr * kc, {tail});"
+                    f" else {{ if ({first}) tk_pack_b_rows(Bbt, b_k + pc, jc + jr, nr, kc, Bp + jr * kc);"
+                    f" tk_ukernel(kc, {a}, {b}, {tail}, 0, 0); }} }}")
         else:
             lines.append(f"const float *b_ = Bbt + pc * {self.b_rs}L + jc + jr; long b_rs = {self.b_rs};")
             lines.append(
@@ -228,6 +236,12 @@ class _Gen:
         # the half another core packed comes from L3 (memory speed on the Intel VM), so each
         # thread packs its own copy (512x3072x768 on 2 threads 368 -> 384 GFLOP/s; 2048^3 +1%)
         shared = {w: pack_at[w] < depth and not (w == "B" and par == "ir") for w in ("A", "B")}
+        # B packed panel by panel by each panel's first tile (tk_ukernel_packing_b) when the
+        # schedule asks, where the thread that packs a panel is the only one that reads it: a
+        # block of its own (not under a parallel ir loop, whose threads start at other rows), or
+        # a shared one split by panels
+        self.fuse_b = (s.pack_b_first_tile and self.pack_b and self.prepacked != "B" and self.b_rows
+                       and self.b_rs is not None and (par == "jr" if shared["B"] else par != "ir"))
         code = []
         for i, level in enumerate(order):
             if i == depth:
@@ -375,6 +389,12 @@ def generate_gemm(op, schedule: GemmSchedule, header: str = "tessera_primitives.
 
 def prepackable(op, schedule: GemmSchedule, which: str) -> bool:
     return _Gen(analyse(op, fuse_n=schedule.fuse_n), schedule).prepackable(which)
+
+
+def packs_b_by_first_tile(op, schedule: GemmSchedule) -> bool:
+    """Whether ``schedule``'s plain run packs B panel by panel in each panel's first tile (it
+    asks for it, B is a strided matrix it packs, and no other thread reads a panel first)."""
+    return "tk_ukernel_packing_b(" in generate_gemm(op, schedule)
 
 
 def effective_packing(op, schedule: GemmSchedule) -> tuple[bool, bool]:

@@ -4,7 +4,8 @@ spread over threads. Two kinds, one per code generator:
 ``GemmSchedule`` lowers a contraction onto the micro-kernel (BLIS's five loops): register
 tile MR x NR, cache tiles MC / NC / KC, the order of the three outer loops and of the two
 inner ones, packing of each operand, the k-loop unroll, which loop runs on OpenMP threads,
-and, for a B read in place, how many rows ahead the micro-kernel prefetches it.
+and, for a B read in place, how many rows ahead the micro-kernel prefetches it, or, for a
+packed B, whether each panel is packed by its first row tile while it computes.
 
 ``LoopSchedule`` lowers any operator as a plain loop nest: tiles per axis, the loop order,
 the (collapsed) parallel outer loops, ``omp simd`` on the innermost loop and its unroll.
@@ -61,6 +62,7 @@ class GemmSchedule:
     parallel: str = "ic"
     fuse_n: bool = True  # a conv's images join N (one wide GEMM) instead of a batch loop
     prefetch_b: int = 0  # rows of B ahead the micro-kernel fetches when it reads B in place (0: none)
+    pack_b_first_tile: bool = False  # each B panel packed by its first row tile while it computes
     kind: str = field(default="gemm", init=False)
 
     def __post_init__(self):
@@ -83,6 +85,8 @@ class GemmSchedule:
             raise ValueError(f"parallel loop {self.parallel!r}; choose one of {', '.join(GEMM_PARALLEL)}")
         if not isinstance(self.prefetch_b, int) or self.prefetch_b < 0:
             raise ValueError(f"prefetch_b={self.prefetch_b!r} must be an int >= 0 (rows of B ahead; 0: none)")
+        if self.pack_b_first_tile and not self.pack_b:
+            raise ValueError("pack_b_first_tile=True packs B panel by panel; it needs pack_b=True")
         if self.prefetch_b and self.pack_b:
             raise ValueError(f"prefetch_b={self.prefetch_b} applies to B read in place; use pack_b=False or prefetch_b=0")
 
@@ -98,7 +102,7 @@ class GemmSchedule:
         return (
             f"{self.isa} {self.mr}x{self.nr} mc{self.mc} nc{self.nc} kc{self.kc} {self.order}|{self.inner}"
             f" pack{packs or '-'} u{self.unroll} par:{self.parallel}" + ("" if self.fuse_n else " batch-loop")
-            + (f" pfb{self.prefetch_b}" if self.prefetch_b else "")
+            + (f" pfb{self.prefetch_b}" if self.prefetch_b else "") + (" pb1st" if self.pack_b_first_tile else "")
         )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tessera.kernels.codegen_gemm import effective_packing
+from tessera.kernels.codegen_gemm import effective_packing, packs_b_by_first_tile
 from tessera.kernels.compiler import cache_dir
 from tessera.kernels.ir import Operator
 from tessera.kernels.kernel import aligned_normal, compile_kernel
@@ -147,10 +147,12 @@ PREFETCH_TWINS_OF_PACKED = 2  # the best predicted this many schedules that pack
 def prefetch_twins(op: Operator, picked: list[Trial], machine: Machine, threads: int) -> list[Trial]:
     """Twins timed beside the shortlist, reading B in place with its rows prefetched ahead
     (``prefetch_b``): of every GEMM schedule picked that reads B in place, and of the best
-    predicted ``PREFETCH_TWINS_OF_PACKED`` that pack a B they could read in place. The model has
-    no term for whether the hardware prefetchers follow B's rows (each a short run on a page of
-    its own: they do not), so that is measured (n1 c256->64 56x56 1x1: packing B 138 GFLOP/s,
-    in place 143, in place with prefetch 159)."""
+    predicted ``PREFETCH_TWINS_OF_PACKED`` that pack a B they could read in place; those two also
+    get a twin that packs each B panel in its first row tile (``pack_b_first_tile``). The model
+    has no term for whether the hardware prefetchers follow B's rows (each a short run on a page
+    of its own: they do not), nor for a copy overlapped with arithmetic, so both are measured (n1
+    c256->64 56x56 1x1: packing B 138 GFLOP/s, in place 143, in place with prefetch 159;
+    128x3072x768: packing B first 159, in each panel's first tile 176, but 2048^3 0.97x)."""
     seen = {t.schedule for t in picked}
     twins, of_packed = [], 0
     for t in picked:
@@ -165,10 +167,15 @@ def prefetch_twins(op: Operator, picked: list[Trial], machine: Machine, threads:
             if effective_packing(op, s)[1]:  # B is not a plain strided matrix: always packed
                 continue
             of_packed += 1
-        twin = dataclasses.replace(s, prefetch_b=PREFETCH_B_ROWS)
-        if twin not in seen:
-            seen.add(twin)
-            twins.append(Trial(twin, predict(op, twin, machine, threads)))
+        candidates = [dataclasses.replace(s, prefetch_b=PREFETCH_B_ROWS)]
+        if not in_place:  # and the packing schedule packing each panel in its first tile
+            fused = dataclasses.replace(t.schedule, pack_b_first_tile=True)
+            if packs_b_by_first_tile(op, fused):
+                candidates.append(fused)
+        for twin in candidates:
+            if twin not in seen:
+                seen.add(twin)
+                twins.append(Trial(twin, predict(op, twin, machine, threads)))
     return twins
 
 
