@@ -56,6 +56,10 @@ class _Gen:
         self.prepacked: str | None = None  # "A" or "B" while the prepacked run is generated
         self.fuse_b = False  # B packed by each panel's first tile (set by loops())
 
+    def arg(self, tensor) -> str:
+        """The C argument (``in0``, ``in1``) that passes ``tensor``, an input of the operator."""
+        return f"in{[t.name for t in self.c.op.inputs].index(tensor.name)}"
+
     def prepackable(self, which: str) -> bool:
         """Can a prepacked run take operand ``which`` ("A" or "B") whole: packed by the
         schedule, no batch, and (B) no zero padding to check."""
@@ -213,7 +217,10 @@ class _Gen:
         )
 
     # ---- the loop nest -------------------------------------------------------------------
-    def loops(self) -> str:
+    def nest(self) -> tuple[tuple[str, ...], str | None, int, dict[str, int], dict[str, bool]]:
+        """The loop nest's shape: the loops in order, the parallel one (None: none), its depth,
+        the loop each operand's block is packed in, and whether that block is shared by the
+        threads. Also sets ``fuse_b``."""
         s = self.s
         outer = LEVELS[s.order]
         inner = ("jr", "ir") if s.inner == "jr,ir" else ("ir", "jr")
@@ -222,15 +229,6 @@ class _Gen:
         depth = order.index(par) if par else len(order)
         pack_at = {"A": order.index("pc") if outer[0] == "ic" else order.index("ic"),
                    "B": order.index("pc") if outer[0] == "jc" else order.index("jc")}
-        heads = {
-            "bt": f"for (long bt = 0; bt < {self.BT}; ++bt) {{ const float *Abt = A + a_bt[bt], *Bbt = B + b_bt[bt]; float *Cbt = C + c_bt[bt];",
-            "jc": f"for (long jc = 0; jc < {self.N}; jc += {s.nc}) {{ long nc = tk_min({s.nc}, {self.N} - jc);",
-            "pc": f"for (long pc = 0; pc < {self.K}; pc += {s.kc}) {{ long kc = tk_min({s.kc}, {self.K} - pc);"
-            + self.guard_struct(),
-            "ic": f"for (long ic = 0; ic < {self.M}; ic += {s.mc}) {{ long mc = tk_min({s.mc}, {self.M} - ic);",
-            "jr": "for (long jr = 0; jr < nc; jr += TK_NR) { long nr = tk_min(TK_NR, nc - jr);",
-            "ir": "for (long ir = 0; ir < mc; ir += TK_MR) { long mr = tk_min(TK_MR, mc - ir);",
-        }
         # a block packed outside the parallel loop is shared (each thread packs a share of its
         # panels), except B's under a parallel ir loop: every thread reads all of that block, and
         # the half another core packed comes from L3 (memory speed on the Intel VM), so each
@@ -242,6 +240,20 @@ class _Gen:
         # a shared one split by panels
         self.fuse_b = (s.pack_b_first_tile and self.pack_b and self.prepacked != "B" and self.b_rows
                        and self.b_rs is not None and (par == "jr" if shared["B"] else par != "ir"))
+        return order, par, depth, pack_at, shared
+
+    def loops(self) -> str:
+        s = self.s
+        order, par, depth, pack_at, shared = self.nest()
+        heads = {
+            "bt": f"for (long bt = 0; bt < {self.BT}; ++bt) {{ const float *Abt = A + a_bt[bt], *Bbt = B + b_bt[bt]; float *Cbt = C + c_bt[bt];",
+            "jc": f"for (long jc = 0; jc < {self.N}; jc += {s.nc}) {{ long nc = tk_min({s.nc}, {self.N} - jc);",
+            "pc": f"for (long pc = 0; pc < {self.K}; pc += {s.kc}) {{ long kc = tk_min({s.kc}, {self.K} - pc);"
+            + self.guard_struct(),
+            "ic": f"for (long ic = 0; ic < {self.M}; ic += {s.mc}) {{ long mc = tk_min({s.mc}, {self.M} - ic);",
+            "jr": "for (long jr = 0; jr < nc; jr += TK_NR) { long nr = tk_min(TK_NR, nc - jr);",
+            "ir": "for (long ir = 0; ir < mc; ir += TK_MR) { long mr = tk_min(TK_MR, mc - ir);",
+        }
         code = []
         for i, level in enumerate(order):
             if i == depth:
@@ -294,8 +306,7 @@ class _Gen:
             private += f"const float *{prepacked}p = 0;"
         frees = "".join(f"free({w}p);" for w in mine if not self.shared[w])
         free_shared = "".join(f"free({w}s);" for w in mine if self.shared[w])
-        ins = [t.name for t in self.c.op.inputs]
-        a_arg, b_arg = f"in{ins.index(self.c.a.tensor.name)}", f"in{ins.index(self.c.b.tensor.name)}"
+        a_arg, b_arg = self.arg(self.c.a.tensor), self.arg(self.c.b.tensor)
         name, extra = ("tk_run_prepacked", f" const float *restrict {prepacked}P,") if prepacked else (name, "")
         self.prepacked = None
         return [
@@ -320,14 +331,13 @@ class _Gen:
         """A schedule that reads B in place does so when B's rows start on cache lines (its
         start, each batch's and the row stride on 64 bytes), and packs B otherwise: a vector
         load of a row 16 bytes off a line (numpy's large arrays lie so) touches two lines, and
-        128x768x3072 with B in place ran at 106 to 154 GFLOP/s by where B lay. So reading in
-        place can never cost more than packing would, whatever the caller passes."""
+        128x768x3072 with B in place ran at 106 to 154 GFLOP/s by where B lay. So a B off its
+        lines costs what packing costs, never the split loads."""
         in_place = self.run_function(None, name="tk_run_b_in_place")
         self.pack_b = True
         packing = self.run_function(None, name="tk_run_b_packed")
         self.pack_b = False
-        ins = [t.name for t in self.c.op.inputs]
-        b_arg = f"in{ins.index(self.c.b.tensor.name)}"
+        b_arg = self.arg(self.c.b.tensor)
         lined = "1" if (4 * self.b_rs) % 64 == 0 else "0"
         return [
             *in_place, *packing,
@@ -394,7 +404,9 @@ def prepackable(op, schedule: GemmSchedule, which: str) -> bool:
 def packs_b_by_first_tile(op, schedule: GemmSchedule) -> bool:
     """Whether ``schedule``'s plain run packs B panel by panel in each panel's first tile (it
     asks for it, B is a strided matrix it packs, and no other thread reads a panel first)."""
-    return "tk_ukernel_packing_b(" in generate_gemm(op, schedule)
+    g = _Gen(analyse(op, fuse_n=schedule.fuse_n), schedule)
+    g.nest()
+    return g.fuse_b
 
 
 def effective_packing(op, schedule: GemmSchedule) -> tuple[bool, bool]:
