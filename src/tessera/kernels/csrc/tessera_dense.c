@@ -208,8 +208,12 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
               const float *restrict beta, float eps, int gelu, int nthreads) {
     if (!tk_xbuf) tk_xbuf = tk_alloc((long)TK_MR * TK_KC);
     float *Ap = tk_xbuf;
-    for (long ic = 0; ic < M; ic += TK_MC) {
-        long mc = tk_min(TK_MC, M - ic);
+    /* M in blocks of near-equal rows (MR multiples), as few as hold at most MC * 5 / 4 each:
+     * a block streams all of W, so 260 rows as 256 + 4 read W twice for 4 rows */
+    long nblocks = (M + TK_MC * 5 / 4 - 1) / (TK_MC * 5 / 4), step = (M + nblocks - 1) / nblocks;
+    step = (step + TK_MR - 1) / TK_MR * TK_MR;
+    for (long ic = 0; ic < M; ic += step) {
+        long mc = tk_min(step, M - ic);
         for (long pc = 0; pc < TK_K; pc += TK_KC) {
             long kc = tk_min(TK_KC, TK_K - pc);
             int first = pc == 0, last = pc + kc == TK_K;
