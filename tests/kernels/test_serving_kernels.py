@@ -58,7 +58,8 @@ def test_dense_equals_the_float64_reference_at_any_row_count(n, k):
 def test_dense_packs_rows_of_every_tile_height(mr, nr):
     """An 8-row tile packs its rows through a register transpose 8 columns at a time, the last
     k % 8 columns and a tail of fewer rows one value at a time; other heights take the plain
-    loop. K = 300 (300 % 8 = 4, two KC blocks of 256 + 44) and row counts around the tile."""
+    loop. K = 300 (300 % 8 = 4, two KC blocks of 256 + 44) and row counts around the tile and
+    over several blocks of rows."""
     import dataclasses
 
     from tessera.kernels import dense as dense_module
@@ -71,10 +72,14 @@ def test_dense_packs_rows_of_every_tile_height(mr, nr):
     g = _gen(mr)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = kernel.pack(w)
-    for m in (1, 7, 8, 9, 4 * mr + 3):
+    # 4 MR + 3 rows fit one block (blocks hold up to MC x 5/4 rows); 12 MR + 5 make three of
+    # near-equal rows (MR multiples), the last with a tail tile
+    for m in (1, 7, 8, 9, 4 * mr + 3, 12 * mr + 5):
         x = torch.randn(m, k, generator=g)
         # the tolerance of the dense test above (sums of 300 products of N(0, 1) values)
         torch.testing.assert_close(kernel(x, packed, b).double(), reference(x, w, b), atol=1e-4, rtol=1e-5)
+        # and a row's bits do not depend on the block it falls in
+        assert torch.equal(kernel(x, packed, b)[-1:], kernel(x[-1:].clone(), packed, b))
 
 
 def test_dense_gelu_equals_the_float64_gelu():
