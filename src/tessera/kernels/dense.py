@@ -191,8 +191,8 @@ def dense_kernel(
     entry = saved_choice(key, threads, machine)
     if entry and (mode == "model" or entry["mode"] == "measure"):
         return _build(n, k, schedule_from_dict(entry["schedule"]))
-    # the dense kernel takes only the tile, mc and kc from a schedule (it packs X's rows and
-    # reads W prepacked): of schedules that differ in nothing else, the best ranked stands for all
+    # the dense kernel takes only the tile, mc and kc from a schedule (it reads X in place and
+    # W prepacked): of schedules that differ in nothing else, the best ranked stands for all
     trials, seen = [], set()
     for t in rank(ops.gemm(m_hint, n, k, trans_b=True), threads=threads, machine=machine):
         s = t.schedule

@@ -244,7 +244,7 @@ def _encoder_layer(module: nn.Module) -> bool:
 def _whole_layer(module: nn.Module, qkv: _Layer, attention_output: _Layer, intermediate: _Layer,
                  output: _Layer, attend: Callable):  # fmt: skip
     """The encoder layer as four kernel calls and the packed attention: Q, K and V from one GEMM
-    on their concatenated weights (the input packed once; Q, K and V are column slices of its
+    on their concatenated weights (the input read once; Q, K and V are column slices of its
     output, read in place by the attention kernel), then the attention's output projection with
     the residual and LayerNorm fused, the intermediate layer with GELU fused, and the output
     projection with its residual and LayerNorm. Module by module, the same layer went through
