@@ -56,9 +56,8 @@ def test_dense_equals_the_float64_reference_at_any_row_count(n, k):
 
 @pytest.mark.parametrize("mr,nr", [(8, 32), (6, 32)])
 def test_dense_packs_rows_of_every_tile_height(mr, nr):
-    """An 8-row tile packs its rows through a register transpose 8 columns at a time, the last
-    k % 8 columns and a tail of fewer rows one value at a time; other heights take the plain
-    loop. K = 300 (300 % 8 = 4, two KC blocks of 256 + 44) and row counts around the tile and
+    """Full row tiles are read in place, a tail of fewer rows packed into a zero-padded panel,
+    at two tile heights. K = 300 (two KC blocks of 256 + 44) and row counts around the tile and
     over several blocks of rows."""
     import dataclasses
 

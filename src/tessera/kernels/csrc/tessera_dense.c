@@ -6,11 +6,11 @@
  * (NR floats per k), zero-padded past N. A call reads X in place, MR rows at a time (its
  * row stride K is known when the kernel is compiled, so each row's broadcast is a fixed offset
  * from one pointer); only a last tile of fewer than MR rows is packed, zero-padded, into an
- * MR-row panel. It walks BLIS's inner loops over an MC x KC block of X (panels of W outside,
- * rows of X inside, so a W micro-panel stays in L1 while the rows stream past). Packing every
- * tile of X first cost 3-6% of a call with N = 384 (a MiniLM-size request 3.0% faster in
- * place, a BERT-base-size one 3.4%: the same bits, the sums in the same order). The epilogue runs on the
- * register tile on the last KC block, before the store: bias, and the residual R when given
+ * MR-row panel. It walks BLIS's inner loops over a block of X's rows and KC columns (panels of
+ * W outside, rows of X inside, so a W micro-panel stays in L1 while the rows stream past).
+ * Packing every tile of X first cost 3-6% of a call with N = 384 (a MiniLM-size request 3.0%
+ * faster in place, a BERT-base-size one 3.4%: the same bits, the sums in the same order).
+ * The epilogue runs on the register tile on the last KC block, before the store: bias, and the residual R when given
  * (Y = X W^T + bias + R, the sum that a post-LayerNorm encoder feeds its LayerNorm), or GELU
  * (an encoder's intermediate layer), and that LayerNorm itself, row by row, once a block of
  * rows is complete and still in cache.
@@ -50,52 +50,20 @@ void tk_pack_weight(const float *restrict W, float *restrict Wp) {
     }
 }
 
-#if TK_MR == 8
-/* dst[k * 8 + i] = rows[i][k] for k < 8: an 8 x 8 transpose in eight AVX registers. */
-TK_INLINE void tk_transpose8(const float *const rows[8], long k, float *restrict dst) {
-    __m256 r[8], t[8], u[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows[i] + k);
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);      /* rows i, i+1 at k 0, 1 | 4, 5 */
-        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);  /* rows i, i+1 at k 2, 3 | 6, 7 */
-    }
-    for (int h = 0; h < 8; h += 4)
-        for (int j = 0; j < 2; ++j) {
-            u[h + 2 * j] = _mm256_shuffle_ps(t[h + j], t[h + j + 2], 0x44);      /* k 2j   | 2j+4 */
-            u[h + 2 * j + 1] = _mm256_shuffle_ps(t[h + j], t[h + j + 2], 0xee);  /* k 2j+1 | 2j+5 */
-        }
-    for (int c = 0; c < 4; ++c) {
-        _mm256_storeu_ps(dst + c * 8, _mm256_permute2f128_ps(u[c], u[c + 4], 0x20));        /* k = c */
-        _mm256_storeu_ps(dst + (c + 4) * 8, _mm256_permute2f128_ps(u[c], u[c + 4], 0x31));  /* k = c + 4 */
-    }
-}
-#endif
-
-/* Rows m0 .. m0 + mc of X, columns pc .. pc + kc, into MR-row panels (k-major, MR floats per
- * k); rows past mc are zeros (tk_dense packs only a tail tile of fewer than MR rows this way).
- * A full panel of 8 rows goes 8 k at a time through a register transpose. */
-static void tk_pack_x(const float *restrict X, long m0, long mc, long pc, long kc, float *restrict Ap) {
-    for (long ir = 0; ir < mc; ir += TK_MR) {
-        long mr = tk_min(TK_MR, mc - ir), k = 0;
-        float *dst = Ap + ir * kc;
-        const float *rows[TK_MR];
-        for (int i = 0; i < TK_MR; ++i) rows[i] = X + (m0 + ir + (i < mr ? i : 0)) * TK_K + pc;
-#if TK_MR == 8
-        if (mr == TK_MR)
-            for (; k + 8 <= kc; k += 8) tk_transpose8(rows, k, dst + k * TK_MR);
-#endif
-        for (; k < kc; ++k)
-            for (int i = 0; i < TK_MR; ++i) dst[k * TK_MR + i] = i < mr ? rows[i][k] : 0.0f;
-    }
+/* A tail tile of X, its mr < MR rows from m0, columns pc .. pc + kc, into one MR-row panel
+ * (k-major, MR floats per k), the rows past mr zeros. Full tiles are read in place. */
+static void tk_pack_x_tail(const float *restrict X, long m0, long mr, long pc, long kc, float *restrict Ap) {
+    for (long k = 0; k < kc; ++k)
+        for (int i = 0; i < TK_MR; ++i) Ap[k * TK_MR + i] = i < mr ? X[(m0 + i) * TK_K + pc + k] : 0.0f;
 }
 
 /* GELU(x) = x Phi(x) = x / 2 (1 + erf(x / sqrt 2)), with erf(|z|) = 1 - q, q = t P(t) exp(-z^2),
  * t = 1 / (1 + p |z|) (Abramowitz and Stegun 7.1.26: |error of erf| <= 1.5e-7). For z < 0 the
  * factor 1 + erf(z) is q itself (no cancellation against 1), for z >= 0 it is 2 - q. Each lane
  * on its own: a value's result does not depend on its neighbours (nor on the tile it is in).
- * z^2 is held at 80 (|x| >= 12.6): exp(-80) ~ 1.8e-35 keeps q and x q / 2 normal floats, where
- * below it they went subnormal and every such value cost a microcode assist (a layer whose
- * outputs reached |x| ~ 20 ran its GELU 2.8x slower); GELU there is 0 or x to float32 anyway. */
+ * exp(-z^2) stops at exp(-80) (|x| >= 12.6; see tk_exp_neg), which keeps q and x q / 2 normal
+ * floats: below it they went subnormal and every such value cost a microcode assist (a layer
+ * whose outputs reached |x| ~ 20 ran its GELU 2.8x slower); GELU there is 0 or x anyway. */
 TK_INLINE tk_vf tk_gelu(tk_vf x) {
     tk_vf z = tk_mul(x, tk_set1(0.707106781f));
     tk_vf az = tk_asf(tk_andi(tk_asi(z), tk_set1i(0x7fffffff)));
@@ -105,7 +73,7 @@ TK_INLINE tk_vf tk_gelu(tk_vf x) {
     poly = tk_fma(poly, t, tk_set1(1.421413741f));
     poly = tk_fma(poly, t, tk_set1(-0.284496736f));
     poly = tk_fma(poly, t, tk_set1(0.254829592f));
-    tk_vf q = tk_mul(tk_mul(poly, t), tk_exp_neg(tk_max(tk_mul(tk_mul(az, az), tk_set1(-1.0f)), tk_set1(-80.0f))));
+    tk_vf q = tk_mul(tk_mul(poly, t), tk_exp_neg(tk_mul(tk_mul(az, az), tk_set1(-1.0f))));
     tk_vf one_plus_erf = tk_select_neg(z, q, tk_fma(q, tk_set1(-1.0f), tk_set1(2.0f)));
     return tk_mul(tk_mul(x, tk_set1(0.5f)), one_plus_erf);
 }
@@ -219,7 +187,7 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
             int first = pc == 0, last = pc + kc == TK_K;
             const float *blk = Wp + pc * TK_NP * TK_NR;
             long full = mc / TK_MR * TK_MR;  /* full row tiles read X in place; a tail is packed */
-            if (full < mc) tk_pack_x(X, ic + full, mc - full, pc, kc, Ap);
+            if (full < mc) tk_pack_x_tail(X, ic + full, mc - full, pc, kc, Ap);
 #pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
             for (long p = 0; p < TK_NP; ++p) {
                 long n0 = p * TK_NR, nr = tk_min(TK_NR, TK_N - n0);
@@ -232,6 +200,8 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
                 for (long ir = 0; ir < mc; ir += TK_MR) {
                     long row = ic + ir;
                     const char *pf = tk_pf_share(next, lines, tiles, ir / TK_MR, &npf);
+                    /* two calls, not one with strides chosen at run time: each is inlined with
+                     * its strides as constants (in place, row i's broadcast a fixed offset) */
                     if (ir < full)
                         tk_dense_tile(kc, X + row * TK_K + pc, TK_K, 1, blk + p * TK_NR * kc, Y + row * TK_N + n0, first, last,
                                       bias + n0, R ? R + row * TK_N + n0 : 0, TK_MR, nr, pf, npf, gelu);

@@ -60,10 +60,12 @@ TK_INLINE tk_vf tk_times_2n(tk_vf p, tk_vf n) {
 
 /* exp(x) for x <= 0: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two so n ln2 is exact
  * to float precision), exp(r) by its Taylor series to r^6 (truncation below 1.3e-7
- * relative), times 2^n (AVX-512's scalef, else built in the exponent bits). Below -87 the
- * result is ~1e-38, where a softmax weight is nothing against the row's maximum term, 1. */
+ * relative), times 2^n (AVX-512's scalef, else built in the exponent bits). Below -80 the
+ * result is held at exp(-80) ~ 1.8e-35: a normal float with room below it, so a product of it
+ * with factors down to ~1e-3 (GELU's t P(t) x / 2) stays normal too; a subnormal value costs a
+ * microcode assist in every operation that touches it. */
 TK_INLINE tk_vf tk_exp_neg(tk_vf x) {
-    x = tk_max(x, tk_set1(-87.0f));
+    x = tk_max(x, tk_set1(-80.0f));
     tk_vf n = tk_round(tk_mul(x, tk_set1(1.44269504088896341f)));
     tk_vf r = tk_fma(n, tk_set1(-0.693145751953125f), x);
     r = tk_fma(n, tk_set1(-1.42860682030941723212e-6f), r);
