@@ -109,6 +109,10 @@ def test_schedules_the_generator_cannot_honour():
         GemmSchedule(pack_b=False, prefetch_b=-1)
     with pytest.raises(ValueError, match="pack_b_first_tile=True packs B panel by panel; it needs pack_b=True"):
         GemmSchedule(pack_b=False, pack_b_first_tile=True)
+    with pytest.raises(ValueError, match="prefetch_next_b=True fetches B's next panel from its matrix; it needs B read"):
+        GemmSchedule(prefetch_next_b=True)
+    with pytest.raises(ValueError, match="prefetch_next_b=True needs inner='jr,ir'"):
+        GemmSchedule(pack_b=False, inner="ir,jr", prefetch_next_b=True)
     s = ops.Conv2dShape(batch=1, in_channels=2, out_channels=2, height=5, width=5, kernel=(3, 3), padding=(1, 1))
     col2im = ops.col2im(s)
     with pytest.raises(ValueError, match="axis 'oh' does not own its output elements"):

@@ -124,6 +124,11 @@ def test_prepacking_what_cannot_be_packed_whole_is_refused():
     (ops.gemm(19, 48, 23), GemmSchedule(mc=12, nc=16, kc=7, order="ic,pc,jc", inner="ir,jr", pack_b=False,
                                         parallel="jr")),
     (ops.batched_gemm(3, 11, 32, 13), GemmSchedule(mc=12, nc=16, kc=5, pack_b=False, fuse_n=False, prefetch_b=4)),
+    # each row tile also fetching its share of the next B panel's rows (the last panel's next
+    # lies past B's end: prefetches there are dropped, never a fault)
+    (ops.gemm(37, 64, 45), GemmSchedule(mc=12, nc=32, kc=8, pack_b=False, prefetch_b=12, prefetch_next_b=True)),
+    (ops.batched_gemm(3, 11, 32, 13), GemmSchedule(mc=12, nc=16, kc=5, pack_b=False, fuse_n=False,
+                                                   prefetch_next_b=True)),
 ], ids=lambda x: x.name if hasattr(x, "axes") else x.short())
 def test_b_read_in_place_when_its_rows_lie_on_cache_lines_else_packed(op, schedule):
     """A schedule that reads B in place has two runs, in place (B's start and rows on cache
@@ -132,7 +137,7 @@ def test_b_read_in_place_when_its_rows_lie_on_cache_lines_else_packed(op, schedu
     no value), for B on lines and B 16 bytes off them, at 1 and 2 threads."""
     inputs = random_inputs(op, seed=11)
     names = [t.name for t in op.inputs]
-    packed = compile_kernel(op, dataclasses.replace(schedule, pack_b=True, prefetch_b=0))
+    packed = compile_kernel(op, dataclasses.replace(schedule, pack_b=True, prefetch_b=0, prefetch_next_b=False))
     want = run(packed, op, inputs)
     assert_within_bound(want, op, inputs)
     kernel = compile_kernel(op, schedule)
@@ -156,10 +161,13 @@ def test_b_read_in_place_when_its_rows_lie_on_cache_lines_else_packed(op, schedu
                 assert np.array_equal(out, want), path
 
 
-@pytest.mark.parametrize("order,inner,parallel", [
-    ("ic,pc,jc", "jr,ir", "ic"), ("jc,pc,ic", "ir,jr", "jr"), ("jc,pc,ic", "jr,ir", "jc"), ("ic,pc,jc", "ir,jr", "ir"),
+@pytest.mark.parametrize("order,inner,parallel,next_b", [
+    ("ic,pc,jc", "jr,ir", "ic", False), ("jc,pc,ic", "ir,jr", "jr", False), ("jc,pc,ic", "jr,ir", "jc", False),
+    ("ic,pc,jc", "ir,jr", "ir", False),
+    # the panel's other tiles also fetching the next panel's rows from B (prefetch_next_b)
+    ("ic,pc,jc", "jr,ir", "ic", True), ("jc,pc,ic", "jr,ir", "jc", True), ("ic,pc,jc", "jr,ir", "jr", True),
 ])
-def test_b_packed_by_each_panels_first_tile_gives_the_bits_of_packing_first(order, inner, parallel):
+def test_b_packed_by_each_panels_first_tile_gives_the_bits_of_packing_first(order, inner, parallel, next_b):
     """With pack_b_first_tile, where the thread that packs a B panel is the only one reading
     it, the panel's first row tile packs it while it computes (tk_ukernel_packing_b; a tail panel
     is packed first, as before); under a parallel ir loop B is packed first. Either way the bits
@@ -169,9 +177,10 @@ def test_b_packed_by_each_panels_first_tile_gives_the_bits_of_packing_first(orde
     from tessera.kernels.codegen_gemm import packs_b_by_first_tile
 
     op = ops.gemm(29, 53, 37)
-    schedule = GemmSchedule(mc=12, nc=32, kc=8, order=order, inner=inner, parallel=parallel, pack_b_first_tile=True)
+    schedule = GemmSchedule(mc=12, nc=32, kc=8, order=order, inner=inner, parallel=parallel, pack_b_first_tile=True,
+                            prefetch_next_b=next_b)
     assert packs_b_by_first_tile(op, schedule) == (parallel != "ir")
-    assert not packs_b_by_first_tile(op, dataclasses.replace(schedule, pack_b_first_tile=False))
+    assert not packs_b_by_first_tile(op, dataclasses.replace(schedule, pack_b_first_tile=False, prefetch_next_b=False))
     inputs = random_inputs(op, seed=13)
     args = [inputs[t.name] for t in op.inputs]
     kernel = compile_kernel(op, schedule)

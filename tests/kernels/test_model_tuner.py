@@ -261,3 +261,16 @@ def test_prefetch_twins_read_b_in_place_where_it_can_be():
     conv = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=3, out_channels=8, height=9, width=9, kernel=(3, 3),
                                       padding=(1, 1)))
     assert prefetch_twins(conv, [Trial(GemmSchedule(isa="avx2", mc=12, nc=32, kc=8), 1.0)], machine, 1) == []
+    # a B larger than L2 (here an L2 of 4 KiB against B's 12 KiB): each twin of a schedule whose B
+    # panel is held across its row tiles (jr,ir) also comes fetching the next panel on the way
+    small_l2 = dataclasses.replace(machine, cache_bytes={**machine.cache_bytes, "L2": 4096},
+                                   cache_shared_by={**machine.cache_shared_by, "L2": 1})
+    other = GemmSchedule(isa="avx2", mc=12, nc=32, kc=8, inner="ir,jr", pack_b=False)
+    got = [t.schedule for t in prefetch_twins(op, [*picked, Trial(other, 1.0)], small_l2, 1)]
+    assert got == [twin(in_place, prefetch_b=PREFETCH_B_ROWS), twin(in_place, prefetch_b=PREFETCH_B_ROWS, prefetch_next_b=True),
+                   twin(packing[0], pack_b=False, prefetch_b=PREFETCH_B_ROWS), twin(packing[0], pack_b_first_tile=True),
+                   twin(packing[0], pack_b=False, prefetch_b=PREFETCH_B_ROWS, prefetch_next_b=True),
+                   twin(packing[0], pack_b_first_tile=True, prefetch_next_b=True),
+                   twin(packing[1], pack_b=False, prefetch_b=PREFETCH_B_ROWS),
+                   twin(packing[1], pack_b=False, prefetch_b=PREFETCH_B_ROWS, prefetch_next_b=True),
+                   twin(other, prefetch_b=PREFETCH_B_ROWS)]

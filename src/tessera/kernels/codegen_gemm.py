@@ -184,21 +184,43 @@ class _Gen:
             b = "Bp + jr * kc, TK_NR"
             if self.fuse_b:
                 first = "ir == 0" if self.s.order == "ic,pc,jc" else "ic == 0 && ir == 0"
+                nxt = self.next_b_rows(fused=True)
+                rest = (f"{{ {nxt[0]} tk_ukernel_pfrows(kc, {a}, {b}, {tail}, {nxt[1]}); }}" if nxt
+                        else f"tk_ukernel(kc, {a}, {b}, {tail}, 0, 0);")
                 return "{ " + " ".join(lines) + (
                     f" if ({first} && nr == TK_NR) tk_ukernel_packing_b(kc, {a}, Bbt + pc * {self.b_rs}L + jc + jr,"
                     f" {self.b_rs}, Bp + jr * kc, {tail});"
                     f" else {{ if ({first}) tk_pack_b_rows(Bbt, b_k + pc, jc + jr, nr, kc, Bp + jr * kc);"
-                    f" tk_ukernel(kc, {a}, {b}, {tail}, 0, 0); }} }}")
+                    f" {rest} }} }}")
         else:
             lines.append(f"const float *b_ = Bbt + pc * {self.b_rs}L + jc + jr; long b_rs = {self.b_rs};")
             lines.append(
                 "if (nr < TK_NR) { tk_pack_b_rows(Bbt, b_k + pc, jc + jr, nr, kc, Bt); b_ = Bt; b_rs = TK_NR; }"
             )
             b = "b_, b_rs"
+        nxt = None if self.pack_b else self.next_b_rows(fused=False)
+        if nxt:
+            lines.append(f"{nxt[0]} tk_ukernel_pfrows(kc, {a}, {b}, {tail}, {nxt[1]});")
+            return "{ " + " ".join(lines) + " }"
         pf = self.prefetch_next_panel()
         lines.append(pf)
         lines.append(f"tk_ukernel(kc, {a}, {b}, {tail}, {'pf_, npf_' if pf else '0, 0'});")
         return "{ " + " ".join(lines) + " }"
+
+    def next_b_rows(self, fused: bool) -> tuple[str, str] | None:
+        """The arguments that have this row tile fetch its share of the next B panel's rows from
+        B's matrix (``prefetch_next_b``), or None when the schedule does not ask. The share: the
+        panel's kc rows over its row tiles (over all but the first when the first packs the panel,
+        and only in the pass that packs it). Returns (declarations, arguments).
+        A prefetch past B's end (the last panel's next) is dropped, never a fault."""
+        if not self.s.prefetch_next_b or self.prepacked == "B" or not (fused or not self.pack_b):
+            return None
+        tiles, tile = ("(mc + TK_MR - 1) / TK_MR - 1", "ir / TK_MR - 1") if fused else ("(mc + TK_MR - 1) / TK_MR", "ir / TK_MR")
+        # under jc,pc,ic a fused panel is packed in the first ic block; the later ones read it packed
+        live = " && ic == 0" if fused and self.s.order == "jc,pc,ic" else ""
+        return (f"long nt_ = {tiles}, sh_ = nt_ > 0 ? (kc + nt_ - 1) / nt_ : 0, r0_ = ({tile}) * sh_;"
+                f" long r1_ = nt_ > 0 && r0_ >= 0{live} ? tk_min(kc, r0_ + sh_) : r0_;",
+                f"Bbt + pc * {self.b_rs}L + jc + jr + TK_NR, {self.b_rs}L, r0_, r1_")
 
     def prefetch_next_panel(self) -> str:
         """A prepacked operand's micro-panel held across the inner loop is read from memory the
@@ -407,6 +429,11 @@ def packs_b_by_first_tile(op, schedule: GemmSchedule) -> bool:
     g = _Gen(analyse(op, fuse_n=schedule.fuse_n), schedule)
     g.nest()
     return g.fuse_b
+
+
+def b_bytes(op) -> int:
+    """Bytes of the contraction's B operand (its whole tensor: every image of a convolution)."""
+    return 4 * analyse(op).b.tensor.numel
 
 
 def effective_packing(op, schedule: GemmSchedule) -> tuple[bool, bool]:

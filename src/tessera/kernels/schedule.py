@@ -63,6 +63,7 @@ class GemmSchedule:
     fuse_n: bool = True  # a conv's images join N (one wide GEMM) instead of a batch loop
     prefetch_b: int = 0  # rows of B ahead the micro-kernel fetches when it reads B in place (0: none)
     pack_b_first_tile: bool = False  # each B panel packed by its first row tile while it computes
+    prefetch_next_b: bool = False  # the next B panel's rows fetched from B's matrix during this panel's tiles
     kind: str = field(default="gemm", init=False)
 
     def __post_init__(self):
@@ -89,6 +90,11 @@ class GemmSchedule:
             raise ValueError("pack_b_first_tile=True packs B panel by panel; it needs pack_b=True")
         if self.prefetch_b and self.pack_b:
             raise ValueError(f"prefetch_b={self.prefetch_b} applies to B read in place; use pack_b=False or prefetch_b=0")
+        if self.prefetch_next_b and self.pack_b and not self.pack_b_first_tile:
+            raise ValueError("prefetch_next_b=True fetches B's next panel from its matrix; it needs B read in place "
+                             "(pack_b=False) or packed by each panel's first tile (pack_b_first_tile=True)")
+        if self.prefetch_next_b and self.inner != "jr,ir":
+            raise ValueError(f"prefetch_next_b=True needs inner='jr,ir' (a B panel held across the row tiles), not {self.inner!r}")
 
     @property
     def vector_length(self) -> int:
@@ -103,6 +109,7 @@ class GemmSchedule:
             f"{self.isa} {self.mr}x{self.nr} mc{self.mc} nc{self.nc} kc{self.kc} {self.order}|{self.inner}"
             f" pack{packs or '-'} u{self.unroll} par:{self.parallel}" + ("" if self.fuse_n else " batch-loop")
             + (f" pfb{self.prefetch_b}" if self.prefetch_b else "") + (" pb1st" if self.pack_b_first_tile else "")
+            + (" pfnb" if self.prefetch_next_b else "")
         )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tessera.kernels.codegen_gemm import effective_packing, packs_b_by_first_tile
+from tessera.kernels.codegen_gemm import b_bytes, effective_packing, packs_b_by_first_tile
 from tessera.kernels.compiler import cache_dir
 from tessera.kernels.ir import Operator
 from tessera.kernels.kernel import aligned_normal, compile_kernel
@@ -152,9 +152,16 @@ def prefetch_twins(op: Operator, picked: list[Trial], machine: Machine, threads:
     has no term for whether the hardware prefetchers follow B's rows (each a short run on a page
     of its own: they do not), nor for a copy overlapped with arithmetic, so both are measured (n1
     c256->64 56x56 1x1: packing B 138 GFLOP/s, in place 143, in place with prefetch 159;
-    128x3072x768: packing B first 159, in each panel's first tile 176, but 2048^3 0.97x)."""
+    128x3072x768: packing B first 159, in each panel's first tile 176, but 2048^3 0.97x).
+    Where B is larger than L2, each twin has a twin of its own that fetches the next B panel
+    spread over this panel's row tiles (``prefetch_next_b``): the first tile alone streams the
+    panel past one core's memory bandwidth (n8 c256->128 56x56 1x1: 130 -> 164 GFLOP/s packing
+    in the first tile; 128x3072x768 161 -> 152: so it is timed, not assumed)."""
     seen = {t.schedule for t in picked}
     twins, of_packed = [], 0
+    # B from beyond L2 (read once a call, as a layer's weight or a batch of images is): its next
+    # panel can be fetched while this one computes (prefetch_next_b)
+    streams_b = any(isinstance(t.schedule, GemmSchedule) for t in picked) and b_bytes(op) > machine.cache_bytes.get("L2", 1 << 20) / machine.cache_shared_by.get("L2", 1)
     for t in picked:
         s = t.schedule
         if not isinstance(s, GemmSchedule) or s.prefetch_b:
@@ -172,6 +179,8 @@ def prefetch_twins(op: Operator, picked: list[Trial], machine: Machine, threads:
             fused = dataclasses.replace(t.schedule, pack_b_first_tile=True)
             if packs_b_by_first_tile(op, fused):
                 candidates.append(fused)
+        if streams_b and s.inner == "jr,ir":  # each also fetching its next B panel on the way
+            candidates += [dataclasses.replace(c, prefetch_next_b=True) for c in list(candidates)]
         for twin in candidates:
             if twin not in seen:
                 seen.add(twin)

@@ -187,6 +187,42 @@ TK_INLINE void tk_ukernel_packing_b(long kc, const float *restrict a, long a_rs,
     tk_store_tile(acc, c, crow, ncol, first, mr, nr);
 }
 
+/* The same sums (the same bits) with rows [r0, r1) of the next B panel, read from B's matrix
+ * (row r at pf + r * pf_rs floats, NR floats wide), fetched into L2 on the way, a few every
+ * TK_PF_STEPS steps of the k loop. A panel read from memory by its first tile alone streams at
+ * the FMAs' pace (three lines a step for 8 x 48), past one core's memory bandwidth; spread
+ * over all the panel's tiles, the next panel arrives at a fraction of it. */
+TK_INLINE void tk_prefetch_b_row(const float *row) {
+    for (int j = 0; j < TK_NV; ++j) _mm_prefetch((const char *)(row + j * TK_VL), _MM_HINT_T1);
+    if (((size_t)row & 63) != 0) _mm_prefetch((const char *)(row + TK_NR - 1), _MM_HINT_T1);  /* off a line: one more */
+}
+
+TK_INLINE void tk_tile_sums_pfrows(long kc, const float *restrict a, long a_rs, long a_cs,
+                                   const float *restrict b, long b_rs, tk_vf acc[TK_MR][TK_NV],
+                                   const float *pf, long pf_rs, long r0, long r1) {
+    for (int i = 0; i < TK_MR; ++i)
+        for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_zero();
+    long groups = kc / TK_PF_STEPS, per = groups ? (r1 - r0 + groups - 1) / groups : 0, r = r0, k = 0;
+    for (long g = 0; g < groups; ++g) {
+        TK_UNROLL_LOOP(TK_PF_STEPS)
+        for (long s = 0; s < TK_PF_STEPS; ++s, ++k) tk_tile_step(k, a, a_rs, a_cs, b, b_rs, acc);
+        for (long q = 0; q < per && r < r1; ++q, ++r) tk_prefetch_b_row(pf + r * pf_rs);
+    }
+    for (; k < kc; ++k) tk_tile_step(k, a, a_rs, a_cs, b, b_rs, acc);
+    for (; r < r1; ++r) tk_prefetch_b_row(pf + r * pf_rs);
+}
+
+/* The micro-kernel (tk_ukernel) fetching rows [r0, r1) of the next B panel on the way. */
+TK_INLINE void tk_ukernel_pfrows(long kc, const float *restrict a, long a_rs, long a_cs,
+                                 const float *restrict b, long b_rs, float *restrict c,
+                                 const long *restrict crow, const long *restrict ncol,
+                                 int first, long mr, long nr, const float *pf, long pf_rs, long r0, long r1) {
+    tk_vf acc[TK_MR][TK_NV];
+    tk_prefetch_c_tile(c, crow, ncol, mr);
+    tk_tile_sums_pfrows(kc, a, a_rs, a_cs, b, b_rs, acc, pf, pf_rs, r0, r1);
+    tk_store_tile(acc, c, crow, ncol, first, mr, nr);
+}
+
 /* Pack an mc x kc block of A (rows moff[0..mc), columns koff[0..kc)) into MR-row panels. */
 static void tk_pack_a(const float *restrict A, const long *restrict moff,
                       const long *restrict koff, long mc, long kc, float *restrict Ap) {
