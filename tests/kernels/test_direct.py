@@ -140,7 +140,9 @@ FLATC = [
     ops.Conv2dShape(batch=1, in_channels=5, out_channels=32, height=15, width=21, kernel=(5, 3), stride=(2, 2),
                     padding=(0, 1)),
     # K = 48 x 9 = 432: several k blocks (their partial sums kept per tile), on 7x7 planes whose last row
-    # tile of two rows overlaps the one before it
+    # tile of two rows overlaps the one before it; one image in one band of rows, so each block of
+    # output channels is read by one item, which transposes its weight slice by slice (FC_WFUSE,
+    # the next slice prefetched on the way): the prepacked check below compares the two paths
     ops.Conv2dShape(batch=1, in_channels=48, out_channels=32, height=7, width=7, kernel=(3, 3), padding=(1, 1)),
     # stride 1 on rows and 2 on columns, rows of 15 outputs
     ops.Conv2dShape(batch=1, in_channels=6, out_channels=16, height=9, width=30, kernel=(3, 3), stride=(1, 2),

@@ -153,6 +153,14 @@ void tk_prepack(const float *restrict w, float *restrict dst) { fc_pack_weight(d
 #define FC_THB ((FC_TH + FC_RB - 1) / FC_RB)
 #define FC_KC_FIT (4096 / FC_NR)
 #define FC_KCC (FC_K <= FC_KC_FIT + FC_KC_FIT / 2 ? FC_K : FC_KC_FIT)
+/* Where each block of NR output channels is read by one item only (one image, one band of
+ * rows: a small plane), its weight is transposed slice by slice as the item reaches it, into
+ * a buffer of the thread's, the next slice fetched on the way: the weight is read once a
+ * call, not read, written and read again (n1 c512->512 7x7 3x3: 100 GFLOP/s transposing it
+ * whole first, 171 with it transposed once for good). */
+#define FC_WFUSE (FC_N * FC_THB == 1)
+#define FC_LPR ((FC_KCC + 15) / 16) /* cache lines of one weight row's slice */
+TK_INLINE const float *fc_pf_line(const float *next, long l) { return next + (l / FC_LPR) * (long)FC_K + (l % FC_LPR) * 16; }
 
 #if FC_MR % FC_TC != 0 || FC_TR > FC_OH
 #error "a flatc tile wider than a row must be whole rows of it, no more than the plane has"
@@ -165,27 +173,43 @@ TK_INLINE long fc_row0(long r) { return (r * FC_TR + FC_TR > FC_OH) ? FC_OH - FC
  * (broadcast) times NV vectors of output channels. The partial sums between k blocks live in
  * the tile's own slot (tiles that overlap must not share them); the last block writes the
  * tile position-major into rows (OW positions a row). */
+TK_INLINE void fc_cstep(long k, const float *restrict x, const long *restrict koff, const float *restrict wt,
+                        tk_vf acc[FC_MR][FC_NV]) {
+    const float *xk = x + koff[k];
+    const float *wk = wt + k * FC_NR;
+    tk_vf bv[FC_NV];
+    TK_UNROLL_ALL
+    for (int v = 0; v < FC_NV; ++v) bv[v] = tk_load(wk + v * TK_VL);
+    TK_UNROLL_ALL
+    for (int i = 0; i < FC_MR; ++i) {
+        tk_vf xi = tk_set1(xk[(i / FC_TC) * FC_WQ + i % FC_TC]);
+        TK_UNROLL_ALL
+        for (int v = 0; v < FC_NV; ++v) acc[i][v] = tk_fma(xi, bv[v], acc[i][v]);
+    }
+}
+
+/* pf: lines [l0, l1) of the weight's next slice to fetch into L2 on the way, one every
+ * FC_PF_EVERY k steps (see fc_pf_line); none when l1 <= l0. */
+#define FC_PF_EVERY 2
 TK_INLINE void fc_ctile(long kc, const float *restrict x, const long *restrict koff, const float *restrict wt,
-                        float *restrict slot, int first, int last, float *restrict rows) {
+                        float *restrict slot, int first, int last, float *restrict rows,
+                        const float *pf, long l0, long l1) {
     tk_vf acc[FC_MR][FC_NV];
     TK_UNROLL_ALL
     for (int i = 0; i < FC_MR; ++i)
         TK_UNROLL_ALL
         for (int v = 0; v < FC_NV; ++v) acc[i][v] = first ? tk_zero() : tk_load(slot + i * FC_NR + v * TK_VL);
-    TK_UNROLL_LOOP(2)
-    for (long k = 0; k < kc; ++k) {
-        const float *xk = x + koff[k];
-        const float *wk = wt + k * FC_NR;
-        tk_vf bv[FC_NV];
-        TK_UNROLL_ALL
-        for (int v = 0; v < FC_NV; ++v) bv[v] = tk_load(wk + v * TK_VL);
-        TK_UNROLL_ALL
-        for (int i = 0; i < FC_MR; ++i) {
-            tk_vf xi = tk_set1(xk[(i / FC_TC) * FC_WQ + i % FC_TC]);
+    long k = 0;
+    if (l1 > l0) {
+        for (; k + FC_PF_EVERY <= kc; k += FC_PF_EVERY) {
             TK_UNROLL_ALL
-            for (int v = 0; v < FC_NV; ++v) acc[i][v] = tk_fma(xi, bv[v], acc[i][v]);
+            for (int s = 0; s < FC_PF_EVERY; ++s) fc_cstep(k + s, x, koff, wt, acc);
+            if (l0 < l1) _mm_prefetch((const char *)fc_pf_line(pf, l0++), _MM_HINT_T1);
         }
+        while (l0 < l1) _mm_prefetch((const char *)fc_pf_line(pf, l0++), _MM_HINT_T1);
     }
+    TK_UNROLL_LOOP(2)
+    for (; k < kc; ++k) fc_cstep(k, x, koff, wt, acc);
     TK_UNROLL_ALL
     for (int i = 0; i < FC_MR; ++i)
         TK_UNROLL_ALL
@@ -198,26 +222,37 @@ TK_INLINE void fc_ctile(long kc, const float *restrict x, const long *restrict k
  * the output's [channel][position] rows by one transposed copy of the rows it owns. */
 #define FC_CITEMS ((long)FC_N * FC_G * FC_CB * FC_THB)
 
-static void fc_run_cvec(float *restrict out, const float *restrict packed, const float *restrict planes, int nthreads) {
+/* packed: the weight transposed whole ([K][NR] per block), or NULL to transpose each item's
+ * slices from w ([G, COG, K]) as it goes (FC_WFUSE). */
+static void fc_run_cvec(float *restrict out, const float *restrict packed, const float *restrict w,
+                        const float *restrict planes, int nthreads) {
     if (nthreads > FC_CITEMS) nthreads = (int)FC_CITEMS;
 #pragma omp parallel num_threads(nthreads)
     {
         float *cbuf = tk_alloc(((long)FC_RB + 1) * FC_TR * FC_OW * FC_NR);
         float *slots = FC_K > FC_KCC ? tk_alloc((long)FC_RB * FC_TW * FC_MR * FC_NR) : NULL;
+        float *wslice = packed ? NULL : tk_alloc((long)FC_KCC * FC_NR);
 #pragma omp for schedule(static)
         for (long item = 0; item < FC_CITEMS; ++item) {
             long hb = item % FC_THB, rest = item / FC_THB, cb = rest % FC_CB, ng = rest / FC_CB, g = ng % FC_G;
             long r0 = hb * FC_RB, rts = tk_min(FC_RB, FC_TH - r0), base = fc_row0(r0);
-            const float *wt = packed + (g * FC_CB + cb) * FC_NR * (long)FC_K;
+            const float *wt = packed ? packed + (g * FC_CB + cb) * FC_NR * (long)FC_K : NULL;
+            const float *wrows = w + (g * FC_CB + cb) * FC_NR * (long)FC_K; /* the block's NR rows of K */
             const float *xg = planes + ng * FC_GROUP;
             for (long k0 = 0; k0 < FC_K; k0 += FC_KCC) {
-                long kc = tk_min(FC_KCC, FC_K - k0);
+                long kc = tk_min(FC_KCC, FC_K - k0), tiles = rts * FC_TW, lines = 0;
+                const float *wk = wt ? wt + k0 * FC_NR : wslice;
+                if (!wt) { /* this slice transposed now; the next one's NR rows fetched by the tiles */
+                    tk_transpose(wslice, FC_NR, wrows + k0, FC_K, FC_NR, kc);
+                    lines = k0 + kc < FC_K ? FC_NR * FC_LPR : 0;
+                }
+                long per = (lines + tiles - 1) / tiles;
                 for (long r = 0; r < rts; ++r)
                     for (long t = 0; t < FC_TW; ++t) {
-                        long oh = fc_row0(r0 + r), ow = fc_col0(t);
-                        fc_ctile(kc, xg + oh * (long)FC_WQ + ow, fc_koff + k0, wt + k0 * FC_NR,
+                        long oh = fc_row0(r0 + r), ow = fc_col0(t), l0 = (r * FC_TW + t) * per;
+                        fc_ctile(kc, xg + oh * (long)FC_WQ + ow, fc_koff + k0, wk,
                                  slots + (r * FC_TW + t) * FC_MR * FC_NR, k0 == 0, k0 + kc == FC_K,
-                                 cbuf + ((oh - base) * FC_OW + ow) * FC_NR);
+                                 cbuf + ((oh - base) * FC_OW + ow) * FC_NR, wrows + k0 + kc, l0, tk_min(lines, l0 + per));
                     }
             }
             long own0 = r0 * FC_TR, own1 = tk_min(FC_OH, (r0 + rts) * FC_TR); /* rows no other item writes */
@@ -226,6 +261,7 @@ static void fc_run_cvec(float *restrict out, const float *restrict packed, const
         }
         free(cbuf);
         free(slots);
+        free(wslice);
     }
 }
 
@@ -234,16 +270,20 @@ static __thread float *fc_wt;
 
 /* in0: the weight [G, COG, CIG, KH, KW]; in1: the input [N, G, CIG, H, W]. */
 void tk_run(float *restrict out, const float *restrict in0, const float *restrict in1, int nthreads) {
+    const float *planes = fc_fill_all(in1, nthreads);
+    if (FC_WFUSE) {
+        fc_run_cvec(out, NULL, in0, planes, nthreads);
+        return;
+    }
     if (!fc_wt) fc_wt = tk_alloc(tk_prepacked_floats);
     fc_pack_weight(fc_wt, in0, nthreads);
-    fc_run_cvec(out, fc_wt, fc_fill_all(in1, nthreads), nthreads);
+    fc_run_cvec(out, fc_wt, in0, planes, nthreads);
 }
 
 /* The same with the weight packed once by tk_prepack (in0 is not read). */
 void tk_run_prepacked(float *restrict out, const float *restrict in0, const float *restrict in1,
                       const float *restrict packed, int nthreads) {
-    (void)in0;
-    fc_run_cvec(out, packed, fc_fill_all(in1, nthreads), nthreads);
+    fc_run_cvec(out, packed, in0, fc_fill_all(in1, nthreads), nthreads);
 }
 
 #else /* FC_CVEC */
