@@ -274,3 +274,26 @@ def test_prefetch_twins_read_b_in_place_where_it_can_be():
                    twin(packing[1], pack_b=False, prefetch_b=PREFETCH_B_ROWS),
                    twin(packing[1], pack_b=False, prefetch_b=PREFETCH_B_ROWS, prefetch_next_b=True),
                    twin(other, prefetch_b=PREFETCH_B_ROWS)]
+
+
+def test_a_streaming_b_gets_the_nest_that_holds_its_panel():
+    """Where B is larger than L2 and the shortlist holds only GEMM schedules that sweep B's
+    panels under each row tile (ir,jr), the best ranked one that holds a panel across its row
+    tiles (jr,ir) is timed too, with its twins packing in the first tile and fetching the next
+    panel; none where a jr,ir schedule is already picked or B fits in L2."""
+    from tessera.kernels.codegen_gemm import packs_b_by_first_tile
+    from tessera.kernels.tuner import Trial, streaming_nest
+
+    machine = load_machine()
+    small_l2 = dataclasses.replace(machine, cache_bytes={**machine.cache_bytes, "L2": 4096},
+                                   cache_shared_by={**machine.cache_shared_by, "L2": 1})
+    op = ops.gemm(64, 96, 32)  # B: 12 KiB
+    sweeping = Trial(GemmSchedule(isa="avx2", mc=48, nc=32, kc=8, inner="ir,jr", pack_b=False), 1.0)
+    holding = Trial(GemmSchedule(isa="avx2", mc=48, nc=32, kc=8, order="ic,pc,jc", pack_b=False), 2.0)
+    ranked = [sweeping, Trial(GemmSchedule(isa="avx2", mc=24, nc=32, kc=8, inner="ir,jr"), 1.5), holding]
+    got = streaming_nest(op, ranked, [sweeping], small_l2, 1)
+    fused = dataclasses.replace(holding.schedule, pack_b=True, pack_b_first_tile=True, prefetch_next_b=True)
+    assert packs_b_by_first_tile(op, fused)
+    assert [t.schedule for t in got] == [holding.schedule, fused]
+    assert streaming_nest(op, ranked, [sweeping, holding], small_l2, 1) == []  # a jr,ir nest is picked already
+    assert streaming_nest(op, ranked, [sweeping], machine, 1) == []  # 12 KiB of B fits in L2

@@ -353,7 +353,8 @@ def _predict_flatc(op: Operator, s: DirectSchedule, m: Machine, threads: int) ->
     """The channel-vectorised flat convolution: its tiles' FMAs (a row's overlapping last tile
     included) against their loads (NV weight vectors, MR position broadcasts, the k offset), the
     partial sums' store and reload per k block, the output's transposed copy, the plane copy and
-    the weight's transposition (once a call; both transposes in vector 16 x 16 blocks on AVX-512)."""
+    the weight's transposition (once a call before the tiles, or slice by slice beside them where
+    each block of channels is read by one item; both transposes in vector 16 x 16 blocks on AVX-512)."""
     d = conv_of(op)
     vl = 16 if s.isa == "avx512" else 8
     nr = s.vecs * vl
@@ -374,8 +375,13 @@ def _predict_flatc(op: Operator, s: DirectSchedule, m: Machine, threads: int) ->
     tiles = d.n * d.g * (d.cog // nr) * row_tiles * tiles_row
     weight = d.g * d.cog * k
     t_compute = (tiles * tile_cycles + TRANSPOSE_CYCLES[s.isa] * outputs + fill) * _cycle(m, s.isa) / speed
-    t_pack = 8.0 * weight / m.bandwidth(_level(m, 8.0 * weight, t_eff), t_eff) + weight * TRANSPOSE_CYCLES[s.isa] * _cycle(m, s.isa) / t_eff
     nbytes = 4.0 * (d.n * d.g * (d.cig * d.h * d.w + d.cog * d.oh * d.ow))
+    if d.n * -(-row_tiles // rb) == 1:  # FC_WFUSE: each item transposes its slices as it goes, the weight streamed beside
+        t_compute += weight * TRANSPOSE_CYCLES[s.isa] * _cycle(m, s.isa) / speed
+        nbytes += 4.0 * weight
+        t_pack = 0.0
+    else:  # the whole weight read, written transposed and read again before the tiles
+        t_pack = 8.0 * weight / m.bandwidth(_level(m, 8.0 * weight, t_eff), t_eff) + weight * TRANSPOSE_CYCLES[s.isa] * _cycle(m, s.isa) / t_eff
     t_mem = nbytes / m.bandwidth(_level(m, nbytes, t_eff), t_eff)
     return CALL_SECONDS + t_pack + max(t_compute, t_mem)
 
