@@ -377,12 +377,13 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
         "from MKL_VERBOSE / ONEDNN_VERBOSE and the ATen ops of one call per path in a child process, after the timings.",
         "numpy is a sanity row, not an anchor; its conv is im2col (sliding windows of the padded input) + one "
         "matmul per group.",
-        f"TVM: MetaSchedule, {plan.tvm_trials} trials per shape, target llvm -mcpu={tvm_mcpu()}, 1 thread; "
-        + (f"absent: {tvm_note}." if tvm_note is not None
+        ("TVM: not run (this plan has no TVM shapes: `--tvm-trials 0` or `--quick`)."
+         if not (plan.tvm_gemms or plan.tvm_convs) else
+         f"TVM: MetaSchedule, {plan.tvm_trials} trials per shape, target llvm -mcpu={tvm_mcpu()}, 1 thread; "
+         + (f"absent: {tvm_note}." if tvm_note is not None
            else "its tuning time and speed-versus-trials curve are recorded per shape; a finished tuning is kept "
            "(MetaSchedule's database) and a later run times TVM's best from it, saying so (tvm_tuning_reused, "
-           "tvm_tuned_at)."
-           if plan.tvm_gemms or plan.tvm_convs else "not run: this plan has no TVM shapes."),
+           "tvm_tuned_at).")),
         "A win: Tessera >= 0.95x the best anchor measured for that shape and thread count.",
         f"Whole run {time.perf_counter() - began:.0f} s on {machine.cores} cores.",
     ]
