@@ -282,7 +282,7 @@ def test_a_streaming_b_gets_the_nest_that_holds_its_panel():
     tiles (jr,ir) is timed too, with its twins packing in the first tile and fetching the next
     panel; none where a jr,ir schedule is already picked or B fits in L2."""
     from tessera.kernels.codegen_gemm import packs_b_by_first_tile
-    from tessera.kernels.tuner import Trial, streaming_nest
+    from tessera.kernels.tuner import PREFETCH_B_ROWS, Trial, prefetch_twins, streaming_nest
 
     machine = load_machine()
     small_l2 = dataclasses.replace(machine, cache_bytes={**machine.cache_bytes, "L2": 4096},
@@ -295,5 +295,9 @@ def test_a_streaming_b_gets_the_nest_that_holds_its_panel():
     fused = dataclasses.replace(holding.schedule, pack_b=True, pack_b_first_tile=True, prefetch_next_b=True)
     assert packs_b_by_first_tile(op, fused)
     assert [t.schedule for t in got] == [holding.schedule, fused]
+    # tune() times the nest's own twins too: the in-place one's prefetch twins; the fused one is a twin already
+    twins = [t.schedule for t in prefetch_twins(op, got, small_l2, 1)]
+    assert twins == [dataclasses.replace(holding.schedule, prefetch_b=PREFETCH_B_ROWS),
+                     dataclasses.replace(holding.schedule, prefetch_b=PREFETCH_B_ROWS, prefetch_next_b=True)]
     assert streaming_nest(op, ranked, [sweeping, holding], small_l2, 1) == []  # a jr,ir nest is picked already
     assert streaming_nest(op, ranked, [sweeping], machine, 1) == []  # 12 KiB of B fits in L2

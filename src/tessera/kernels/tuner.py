@@ -164,8 +164,8 @@ def prefetch_twins(op: Operator, picked: list[Trial], machine: Machine, threads:
     streams_b = any(isinstance(t.schedule, GemmSchedule) for t in picked) and b_streams(op, machine)
     for t in picked:
         s = t.schedule
-        if not isinstance(s, GemmSchedule) or s.prefetch_b:
-            continue
+        if not isinstance(s, GemmSchedule) or s.prefetch_b or s.pack_b_first_tile or s.prefetch_next_b:
+            continue  # a twin already (the streaming nest's fused one)
         in_place = not effective_packing(op, s)[1]
         if not in_place:
             if of_packed == PREFETCH_TWINS_OF_PACKED:
