@@ -23,8 +23,6 @@ SCHEDULES = [
     StencilSchedule(rz=2, tz=3, ty=2, vectorize=False),  # z blocks in the build without vectors
     StencilSchedule(rz=2, ry=2, tz=3, ty=5, prefetch=32),  # prefetches change no value
     StencilSchedule(ry=4, ty=8, tx=9, prefetch=8, isa="avx2"),
-    StencilSchedule(rz=2, ry=2, tz=3, ty=5, stream_out=True),  # rows of 19: heads and tails, no whole line
-    StencilSchedule(ry=2, ty=4, tx=7, stream_out=True),
 ]
 CASES = [("star7", "constant"), ("star25", "point"), ("ete37", "class"), ("ete73", "point")]
 
@@ -66,38 +64,6 @@ def test_avx512_schedule_when_available():
     for s in (StencilSchedule(isa="avx512", split=3, split_level="tile", ty=4),
               StencilSchedule(isa="avx512", rz=2, ry=2, tz=4, ty=4)):
         assert np.array_equal(compile_stencil(st, GRID, s, contract=False)(u, co), ref.apply_float32(st, u, co))
-
-
-@pytest.mark.parametrize("isa", ["avx2", "avx512"])
-def test_streamed_output_is_the_reference_and_leaves_the_halo(isa):
-    """stream_out: rows long enough for the x loop's own non-temporal stores (a row of 101
-    floats starts at every alignment as y and z move), in whole rows and in x blocks of 37,
-    jammed or not; the same bits as the float32 reference, and not a value of the halo
-    written (the row stage's unaligned head and tail are masked stores)."""
-    from tessera.kernels.machine import cpu_isas
-
-    if isa not in cpu_isas():
-        pytest.skip(f"no {isa} on this CPU")
-    grid = (3, 5, 101)
-    for name, kind in (("star7", "constant"), ("ete37", "point")):
-        st = make_stencil(name, kind)
-        rng = np.random.default_rng(4)
-        u = rng.standard_normal(padded_shape(grid, st.halo), dtype=np.float32)
-        co = weight_arrays(st, name, grid, rng=rng)
-        want = ref.apply_float32(st, u, co)
-        h = st.halo
-        inner = (slice(h, -h),) * 3
-        for s in (StencilSchedule(tz=2, ty=2, stream_out=True, isa=isa),
-                  StencilSchedule(rz=2, ry=2, tz=2, ty=4, stream_out=True, isa=isa),
-                  StencilSchedule(ry=2, ty=2, tx=37, stream_out=True, isa=isa)):
-            kernel = compile_stencil(st, grid, s, contract=False)
-            for threads in (1, 2):
-                out = np.full(u.shape, 7.0, dtype=np.float32)
-                kernel(u, co, out=out, threads=threads)
-                assert np.array_equal(out[inner], want[inner]), (name, s.short(), threads)
-                halo = np.ones(u.shape, bool)
-                halo[inner] = False
-                assert (out[halo] == 7.0).all(), (name, s.short(), threads)
 
 
 def test_reference_differs_when_the_order_does():

@@ -66,23 +66,6 @@ def test_bad_schedules():
         StencilSchedule(rz=0)
     with pytest.raises(ValueError, match="rz=2, ry=1: the wave kernel computes one row at a time"):
         compile_wave(make_stencil("star7"), (3, 3, 3), StencilSchedule(rz=2))
-    with pytest.raises(ValueError, match="stream_out=True applies to undecomposed vector kernels; got vectorize=False"):
-        StencilSchedule(stream_out=True, vectorize=False)
-    with pytest.raises(ValueError, match="got vectorize=True, split=2"):
-        StencilSchedule(stream_out=True, split=2)
-    with pytest.raises(ValueError, match="the wave kernel updates its fields in place"):
-        compile_wave(make_stencil("star7"), (3, 3, 3), StencilSchedule(stream_out=True))
-
-
-def test_a_row_stage_over_the_limit():
-    """stream_out stages the jammed rows per thread (on its stack): 8 rows of 9,000 floats is
-    over the limit, and a narrower x block brings it under."""
-    from tessera.stencil.codegen import generate_apply
-
-    with pytest.raises(ValueError, match=r"stream_out stages 8 rows of 9008 floats \(281 KiB\) per thread"):
-        generate_apply(make_stencil("star7"), (4, 2, 9000), StencilSchedule(rz=4, ry=2, tz=4, ty=2, stream_out=True))
-    assert "tk_finish_nt" in generate_apply(make_stencil("star7"), (4, 2, 9000),
-                                            StencilSchedule(rz=4, ry=2, tz=4, ty=2, tx=512, stream_out=True))
 
 
 def test_a_wave_grid_narrower_than_the_stencil(capsys):

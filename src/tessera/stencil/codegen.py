@@ -46,44 +46,6 @@ MASKED = {
 }
 
 
-# streamed output (``stream_out``): a row's aligned vectors are stored non-temporally (STN)
-# from the x loop, ``STREAM_LAG`` vectors behind the one just computed into the row stage (L1);
-# ``tk_finish_nt`` writes what the loop left: the unaligned head [0, a) and the tail as
-# ordinary masked stores, the aligned vectors from ``done`` on non-temporally
-STREAM_HELPERS = {
-    "avx512": """#define STN(p, a) _mm512_stream_ps((p), (__m512)(a))
-static inline void tk_copy_masked(float *restrict dst, const float *restrict src, long n) {
-  const __mmask16 m = (__mmask16)((1u << n) - 1u);
-  _mm512_mask_storeu_ps(dst, m, _mm512_maskz_loadu_ps(m, src));
-}""",
-    "avx2": """#define STN(p, a) _mm256_stream_ps((p), (__m256)(a))
-static inline void tk_copy_masked(float *restrict dst, const float *restrict src, long n) {
-  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  _mm256_maskstore_ps(dst, m, _mm256_maskload_ps(src, m));
-}""",
-}
-FINISH_NT = """static inline void tk_finish_nt(float *restrict dst, const float *restrict src, long n, long a, long done) {{
-  if (a > n) a = n;
-  if (a) tk_copy_masked(dst, src, a);
-  long i = done > a ? done : a;
-  for (; i + {vl} <= n; i += {vl}) STN(dst + i, LD(src + i));
-  if (i < n) tk_copy_masked(dst + i, src + i, n - i);
-}}"""
-# vectors the stream trails the one just computed: one behind, its load spans the two newest
-# stores, which are still in the store buffer and cannot be forwarded (star-7: 0.83x the plain
-# stores, 0.98x three behind); a probe of ete37 (constant, 256^3, 2 threads) gave 1.11x at 3
-STREAM_LAG = 3
-STAGE_LIMIT = 256 * 1024  # bytes of a thread's row stage (on its stack) at most
-
-
-def stage_floats(shape: tuple[int, int, int], s: StencilSchedule) -> tuple[int, int]:
-    """(rows, row stride) of a ``stream_out`` kernel's row stage: the jammed rows, each a tile's
-    width rounded up to whole 64-byte lines."""
-    nx = shape[2]
-    width = min(s.tx or nx, nx)
-    return s.rz * s.ry, -(-width // 16) * 16
-
-
 def _vector_types(isa: str) -> str:
     return VECTOR_TYPES.format(bytes=4 * ISAS[isa][0], masked=MASKED[isa])
 
@@ -180,44 +142,15 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
             terms = _value_major_terms(lay, points, block, accs, ld, 0 if masked else s.prefetch)
         else:
             terms = [lay.term(p, r, a, vector, ld=ld) for p in points for a, r in zip(accs, block, strict=True)]
-        if s.stream_out and init is None:  # into the row stage (streamed out by _streamed_x_loop)
-            stride = stage_floats(lay.shape, s)[1]
-            store = " ".join(f"{st}(tk_stage + {i * stride} + (x - {lo}), {a});" for i, a in enumerate(accs))
-        else:
-            store = " ".join((f"{st}(o + x + {lay.field_row(r)}, {a});" if vector else f"o[x + {lay.field_row(r)}] = {a};")
-                             for a, r in zip(accs, block, strict=True))
+        store = " ".join((f"{st}(o + x + {lay.field_row(r)}, {a});" if vector else f"o[x + {lay.field_row(r)}] = {a};")
+                         for a, r in zip(accs, block, strict=True))
         return "{ " + "\n    ".join([decl, *terms, store]) + " }"
 
     if not s.vectorize:
         return f"{{ long x = {lo};\nfor (; x < {hi}; ++x) {{\n    {body(False)}\n}} }}"
     vl = ISAS[s.isa][0]
-    if s.stream_out and init is None:
-        return _streamed_x_loop(lay, s, lo, hi, block, body(True), body(True, masked=True))
     return (f"{{ long x = {lo};\nfor (; x + {vl} <= {hi}; x += {vl}) {{\n    const float *q = v + x; (void)q;\n    {body(True)}\n}}\n"
             f"if (x < {hi}) {{\n    const float *q = v + x; (void)q; TK_TAIL_MASK({hi} - x);\n    {body(True, masked=True)}\n}} }}")
-
-
-def _streamed_x_loop(lay: _Layout, s: StencilSchedule, lo: str, hi: str, block, body: str, tail: str) -> str:
-    """The vector x loop of a ``stream_out`` kernel: ``body`` stores each row's vector into the
-    row stage; then each row streams to the output the aligned vector that starts ``e`` (in
-    (-vl, 0]) plus ``STREAM_LAG - 1`` vectors before the newest one (held in the stage in
-    full). Row ``i``'s first aligned position ``a`` (and so ``e``) depends on the row's
-    address, known at run time."""
-    vl = ISAS[s.isa][0]
-    stride = stage_floats(lay.shape, s)[1]
-    rows = range(len(block))
-    setup = "\n".join(
-        f"float *const tk_o{i} = o + {lay.field_row(r)} + {lo}; "
-        f"const long tk_a{i} = (long)(({4 * vl} - ((unsigned long)tk_o{i} & {4 * vl - 1})) & {4 * vl - 1}) / 4, "
-        f"tk_e{i} = tk_a{i} ? tk_a{i} - {vl} : 0;" for i, r in enumerate(block))
-    streams = " ".join(f"{{ const long p = x - {lo} + tk_e{i} - {(STREAM_LAG - 1) * vl}; if (p >= tk_a{i}) STN(tk_o{i} + p, LD(tk_stage + {i * stride} + p)); }}"
-                       for i in rows)
-    finish = " ".join(f"tk_finish_nt(tk_o{i}, tk_stage + {i * stride}, tk_n, tk_a{i}, tk_n / {vl} * {vl} + tk_e{i} - {(STREAM_LAG - 1) * vl});"
-                      for i in rows)
-    return (f"{{ {setup}\nlong x = {lo};\nfor (; x + {vl} <= {hi}; x += {vl}) {{\n    const float *q = v + x; (void)q;\n"
-            f"    {body}\n    {streams}\n}}\n"
-            f"if (x < {hi}) {{\n    const float *q = v + x; (void)q; TK_TAIL_MASK({hi} - x);\n    {tail}\n}}\n"
-            f"{{ const long tk_n = {hi} - {lo}; {finish} }} }}")
 
 
 def _ascending(lay: _Layout, points) -> bool:
@@ -285,15 +218,7 @@ def generate_apply(stencil: Stencil, shape: tuple[int, int, int], s: StencilSche
     per row, per tile or over the whole grid, as ``split_level`` says."""
     lay = _Layout(stencil, shape)
     groups = [(g, i == 0) for i, g in enumerate(_passes(stencil, s))]
-    if s.stream_out:  # one pass (the schedule checks it): each tile stages its rows, then fences its NT stores
-        rows, stride = stage_floats(shape, s)
-        if 4 * rows * stride > STAGE_LIMIT:
-            raise ValueError(f"stream_out stages {rows} rows of {stride} floats ({4 * rows * stride // 1024} KiB) per "
-                             f"thread, over {STAGE_LIMIT // 1024} KiB; use a narrower tx or stream_out=False")
-        inner = (f"float tk_stage[{rows * stride}] __attribute__((aligned(64)));\n"
-                 f"{_nest(lay, s, groups)}\n_mm_sfence();")
-        nests = _tiles(lay, s, inner)
-    elif s.split_level == "row" or len(groups) == 1:
+    if s.split_level == "row" or len(groups) == 1:
         nests = _tiles(lay, s, _nest(lay, s, groups))
     elif s.split_level == "tile":
         nests = _tiles(lay, s, "\n".join(_nest(lay, s, [g]) for g in groups))
@@ -304,7 +229,6 @@ def generate_apply(stencil: Stencil, shape: tuple[int, int, int], s: StencilSche
         f"/* stencil {stencil.signature()} grid {shape}\n * schedule: {s.short()} */", HELPERS,
         "void tk_init(void) {}",
         _vector_types(s.isa) if s.vectorize else "",
-        STREAM_HELPERS[s.isa] + "\n" + FINISH_NT.format(vl=ISAS[s.isa][0]) if s.stream_out else "",
         f"{attr}void tk_run(float *restrict out, const float *restrict u, const float *const *coefs, int nthreads) {{",
         "  (void)coefs; (void)nthreads;", lay.decls(s.vectorize), nests, "}",
     ]) + "\n"
@@ -316,8 +240,6 @@ def generate_wave(stencil: Stencil, shape: tuple[int, int, int], s: StencilSched
     ``time_block`` steps share one sweep over z, step k at plane p - k r (r the radius):
     step k+1 at plane z needs step k's planes up to z + r, and overwrites a plane step k
     has finished reading, so one barrier per plane step keeps it exact."""
-    if s.stream_out:
-        raise ValueError("stream_out=True applies to the stencil kernel; the wave kernel updates its fields in place")
     lay = _Layout(stencil, shape)
     nz, ny, nx = shape
     r, tb = max(1, stencil.radius), s.time_block

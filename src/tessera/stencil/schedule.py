@@ -14,11 +14,6 @@
   is asked for ``prefetch`` floats ahead of the x loop (the rows of a high-order stencil are
   more streams than the hardware prefetchers follow, so without it most new lines are
   demand misses);
-- streamed output (``stream_out``, undecomposed vector kernels): each block of jammed rows
-  is computed into a row buffer that stays in L1, then copied to the output with
-  non-temporal stores, a row's unaligned ends with ordinary masked ones: the output's lines
-  are written without first being read from memory (a plain store reads each line in
-  before writing it, a third of a constant-coefficient sweep's traffic);
 - stencil decomposition: ``split`` sub-stencils, consecutive runs of the points holding
   about the same number of coefficient arrays each, applied one after another, each adding
   onto the same output (so each pass streams fewer arrays); ``split_level`` says where the
@@ -55,7 +50,6 @@ class StencilSchedule:
     split_level: str = "tile"
     time_block: int = 1
     prefetch: int = 0  # floats ahead of x each field row is prefetched (0: none)
-    stream_out: bool = False  # rows staged in L1, then written with non-temporal stores
     isa: str = "avx2"
     kind: str = field(default="stencil", init=False)
 
@@ -70,9 +64,6 @@ class StencilSchedule:
             raise ValueError(f"prefetch={self.prefetch!r} must be an int >= 0 (floats ahead; 0: none)")
         if self.prefetch and not self.vectorize:
             raise ValueError(f"prefetch={self.prefetch} applies to vector kernels; use vectorize=True or prefetch=0")
-        if self.stream_out and (not self.vectorize or self.split > 1):
-            raise ValueError(f"stream_out=True applies to undecomposed vector kernels; got vectorize={self.vectorize}, "
-                             f"split={self.split} (use vectorize=True and split=1, or stream_out=False)")
         if not isinstance(self.tx, int) or self.tx < 0:
             raise ValueError(f"tx={self.tx!r} must be an int >= 0 (0: whole rows)")
         if self.split_level not in SPLIT_LEVELS:
@@ -90,8 +81,7 @@ class StencilSchedule:
         tb = f" T{self.time_block}" if self.time_block > 1 else ""
         jam = (f" rz{self.rz}" if self.rz > 1 else "") + (f" ry{self.ry}" if self.ry > 1 else "")
         pf = f" pf{self.prefetch}" if self.prefetch else ""
-        nt = " nt" if self.stream_out else ""
-        return f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'}{jam} simd{int(self.vectorize)}{pf}{nt}{split}{tb}"
+        return f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'}{jam} simd{int(self.vectorize)}{pf}{split}{tb}"
 
     @staticmethod
     def from_dict(data: dict) -> StencilSchedule:

@@ -6,7 +6,6 @@ in its database (``save_choice`` / ``saved_choice``)."""
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +15,6 @@ import numpy as np
 
 from tessera.kernels.machine import Machine, load_machine
 from tessera.kernels.tuner import Trial, measure_trial, save_choice, saved_choice, spearman
-from tessera.stencil.codegen import STAGE_LIMIT, stage_floats
 from tessera.stencil.kernel import compile_stencil
 from tessera.stencil.model import predict_stencil
 from tessera.stencil.schedule import SPLIT_LEVELS, StencilSchedule
@@ -105,8 +103,7 @@ def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
 
 def twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, threads: int) -> list[Trial]:
     """Variants the model has no term for, of the best ``TWINS`` undecomposed vector
-    schedules of the shortlist, timed beside it: with the output streamed (``stream_out``),
-    with software prefetch (whether the
+    schedules of the shortlist, timed beside it: with software prefetch (whether the
     hardware prefetchers keep up with a stencil's rows is measured, not predicted), and
     as deep tiles (the grid's whole depth, ``tz = nz``: each thread walks z through its
     columns, and a plane's rows, read once from memory, serve the next z steps from L2
@@ -114,14 +111,9 @@ def twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, thread
     either way), at least ``DEEP_TY`` rows wide so the y halo is a small part of what it
     reads."""
     bases = [t.schedule for t in picked if t.schedule.vectorize and not t.schedule.decomposed
-             and not t.schedule.prefetch and not t.schedule.stream_out][:TWINS]
+             and not t.schedule.prefetch][:TWINS]
     variants = [replace(b, prefetch=PREFETCH) for b in bases]
     variants += [replace(b, tz=shape[0], ty=max(b.ty, min(DEEP_TY, shape[1]))) for b in bases if b.tz < shape[0]]
-    # each base and deep tile with its output streamed (non-temporal stores): they pay where the
-    # output is a large share of the traffic and cost where many read streams need the same
-    # line-fill buffers (a probe: ete37 constant 1.11x, star-7 with 7 coefficient arrays 0.72x)
-    variants += [replace(v, stream_out=True) for v in [*bases, *variants] if not v.prefetch
-                 and 4 * math.prod(stage_floats(shape, v)) <= STAGE_LIMIT]
     seen = {t.schedule for t in picked}
     variants = [v for v in dict.fromkeys(variants) if v not in seen]  # two bases may share a deep twin
     return [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in variants]
