@@ -176,8 +176,8 @@ def prefetch_twins(op: Operator, picked: list[Trial], machine: Machine, threads:
             of_packed += 1
         candidates = [dataclasses.replace(s, prefetch_b=PREFETCH_B_ROWS)]
         if not in_place:  # and the packing schedule packing each panel in its first tile
-            fused = dataclasses.replace(t.schedule, pack_b_first_tile=True)
-            if packs_b_by_first_tile(op, fused):
+            fused = first_tile_packing(op, t.schedule)
+            if fused is not None:
                 candidates.append(fused)
         if streams_b and s.inner == "jr,ir":  # each also fetching its next B panel on the way
             candidates += [dataclasses.replace(c, prefetch_next_b=True) for c in list(candidates)]
@@ -186,6 +186,13 @@ def prefetch_twins(op: Operator, picked: list[Trial], machine: Machine, threads:
                 seen.add(twin)
                 twins.append(Trial(twin, predict(op, twin, machine, threads)))
     return twins
+
+
+def first_tile_packing(op: Operator, s: GemmSchedule) -> GemmSchedule | None:
+    """``s`` packing each B panel in its first row tile (``pack_b_first_tile``; B packed, not
+    read in place), or None where B cannot be packed that way."""
+    fused = dataclasses.replace(s, pack_b=True, prefetch_b=0, pack_b_first_tile=True)
+    return fused if packs_b_by_first_tile(op, fused) else None
 
 
 def b_streams(op: Operator, machine: Machine) -> bool:
@@ -212,8 +219,8 @@ def streaming_nest(op: Operator, trials: list[Trial], picked: list[Trial], machi
         return []
     out = [best]
     if not effective_packing(op, best.schedule)[1]:  # read in place: its twin packing each panel in its first tile too
-        fused = dataclasses.replace(best.schedule, pack_b=True, prefetch_b=0, pack_b_first_tile=True, prefetch_next_b=True)
-        if packs_b_by_first_tile(op, fused) and fused not in chosen:
+        fused = first_tile_packing(op, best.schedule)
+        if fused is not None and (fused := dataclasses.replace(fused, prefetch_next_b=True)) not in chosen:
             out.append(Trial(fused, predict(op, fused, machine, threads)))
     return out
 
@@ -333,7 +340,11 @@ def tune(
     nest = streaming_nest(op, trials, picked, machine, threads)
     twins = prefetch_twins(op, picked, machine, threads)
     # the streaming nest's own twins (it is not one of the two best packing ones prefetch_twins takes)
-    twins += [t for t in prefetch_twins(op, nest, machine, threads) if t.schedule not in {x.schedule for x in twins}]
+    seen = {t.schedule for t in twins}
+    for t in prefetch_twins(op, nest, machine, threads):
+        if t.schedule not in seen:
+            seen.add(t.schedule)
+            twins.append(t)
     picked += nest + twins
     for s in extra or ():
         picked.append(Trial(s, predict(op, s, machine, threads)))

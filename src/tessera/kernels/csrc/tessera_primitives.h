@@ -82,25 +82,47 @@ TK_INLINE void tk_tile_sums(long kc, const float *restrict a, long a_rs, long a_
     for (long k = 0; k < kc; ++k) tk_tile_step(k, a, a_rs, a_cs, b, b_rs, acc);
 }
 
-/* The same sums (the same order: the same bits) with npf cache lines from pf fetched into L2
- * on the way, a few every TK_PF_STEPS steps of the k loop: the next panel of an operand read
- * from memory (a prepacked weight). Issued all at once before the tile, those prefetches
+#define TK_PF_STEPS 8
+/* A row of NR floats of B's matrix into L2: its vectors' lines, one more when it starts off a line. */
+TK_INLINE void tk_prefetch_b_row(const float *row) {
+    for (int j = 0; j < TK_NV; ++j) _mm_prefetch((const char *)(row + j * TK_VL), _MM_HINT_T1);
+    if (((size_t)row & 63) != 0) _mm_prefetch((const char *)(row + TK_NR - 1), _MM_HINT_T1);
+}
+
+TK_INLINE void tk_fetch_item(const char *p, int rows) {
+    if (rows)
+        tk_prefetch_b_row((const float *)p);
+    else
+        _mm_prefetch(p, _MM_HINT_T1);
+}
+
+/* The same sums (the same order: the same bits) with items [i0, i1) fetched into L2 on the
+ * way, a few every TK_PF_STEPS steps of the k loop: item i at pf + i * stride bytes, a cache
+ * line (rows 0: the next panel of an operand read from memory, a prepacked weight) or a row of
+ * NR floats of B's matrix (rows 1: see tk_ukernel_pfrows). `rows` is a literal at every call,
+ * so each inlined copy fetches one kind. Issued all at once before the tile, those prefetches
  * filled the core's miss buffers and held the FMAs back until the lines came, so the fetch and
  * the arithmetic took turns (a whole BERT-base's dense layers at 64 rows: 78.9 -> 59.1 ms). */
-#define TK_PF_STEPS 8
-TK_INLINE void tk_tile_sums_pf(long kc, const float *restrict a, long a_rs, long a_cs,
-                               const float *restrict b, long b_rs, tk_vf acc[TK_MR][TK_NV],
-                               const char *pf, long npf) {
+TK_INLINE void tk_tile_sums_fetching(long kc, const float *restrict a, long a_rs, long a_cs,
+                                     const float *restrict b, long b_rs, tk_vf acc[TK_MR][TK_NV],
+                                     const char *pf, long stride, long i0, long i1, int rows) {
     for (int i = 0; i < TK_MR; ++i)
         for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_zero();
-    long groups = kc / TK_PF_STEPS, per = groups ? (npf + groups - 1) / groups : 0, l = 0, k = 0;
+    long groups = kc / TK_PF_STEPS, per = groups ? (i1 - i0 + groups - 1) / groups : 0, l = i0, k = 0;
     for (long g = 0; g < groups; ++g) {
         TK_UNROLL_LOOP(TK_PF_STEPS)
         for (long s = 0; s < TK_PF_STEPS; ++s, ++k) tk_tile_step(k, a, a_rs, a_cs, b, b_rs, acc);
-        for (long q = 0; q < per && l < npf; ++q, ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+        for (long q = 0; q < per && l < i1; ++q, ++l) tk_fetch_item(pf + l * stride, rows);
     }
     for (; k < kc; ++k) tk_tile_step(k, a, a_rs, a_cs, b, b_rs, acc);
-    for (; l < npf; ++l) _mm_prefetch(pf + l * 64, _MM_HINT_T1);
+    for (; l < i1; ++l) tk_fetch_item(pf + l * stride, rows);
+}
+
+/* npf cache lines from pf (a prepacked operand's next panel). */
+TK_INLINE void tk_tile_sums_pf(long kc, const float *restrict a, long a_rs, long a_cs,
+                               const float *restrict b, long b_rs, tk_vf acc[TK_MR][TK_NV],
+                               const char *pf, long npf) {
+    tk_tile_sums_fetching(kc, a, a_rs, a_cs, b, b_rs, acc, pf, 64, 0, npf, 0);
 }
 
 /* Call `call` of `calls` over one panel takes its share of the next panel's `lines` cache lines
@@ -187,39 +209,18 @@ TK_INLINE void tk_ukernel_packing_b(long kc, const float *restrict a, long a_rs,
     tk_store_tile(acc, c, crow, ncol, first, mr, nr);
 }
 
-/* The same sums (the same bits) with rows [r0, r1) of the next B panel, read from B's matrix
+/* The micro-kernel (tk_ukernel) with rows [r0, r1) of the next B panel, read from B's matrix
  * (row r at pf + r * pf_rs floats, NR floats wide), fetched into L2 on the way, a few every
- * TK_PF_STEPS steps of the k loop. A panel read from memory by its first tile alone streams at
- * the FMAs' pace (three lines a step for 8 x 48), past one core's memory bandwidth; spread
- * over all the panel's tiles, the next panel arrives at a fraction of it. */
-TK_INLINE void tk_prefetch_b_row(const float *row) {
-    for (int j = 0; j < TK_NV; ++j) _mm_prefetch((const char *)(row + j * TK_VL), _MM_HINT_T1);
-    if (((size_t)row & 63) != 0) _mm_prefetch((const char *)(row + TK_NR - 1), _MM_HINT_T1);  /* off a line: one more */
-}
-
-TK_INLINE void tk_tile_sums_pfrows(long kc, const float *restrict a, long a_rs, long a_cs,
-                                   const float *restrict b, long b_rs, tk_vf acc[TK_MR][TK_NV],
-                                   const float *pf, long pf_rs, long r0, long r1) {
-    for (int i = 0; i < TK_MR; ++i)
-        for (int j = 0; j < TK_NV; ++j) acc[i][j] = tk_zero();
-    long groups = kc / TK_PF_STEPS, per = groups ? (r1 - r0 + groups - 1) / groups : 0, r = r0, k = 0;
-    for (long g = 0; g < groups; ++g) {
-        TK_UNROLL_LOOP(TK_PF_STEPS)
-        for (long s = 0; s < TK_PF_STEPS; ++s, ++k) tk_tile_step(k, a, a_rs, a_cs, b, b_rs, acc);
-        for (long q = 0; q < per && r < r1; ++q, ++r) tk_prefetch_b_row(pf + r * pf_rs);
-    }
-    for (; k < kc; ++k) tk_tile_step(k, a, a_rs, a_cs, b, b_rs, acc);
-    for (; r < r1; ++r) tk_prefetch_b_row(pf + r * pf_rs);
-}
-
-/* The micro-kernel (tk_ukernel) fetching rows [r0, r1) of the next B panel on the way. */
+ * TK_PF_STEPS steps of the k loop (the same bits). A panel read from memory by its first tile
+ * alone streams at the FMAs' pace (three lines a step for 8 x 48), past one core's memory
+ * bandwidth; spread over all the panel's tiles, the next panel arrives at a fraction of it. */
 TK_INLINE void tk_ukernel_pfrows(long kc, const float *restrict a, long a_rs, long a_cs,
                                  const float *restrict b, long b_rs, float *restrict c,
                                  const long *restrict crow, const long *restrict ncol,
                                  int first, long mr, long nr, const float *pf, long pf_rs, long r0, long r1) {
     tk_vf acc[TK_MR][TK_NV];
     tk_prefetch_c_tile(c, crow, ncol, mr);
-    tk_tile_sums_pfrows(kc, a, a_rs, a_cs, b, b_rs, acc, pf, pf_rs, r0, r1);
+    tk_tile_sums_fetching(kc, a, a_rs, a_cs, b, b_rs, acc, (const char *)pf, pf_rs * (long)sizeof(float), r0, r1, 1);
     tk_store_tile(acc, c, crow, ncol, first, mr, nr);
 }
 
