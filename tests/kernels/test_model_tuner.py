@@ -301,3 +301,18 @@ def test_a_streaming_b_gets_the_nest_that_holds_its_panel():
                      dataclasses.replace(holding.schedule, prefetch_b=PREFETCH_B_ROWS, prefetch_next_b=True)]
     assert streaming_nest(op, ranked, [sweeping, holding], small_l2, 1) == []  # a jr,ir nest is picked already
     assert streaming_nest(op, ranked, [sweeping], machine, 1) == []  # 12 KiB of B fits in L2
+
+
+def test_k_blocks_are_balanced():
+    """A kc target cuts K into near-equal blocks (513 at most 512 a block: 257 + 256, not
+    512 + 1, whose sliver would be a whole extra pass over C); a K the target divides, or one
+    below it, is unchanged."""
+    from tessera.kernels.space import balanced_block, gemm_space
+
+    assert balanced_block(512, 513) == 257
+    assert balanced_block(256, 768) == 256 and balanced_block(384, 767) == 384 and balanced_block(1024, 100) == 100
+    for k in (513, 555, 1027):
+        kcs = {s.kc for s in gemm_space(ops.gemm(64, 64, k), threads=1, isas=("avx2",))}
+        for kc in kcs:
+            blocks = -(-k // kc)
+            assert blocks * kc - k < blocks, (k, kc)  # every block within one of the others
