@@ -82,3 +82,21 @@ def test_square_only_plan_has_only_the_square_sgemm_rows():
     assert labels == [f"{n}^3" for n in FULL.gemm_sizes] and all(c[0] == "gemm" for c in _cases(SQUARE))
     assert not (SQUARE.tvm_gemms or SQUARE.tvm_convs) and SQUARE.threads == FULL.threads
     assert SQUARE.rounds == FULL.rounds and SQUARE.repeats == FULL.repeats  # timed as the full run
+
+
+def test_prepacked_call_of_a_best_that_fetches_the_next_b_panel():
+    """A tuned best reading B in place and fetching its next panel from B's matrix
+    (prefetch_next_b) gets a prepacked call that reads B packed, without the fetch: replacing
+    only pack_b raised (a 2-thread 1023x1025x1027 run stopped there)."""
+    from tessera.bench.kernels import _prepacked_call
+    from tessera.kernels import ops
+    from tessera.kernels.schedule import GemmSchedule
+    from tessera.kernels.tuner import Tuned, random_inputs
+
+    op = ops.gemm(37, 64, 45)
+    best = GemmSchedule(isa="avx2", mc=12, nc=32, kc=8, pack_b=False, prefetch_b=12, prefetch_next_b=True)
+    tuned = Tuned(op=op, threads=1, best=best, trials=[], space_size=1, model_seconds=0.0, compile_seconds=0.0,
+                  measure_seconds=0.0, wall_seconds=0.0)
+    call = _prepacked_call("gemm", op, tuned, random_inputs(op), 1, 3)
+    assert call is not None
+    call()  # runs: B packed once, read packed

@@ -226,7 +226,11 @@ def _prepacked_call(kind, op, tuned, inputs, threads, repeats):
     index = 1 if kind == "gemm" else 0
     schedules = []
     if isinstance(tuned.best, GemmSchedule):
-        packs = {"pack_b": True, "prefetch_b": 0} if index else {"pack_a": True}  # a packed B is not read in place
+        # a packed B is not read in place, nor its next panel fetched from its matrix (unless each
+        # panel is packed by its first tile, which the prepacked call reads packed)
+        packs = {"pack_b": True, "prefetch_b": 0} if index else {"pack_a": True}
+        if index and not tuned.best.pack_b_first_tile:
+            packs["prefetch_next_b"] = False
         schedules.append(dataclasses.replace(tuned.best, **packs))
     elif kind != "gemm":
         schedules.append(tuned.best)
