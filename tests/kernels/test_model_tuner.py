@@ -316,3 +316,15 @@ def test_k_blocks_are_balanced():
         for kc in kcs:
             blocks = -(-k // kc)
             assert blocks * kc - k < blocks, (k, kc)  # every block within one of the others
+
+
+def test_packing_b_keeps_only_what_a_packed_b_allows():
+    """A schedule with B packed drops the in-place prefetch and, unless each panel is packed by
+    its first tile, the next panel's fetch from B's matrix (what the bench's prepacked call and
+    the tuner's first-tile twins build their schedules with)."""
+    in_place = GemmSchedule(isa="avx2", mc=12, nc=32, kc=8, pack_b=False, prefetch_b=12, prefetch_next_b=True)
+    packed = in_place.packing_b()
+    assert packed.pack_b and not packed.prefetch_b and not packed.prefetch_next_b and not packed.pack_b_first_tile
+    fused = in_place.packing_b(first_tile=True)
+    assert fused.pack_b_first_tile and fused.prefetch_next_b and not fused.prefetch_b
+    assert fused.packing_b() == fused

@@ -226,12 +226,7 @@ def _prepacked_call(kind, op, tuned, inputs, threads, repeats):
     index = 1 if kind == "gemm" else 0
     schedules = []
     if isinstance(tuned.best, GemmSchedule):
-        # a packed B is not read in place, nor its next panel fetched from its matrix (unless each
-        # panel is packed by its first tile, which the prepacked call reads packed)
-        packs = {"pack_b": True, "prefetch_b": 0} if index else {"pack_a": True}
-        if index and not tuned.best.pack_b_first_tile:
-            packs["prefetch_next_b"] = False
-        schedules.append(dataclasses.replace(tuned.best, **packs))
+        schedules.append(tuned.best.packing_b() if index else dataclasses.replace(tuned.best, pack_a=True))
     elif kind != "gemm":
         schedules.append(tuned.best)
     if kind != "gemm":

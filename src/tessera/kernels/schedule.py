@@ -23,7 +23,7 @@ thread, so the same binary gives bit-identical outputs at any thread count.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 # vector ISA -> (floats per register, vector registers, compiler flags beyond the common ones)
 ISAS: dict[str, tuple[int, int, tuple[str, ...]]] = {
@@ -95,6 +95,15 @@ class GemmSchedule:
                              "(pack_b=False) or packed by each panel's first tile (pack_b_first_tile=True)")
         if self.prefetch_next_b and self.inner != "jr,ir":
             raise ValueError(f"prefetch_next_b=True needs inner='jr,ir' (a B panel held across the row tiles), not {self.inner!r}")
+
+    def packing_b(self, *, first_tile: bool | None = None) -> GemmSchedule:
+        """This schedule with B packed: no rows of B prefetched in place, each panel packed by
+        its first row tile when ``first_tile`` (None: as it is), and the next panel's fetch from
+        B's matrix (``prefetch_next_b``) kept only where a panel is still read from it, i.e.
+        packed by its first tile (the rule ``__post_init__`` checks)."""
+        first = self.pack_b_first_tile if first_tile is None else first_tile
+        return replace(self, pack_b=True, prefetch_b=0, pack_b_first_tile=first,
+                       prefetch_next_b=self.prefetch_next_b and first)
 
     @property
     def vector_length(self) -> int:

@@ -191,7 +191,7 @@ def prefetch_twins(op: Operator, picked: list[Trial], machine: Machine, threads:
 def first_tile_packing(op: Operator, s: GemmSchedule) -> GemmSchedule | None:
     """``s`` packing each B panel in its first row tile (``pack_b_first_tile``; B packed, not
     read in place), or None where B cannot be packed that way."""
-    fused = dataclasses.replace(s, pack_b=True, prefetch_b=0, pack_b_first_tile=True)
+    fused = s.packing_b(first_tile=True)
     return fused if packs_b_by_first_tile(op, fused) else None
 
 
