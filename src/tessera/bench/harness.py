@@ -18,8 +18,30 @@ import torch
 DEFAULT_OUT = Path("benchmarks/results")
 
 
+def cpu_description(cpuinfo: str | None = None) -> str:
+    """The CPU by name, family/model and widest vector ISA, from /proc/cpuinfo (the projects'
+    machines change from one session to the next, AVX-512 or not, and a run's ratios only
+    compare with another run's on the same kind): e.g. "AMD EPYC (family 25, model 1; avx2)"."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return platform.processor() or platform.machine()
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    isa = next((f for f in ("avx512f", "avx2", "avx", "sse2") if f in flags), "scalar")
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    family, model = fields.get("cpu family"), fields.get("model")
+    where = f"family {family}, model {model}; " if family and model else ""
+    return f"{name} ({where}{isa})"
+
+
 def machine() -> dict[str, Any]:
     return {
+        "cpu": cpu_description(),
         "cores": os.cpu_count(),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
