@@ -19,7 +19,7 @@ DEFAULT_OUT = Path("benchmarks/results")
 
 
 def cpu_description(cpuinfo: str | None = None) -> str:
-    """The CPU by name, family/model and widest vector ISA, from /proc/cpuinfo (the projects'
+    """The CPU by name, family/model and widest vector ISA, from /proc/cpuinfo (the project's
     machines change from one session to the next, AVX-512 or not, and a run's ratios only
     compare with another run's on the same kind): e.g. "AMD EPYC (family 25, model 1; avx2)"."""
     if cpuinfo is None:
