@@ -15,28 +15,9 @@ from typing import Any
 
 import torch
 
+from tessera.kernels.machine import cpu_description
+
 DEFAULT_OUT = Path("benchmarks/results")
-
-
-def cpu_description(cpuinfo: str | None = None) -> str:
-    """The CPU by name, family/model and widest vector ISA, from /proc/cpuinfo (the project's
-    machines change from one session to the next, AVX-512 or not, and a run's ratios only
-    compare with another run's on the same kind): e.g. "AMD EPYC (family 25, model 1; avx2)"."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return platform.processor() or platform.machine()
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    flags = set(fields.get("flags", "").split())
-    isa = next((f for f in ("avx512f", "avx2", "avx", "sse2") if f in flags), "scalar")
-    name = fields.get("model name") or platform.processor() or platform.machine()
-    family, model = fields.get("cpu family"), fields.get("model")
-    where = f"family {family}, model {model}; " if family and model else ""
-    return f"{name} ({where}{isa})"
 
 
 def machine() -> dict[str, Any]:
@@ -120,7 +101,7 @@ def markdown(result: BenchResult, machine_info: dict[str, Any]) -> str:
     lines = [f"# {result.name}", ""]
     lines.append(
         "Machine: "
-        + ", ".join(f"{k} {v}" for k, v in machine_info.items() if k in ("cores", "torch", "device"))
+        + ", ".join(f"{k} {v}" for k, v in machine_info.items() if k in ("cpu", "cores", "torch", "device"))
     )
     lines += ["", "Headline: " + ", ".join(f"`{k}` = {_cell(v)}" for k, v in result.headline.items()), ""]
     lines += _table(result.columns, result.rows)

@@ -28,14 +28,36 @@ LEVELS = ("L1", "L2", "L3", "DRAM")
 FALLBACK_CACHES = {"L1": 32 << 10, "L2": 1 << 20, "L3": 16 << 20}  # only where /sys has none
 
 
+def cpu_fields(cpuinfo: str | None = None) -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (``cpuinfo``: its text, else read here;
+    empty where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return {}
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
 def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return set(cpu_fields().get("flags", "").split())
+
+
+def cpu_description(cpuinfo: str | None = None) -> str:
+    """The CPU by name, family/model and widest vector ISA flag, e.g. "AMD EPYC (family 25,
+    model 1; avx2)": the project's machines change from one session to the next, AVX-512 or
+    not, and a benchmark's ratios only compare with another run's on the same kind."""
+    fields = cpu_fields(cpuinfo)
+    flags = set(fields.get("flags", "").split())
+    isa = next((f for f in ("avx512f", "avx2", "avx", "sse2") if f in flags), "scalar")
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    family, model = fields.get("cpu family"), fields.get("model")
+    where = f"family {family}, model {model}; " if family and model else ""
+    return f"{name} ({where}{isa})"
 
 
 def cpu_isas(flags: set[str] | None = None) -> list[str]:

@@ -33,8 +33,7 @@ def _round(target: int, unit: int, limit: int) -> int:
 def balanced_block(target: int, size: int) -> int:
     """The block that cuts ``size`` into as many near-equal blocks as ``target`` would: K = 513
     in blocks of at most 512 is 257 + 256, not 512 + 1, whose sliver is a whole extra pass over
-    C (and a packing) for one step of k (97x1001x513 on 1 thread: 121 -> 128 GFLOP/s,
-    333x777x555 141 -> 147, 1023x1025x1027 145 -> 148, medians of 7 rounds, a noisy hour)."""
+    C (and a packing) for one step of k (the probes on two machines: docs/kernels.md)."""
     blocks = -(-size // max(1, min(target, size)))
     return -(-size // blocks)
 
