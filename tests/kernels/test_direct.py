@@ -168,6 +168,26 @@ def test_flatc_kernel_within_bound_thread_invariant_and_prepacked(s, isa):
         assert_prepacked_weight_agrees(kernel, op, inputs, one)  # the weight transposed once at bind
 
 
+@pytest.mark.parametrize("s", FLATC, ids=lambda s: s.label())
+@pytest.mark.parametrize("isa", ISAS)
+def test_flatcl_kernel_within_bound_thread_invariant_and_prepacked(s, isa):
+    """flatc's orientation with tiles of consecutive positions across row ends: planes of 49, 66,
+    49 and 135 positions, none a multiple of the tiles taken (5, 6, 12 or 14 positions), so the
+    last tile overlaps the one before it and the tiles cross rows at every offset."""
+    op = ops.conv2d(s)
+    d = flat_of(op)
+    inputs = random_inputs(op, seed=8)
+    offered = [(b.rows, b.vecs) for b in direct_space(op, isas=(isa,)) if b.algo == "flatcl"]
+    assert offered and all(d.cog % (v * (16 if isa == "avx512" else 8)) == 0 for _, v in offered)
+    # the tile of most vectors (then rows) and the one of most rows the registers hold
+    picked = {max(offered, key=lambda b: (b[1], b[0])), max(offered)}
+    assert any((d.oh * d.ow) % rows for rows, _ in picked)  # an overlapping last tile
+    for rows, vecs in sorted(picked):
+        kernel, one = _within_bound_thread_invariant_and_kept(
+            op, inputs, DirectSchedule(algo="flatcl", isa=isa, rows=rows, vecs=vecs))
+        assert_prepacked_weight_agrees(kernel, op, inputs, one)
+
+
 # (1, 40, 1): one row of B, so the first of the TB-0 kernel's two parts of k is empty
 GEMV = [(1, 37, 29, False), (1, 200, 77, False), (1, 40, 1, False), (1, 45, 300, True), (1, 129, 64, True)]
 
@@ -243,6 +263,11 @@ def test_a_direct_schedule_refuses_what_it_cannot_run():
     seven = ops.conv2d(FLATC[0])  # rows of 7 outputs
     with pytest.raises(ValueError, match="a tile of 8 positions on rows of 7 must be whole rows"):
         compile_kernel(seven, DirectSchedule(algo="flatc", isa="avx2", rows=8, vecs=1))
+    big = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=4, out_channels=8, height=56, width=56, kernel=(3, 3),
+                                     padding=(1, 1)))
+    with pytest.raises(ValueError, match=r"flatcl kernel: a plane of 56x56 positions must hold a tile of 6 and its "
+                                         r"sums \(8 channels a position\) at most 16384 floats"):
+        compile_kernel(big, DirectSchedule(algo="flatcl", isa="avx2", rows=6, vecs=1))
     with pytest.raises(ValueError, match="constant=1 cannot be prepacked"):
         compile_kernel(seven, DirectSchedule(algo="flatc", isa="avx2", rows=7, vecs=1)).bind(
             *random_inputs(seven, seed=1).values(), constant=1)

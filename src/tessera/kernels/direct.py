@@ -117,7 +117,7 @@ def gemv_of(op: Operator) -> Gemv | None:
 
 
 _RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of, "flat": flat_of, "flatc": flat_of,
-                "dwc": dwc_of}
+                "flatcl": flat_of, "dwc": dwc_of}
 
 
 def applies(op: Operator, algo: str) -> bool:
@@ -144,19 +144,22 @@ def generate_direct(op: Operator, s: DirectSchedule) -> str:
         defines = {"DC_N": d.n, "DC_C": d.g, "DC_H": d.h, "DC_W": d.w, "DC_OH": d.oh, "DC_OW": d.ow, "DC_KH": d.kh,
                    "DC_KW": d.kw, "DC_SH": d.sh, "DC_SW": d.sw, "DC_PH": d.ph, "DC_PW": d.pw, "DC_RB": s.rows}
         header = "tessera_dwchan.h"
-    elif s.algo in ("flat", "flatc"):
+    elif s.algo in ("flat", "flatc", "flatcl"):
         d = flat_of(op)
         if d is None:
             raise ValueError(f"{op.name}: the {s.algo} kernel takes a conv2d of several input channels a group, stride 1 or 2")
         if s.algo == "flat" and d.cog % s.rows:
             raise ValueError(f"flat kernel: {s.rows} rows must divide the {d.cog} output channels of a group")
         lanes = s.vecs * (16 if s.isa == "avx512" else 8)
-        if s.algo == "flatc" and d.cog % lanes:
-            raise ValueError(f"flatc kernel: {s.vecs} vectors ({lanes} lanes) must divide the {d.cog} output channels of a group")
+        if s.algo != "flat" and d.cog % lanes:
+            raise ValueError(f"{s.algo} kernel: {s.vecs} vectors ({lanes} lanes) must divide the {d.cog} output channels of a group")
         if s.algo == "flatc" and s.rows > d.ow and (s.rows % d.ow or s.rows // d.ow > d.oh):
             raise ValueError(f"flatc kernel: a tile of {s.rows} positions on rows of {d.ow} must be whole rows, "
                              f"at most the {d.oh} the plane has")
-        defines = {"FC_CVEC": int(s.algo == "flatc"), "FC_N": d.n, "FC_G": d.g, "FC_COG": d.cog, "FC_CIG": d.cig, "FC_H": d.h, "FC_W": d.w,
+        if s.algo == "flatcl" and not flatcl_fits(d, s.rows, lanes):
+            raise ValueError(f"flatcl kernel: a plane of {d.oh}x{d.ow} positions must hold a tile of {s.rows} and its "
+                             f"sums ({lanes} channels a position) at most {FLATCL_SUMS} floats")
+        defines = {"FC_CVEC": int(s.algo != "flat"), "FC_LIN": int(s.algo == "flatcl"), "FC_N": d.n, "FC_G": d.g, "FC_COG": d.cog, "FC_CIG": d.cig, "FC_H": d.h, "FC_W": d.w,
                    "FC_OH": d.oh, "FC_OW": d.ow, "FC_KH": d.kh, "FC_KW": d.kw, "FC_SH": d.sh, "FC_SW": d.sw,
                    "FC_PH": d.ph, "FC_PW": d.pw, "FC_MR": s.rows, "FC_NV": s.vecs}
         header = "tessera_flatconv.h"
@@ -189,6 +192,16 @@ DEPTHWISE_BLOCKS = tuple((r, u) for r in (1, 2, 3, 4) for u in (1, 2, 4))
 FLAT_BLOCKS = ((4, 3), (4, 4), (4, 6), (8, 1), (8, 2), (8, 3), (16, 1))
 # flatc: positions of a row (broadcast) x vectors of output channels; the vectors must divide a group's channels
 FLATC_BLOCKS = ((4, 4), (6, 4), (7, 2), (7, 3), (8, 2), (8, 3), (12, 2), (14, 2), (7, 1), (14, 1), (16, 1), (21, 1), (28, 1))
+# flatcl: flatc's orientation with tiles of consecutive positions across row ends (small planes,
+# whose rows the row tiles of flatc cover with overlap: 7x7 in tiles of 6 computes 54 for 49)
+FLATCL_BLOCKS = ((4, 3), (5, 2), (6, 2), (12, 1), (14, 1), (4, 4), (6, 4), (7, 3), (8, 3), (12, 2))
+FLATCL_SUMS = 16384  # an item's sums, the whole plane's positions x a block of channels (64 KiB)
+
+
+def flatcl_fits(d: ConvSizes, rows: int, lanes: int) -> bool:
+    return rows <= d.oh * d.ow and d.oh * d.ow * lanes <= FLATCL_SUMS
+
+
 # dwc: output positions of a row summed together (one vector of channels each)
 DWC_BLOCKS = (2, 4, 7, 8, 14)
 GEMV_BLOCKS = {False: tuple((r, u) for r in (4, 8) for u in (2, 4, 8)),
@@ -252,6 +265,13 @@ def _flat_space(op: Operator, isas: tuple[str, ...]) -> list[DirectSchedule]:
                 continue  # the vectors divide the group's channels; a tile wider than a row is whole rows
             try:
                 out.append(DirectSchedule(algo="flatc", isa=isa, rows=rows, vecs=vecs))
+            except ValueError:
+                continue
+        for rows, vecs in FLATCL_BLOCKS:
+            if d.cog % (vecs * vl) or not flatcl_fits(d, rows, vecs * vl):
+                continue
+            try:
+                out.append(DirectSchedule(algo="flatcl", isa=isa, rows=rows, vecs=vecs))
             except ValueError:
                 continue
     return out

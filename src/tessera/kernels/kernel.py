@@ -142,7 +142,7 @@ class Kernel:
         """"A" or "B" when input ``index`` can be packed once and read packed, else None
         ("W" for the weight, input 0, of a channel-vectorised flat convolution, transposed, or of
         a Winograd convolution, transformed)."""
-        if (isinstance(self.schedule, DirectSchedule) and self.schedule.algo == "flatc") or isinstance(
+        if (isinstance(self.schedule, DirectSchedule) and self.schedule.algo in ("flatc", "flatcl")) or isinstance(
                 self.schedule, WinogradSchedule):
             return "W" if index == 0 else None
         if not isinstance(self.schedule, GemmSchedule) or index not in range(len(self.op.inputs)):

@@ -298,8 +298,10 @@ def _predict_depthwise(op: Operator, s: DirectSchedule, m: Machine, threads: int
     return CALL_SECONDS + max(t_compute, t_mem)
 
 
-# cycles a transposed element costs: 16 x 16 register blocks (AVX-512) or one at a time (tk_transpose)
-TRANSPOSE_CYCLES = {"avx512": 0.3, "avx2": 1.5}
+# cycles a transposed element costs in tk_transpose's register blocks: 16 x 16 (AVX-512: 64
+# two-source permutes a block on one port), 8 x 8 (AVX2: 24 unpacks, shuffles and lane swaps a
+# block, one port on Intel, the edges one element at a time)
+TRANSPOSE_CYCLES = {"avx512": 0.3, "avx2": 0.4}
 
 
 def _predict_dwc(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
@@ -361,9 +363,12 @@ def _predict_flatc(op: Operator, s: DirectSchedule, m: Machine, threads: int) ->
     k = d.cig * d.kh * d.kw
     kc_fit = 4096 // nr
     k_blocks = 1 if k <= kc_fit + kc_fit // 2 else -(-k // kc_fit)
-    tc = min(s.rows, d.ow)  # a tile: tr rows of tc positions
-    tr = s.rows // tc
-    tiles_row, row_tiles = -(-d.ow // tc), -(-d.oh // tr)
+    if s.algo == "flatcl":  # one band of linear tiles over the plane
+        tiles_row, row_tiles = -(-(d.oh * d.ow) // s.rows), 1
+    else:
+        tc = min(s.rows, d.ow)  # a tile: tr rows of tc positions
+        tr = s.rows // tc
+        tiles_row, row_tiles = -(-d.ow // tc), -(-d.oh // tr)
     rb = max(1, min(row_tiles, 16384 // (tiles_row * s.rows * nr)))
     items = d.n * d.g * (d.cog // nr) * -(-row_tiles // rb)
     step_cycles = max(s.rows * s.vecs / FMA_PIPES, (s.rows + s.vecs + 1) / LOADS_PER_CYCLE)
@@ -405,7 +410,7 @@ def predict(op: Operator, schedule: Schedule, m: Machine, threads: int = 1) -> f
     if isinstance(schedule, GemmSchedule):
         return predict_gemm(op, schedule, m, threads)
     if isinstance(schedule, DirectSchedule):
-        predictor = {"gemv": _predict_gemv, "flat": _predict_flat, "flatc": _predict_flatc,
+        predictor = {"gemv": _predict_gemv, "flat": _predict_flat, "flatc": _predict_flatc, "flatcl": _predict_flatc,
                      "dwc": _predict_dwc}.get(schedule.algo, _predict_depthwise)
         return predictor(op, schedule, m, threads)
     if isinstance(schedule, WinogradSchedule):

@@ -161,7 +161,7 @@ class LoopSchedule:
         return f"loops {'>'.join(self.order)} tiles[{tiles}] par{self.parallel} simd{int(self.vectorize)} u{self.unroll}"
 
 
-DIRECT_ALGOS = ("depthwise", "grouped", "gemv", "flat", "flatc", "dwc")
+DIRECT_ALGOS = ("depthwise", "grouped", "gemv", "flat", "flatc", "flatcl", "dwc")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -140,10 +140,30 @@ void tk_prepack(const float *restrict w, float *restrict dst) { fc_pack_weight(d
  * than MR: 7x7 planes take two rows of 7). The last tile of a row, and the last row tile of a
  * plane, overlap the one before them when they do not divide it: the same sums, so the same
  * bits, written twice. */
+#ifndef FC_LIN
+#define FC_LIN 0
+#endif
+#define FC_P ((long)FC_OH * FC_OW)
+#if FC_LIN
+/* Linear tiles (FC_LIN 1): a tile is MR consecutive positions of the plane in row-major order,
+ * across row ends, the last one overlapping the one before it; each position's offset in the
+ * planes is computed per tile (po below), so no position is computed twice but in the last
+ * tile. 7x7 planes in tiles of 6 compute 54 positions for 49, where tiles of one row compute
+ * 7 x 12 = 84. The whole plane is one item's band (its sums stay near 64 KiB: the space offers
+ * it only where they do). */
+#define FC_TC FC_MR
+#define FC_TR 1
+#define FC_TW ((FC_P + FC_MR - 1) / FC_MR)
+#define FC_TH 1
+#if FC_OH * FC_OW < FC_MR
+#error "linear flatc tiles need at least MR positions in a plane"
+#endif
+#else
 #define FC_TC (FC_OW < FC_MR ? FC_OW : FC_MR)
 #define FC_TR (FC_MR / FC_TC)
 #define FC_TW ((FC_OW + FC_TC - 1) / FC_TC)     /* tiles along a row */
 #define FC_TH ((FC_OH + FC_TR - 1) / FC_TR)     /* row tiles down a plane */
+#endif
 /* Row tiles an item takes (its partial sums, RB x TW tiles of MR x NR floats, stay near
  * 64 KiB) and the k block (its [KC][NR] slice of the weight, 16 KiB, is read from L1 by every
  * tile of the item, beside the input rows it meets: a 32 KiB slice ran 5% slower on 7x7
@@ -162,27 +182,35 @@ void tk_prepack(const float *restrict w, float *restrict dst) { fc_pack_weight(d
 #define FC_LPR ((FC_KCC + 15) / 16) /* cache lines of one weight row's slice */
 TK_INLINE const float *fc_pf_line(const float *next, long l) { return next + (l / FC_LPR) * (long)FC_K + (l % FC_LPR) * 16; }
 
-#if FC_MR % FC_TC != 0 || FC_TR > FC_OH
+#if !FC_LIN && (FC_MR % FC_TC != 0 || FC_TR > FC_OH)
 #error "a flatc tile wider than a row must be whole rows of it, no more than the plane has"
 #endif
 
+#if FC_LIN
+TK_INLINE long fc_col0(long t) { return (t * FC_MR + FC_MR > FC_P) ? FC_P - FC_MR : t * FC_MR; }
+#else
 TK_INLINE long fc_col0(long t) { return (t * FC_TC + FC_TC > FC_OW) ? FC_OW - FC_TC : t * FC_TC; }
+#endif
+TK_INLINE long fc_qpos(long p) { return (p / FC_OW) * FC_WQ + p % FC_OW; } /* position p in the planes */
 TK_INLINE long fc_row0(long r) { return (r * FC_TR + FC_TR > FC_OH) ? FC_OH - FC_TR : r * FC_TR; }
 
 /* acc[i][v] (+)= sum over kc of x[koff[k] + pos(i)] * wt[k * NR + v * VL ...]: MR positions
  * (broadcast) times NV vectors of output channels. The partial sums between k blocks live in
  * the tile's own slot (tiles that overlap must not share them); the last block writes the
  * tile position-major into rows (OW positions a row). */
+/* xp: the tile's positions in the planes (FC_LIN: one pointer each, read at the tap's offset, a
+ * single address mode), else unused */
 TK_INLINE void fc_cstep(long k, const float *restrict x, const long *restrict koff, const float *restrict wt,
-                        tk_vf acc[FC_MR][FC_NV]) {
-    const float *xk = x + koff[k];
+                        const float *const *xp, tk_vf acc[FC_MR][FC_NV]) {
+    const long ko = koff[k];
+    const float *xk = x + ko;
     const float *wk = wt + k * FC_NR;
     tk_vf bv[FC_NV];
     TK_UNROLL_ALL
     for (int v = 0; v < FC_NV; ++v) bv[v] = tk_load(wk + v * TK_VL);
     TK_UNROLL_ALL
     for (int i = 0; i < FC_MR; ++i) {
-        tk_vf xi = tk_set1(xk[(i / FC_TC) * FC_WQ + i % FC_TC]);
+        tk_vf xi = tk_set1(FC_LIN ? xp[i][ko] : xk[(i / FC_TC) * FC_WQ + i % FC_TC]);
         TK_UNROLL_ALL
         for (int v = 0; v < FC_NV; ++v) acc[i][v] = tk_fma(xi, bv[v], acc[i][v]);
     }
@@ -193,8 +221,11 @@ TK_INLINE void fc_cstep(long k, const float *restrict x, const long *restrict ko
 #define FC_PF_EVERY 2
 TK_INLINE void fc_ctile(long kc, const float *restrict x, const long *restrict koff, const float *restrict wt,
                         float *restrict slot, int first, int last, float *restrict rows,
-                        const float *pf, long l0, long l1) {
+                        const float *pf, long l0, long l1, long p0) {
     tk_vf acc[FC_MR][FC_NV];
+    const float *xp[FC_MR];
+    TK_UNROLL_ALL
+    for (int i = 0; i < FC_MR; ++i) xp[i] = x + (FC_LIN ? fc_qpos(p0 + i) - fc_qpos(p0) : 0);
     TK_UNROLL_ALL
     for (int i = 0; i < FC_MR; ++i)
         TK_UNROLL_ALL
@@ -203,13 +234,13 @@ TK_INLINE void fc_ctile(long kc, const float *restrict x, const long *restrict k
     if (l1 > l0) {
         for (; k + FC_PF_EVERY <= kc; k += FC_PF_EVERY) {
             TK_UNROLL_ALL
-            for (int s = 0; s < FC_PF_EVERY; ++s) fc_cstep(k + s, x, koff, wt, acc);
+            for (int s = 0; s < FC_PF_EVERY; ++s) fc_cstep(k + s, x, koff, wt, xp, acc);
             if (l0 < l1) _mm_prefetch((const char *)fc_pf_line(pf, l0++), _MM_HINT_T1);
         }
         while (l0 < l1) _mm_prefetch((const char *)fc_pf_line(pf, l0++), _MM_HINT_T1);
     }
     TK_UNROLL_LOOP(2)
-    for (; k < kc; ++k) fc_cstep(k, x, koff, wt, acc);
+    for (; k < kc; ++k) fc_cstep(k, x, koff, wt, xp, acc);
     TK_UNROLL_ALL
     for (int i = 0; i < FC_MR; ++i)
         TK_UNROLL_ALL
@@ -229,7 +260,7 @@ static void fc_run_cvec(float *restrict out, const float *restrict packed, const
     if (nthreads > FC_CITEMS) nthreads = (int)FC_CITEMS;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *cbuf = tk_alloc(((long)FC_RB + 1) * FC_TR * FC_OW * FC_NR);
+        float *cbuf = tk_alloc(FC_LIN ? FC_P * FC_NR : ((long)FC_RB + 1) * FC_TR * FC_OW * FC_NR);
         float *slots = FC_K > FC_KCC ? tk_alloc((long)FC_RB * FC_TW * FC_MR * FC_NR) : NULL;
         float *wslice = packed ? NULL : tk_alloc((long)FC_KCC * FC_NR);
 #pragma omp for schedule(static)
@@ -250,12 +281,14 @@ static void fc_run_cvec(float *restrict out, const float *restrict packed, const
                 for (long r = 0; r < rts; ++r)
                     for (long t = 0; t < FC_TW; ++t) {
                         long oh = fc_row0(r0 + r), ow = fc_col0(t), l0 = (r * FC_TW + t) * per;
-                        fc_ctile(kc, xg + oh * (long)FC_WQ + ow, fc_koff + k0, wk,
+                        /* FC_LIN: oh is 0 and ow the tile's first position p0 of the plane */
+                        fc_ctile(kc, xg + (FC_LIN ? fc_qpos(ow) : oh * (long)FC_WQ + ow), fc_koff + k0, wk,
                                  slots + (r * FC_TW + t) * FC_MR * FC_NR, k0 == 0, k0 + kc == FC_K,
-                                 cbuf + ((oh - base) * FC_OW + ow) * FC_NR, wrows + k0 + kc, l0, tk_min(lines, l0 + per));
+                                 cbuf + ((oh - base) * FC_OW + ow) * FC_NR, wrows + k0 + kc, l0, tk_min(lines, l0 + per), ow);
                     }
             }
-            long own0 = r0 * FC_TR, own1 = tk_min(FC_OH, (r0 + rts) * FC_TR); /* rows no other item writes */
+            /* rows no other item writes (FC_LIN: the whole plane) */
+            long own0 = FC_LIN ? 0 : r0 * FC_TR, own1 = FC_LIN ? FC_OH : tk_min(FC_OH, (r0 + rts) * FC_TR);
             float *y = out + (ng * (long)FC_COG + cb * FC_NR) * FC_OH * FC_OW + own0 * FC_OW;
             tk_transpose(y, (long)FC_OH * FC_OW, cbuf + (own0 - base) * FC_OW * FC_NR, FC_NR, (own1 - own0) * FC_OW, FC_NR);
         }
