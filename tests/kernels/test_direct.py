@@ -3,12 +3,14 @@ reference within the float32 error bound of their sums, on odd shapes (rows and 
 that no register block divides, strides, asymmetric padding-free and padded kernels, a
 channel multiplier), bit for bit the same at 1 and 2 threads, and offered by the tuner."""
 
+import ctypes
+
 import numpy as np
 import pytest
 from kernel_checks import assert_prepacked_weight_agrees, assert_within_bound, random_inputs, run
 
 from tessera.kernels import compile_kernel, ops
-from tessera.kernels.direct import depthwise_of, direct_space, dwc_of, flat_of, gemv_of, grouped_of
+from tessera.kernels.direct import depthwise_of, direct_space, dwc_of, flat_of, flatcl_k_block, gemv_of, grouped_of
 from tessera.kernels.machine import cpu_isas
 from tessera.kernels.schedule import DirectSchedule
 from tessera.kernels.tuner import rank
@@ -147,6 +149,9 @@ FLATC = [
     # stride 1 on rows and 2 on columns, rows of 15 outputs
     ops.Conv2dShape(batch=1, in_channels=6, out_channels=16, height=9, width=30, kernel=(3, 3), stride=(1, 2),
                     padding=(1, 1)),
+    # 1x1 on 7x7 planes, K = 200 input channels: flatcl's k blocks of 80, 80 and 40 (each block's
+    # planes held to 16 KiB), flatc's one block
+    ops.Conv2dShape(batch=1, in_channels=200, out_channels=16, height=7, width=7, kernel=(1, 1)),
 ]
 
 
@@ -172,8 +177,8 @@ def test_flatc_kernel_within_bound_thread_invariant_and_prepacked(s, isa):
 @pytest.mark.parametrize("isa", ISAS)
 def test_flatcl_kernel_within_bound_thread_invariant_and_prepacked(s, isa):
     """flatc's orientation with tiles of consecutive positions across row ends: planes of 49, 66,
-    49 and 135 positions, none a multiple of the tiles taken (5, 6, 12 or 14 positions), so the
-    last tile overlaps the one before it and the tiles cross rows at every offset."""
+    49, 135 and 49 positions, each one no multiple of a tile taken (5, 6, 12 or 14 positions), so
+    a last tile overlaps the one before it and the tiles cross rows at every offset."""
     op = ops.conv2d(s)
     d = flat_of(op)
     inputs = random_inputs(op, seed=8)
@@ -186,6 +191,9 @@ def test_flatcl_kernel_within_bound_thread_invariant_and_prepacked(s, isa):
         kernel, one = _within_bound_thread_invariant_and_kept(
             op, inputs, DirectSchedule(algo="flatcl", isa=isa, rows=rows, vecs=vecs))
         assert_prepacked_weight_agrees(kernel, op, inputs, one)
+        # the model prices the k blocks the kernel takes
+        lanes = vecs * (16 if isa == "avx512" else 8)
+        assert ctypes.c_long.in_dll(kernel._lib, "tk_flat_kc").value == flatcl_k_block(d, lanes)
 
 
 # (1, 40, 1): one row of B, so the first of the TB-0 kernel's two parts of k is empty

@@ -106,6 +106,19 @@ def flat_positions(d: ConvSizes) -> int:
     return d.oh * wq
 
 
+def flatcl_k_block(d: ConvSizes, nr: int) -> int:
+    """The k block of the flatcl kernel (``FC_KCC`` in ``csrc/tessera_flatconv.h``): its weight
+    slice ([KC][NR]) and its input channels' phase planes each held to 16 KiB."""
+    hq = -(-max(d.ph + d.h, (d.oh - 1) * d.sh + d.kh) // d.sh)
+    wq = -(-max(d.pw + d.w, (d.ow - 1) * d.sw + d.kw) // d.sw)
+    read = (d.oh - 1) * wq + d.ow + ((d.kh - 1) // d.sh) * wq + (d.kw - 1) // d.sw
+    channel = d.sh * d.sw * max(hq * wq, read)
+    kc_w, kc_x = 4096 // nr, 4096 * d.kh * d.kw // channel // 8 * 8
+    fit = max(8, kc_x) if kc_x < kc_w else kc_w
+    k = d.cig * d.kh * d.kw
+    return k if k <= fit + fit // 2 else fit
+
+
 def gemv_of(op: Operator) -> Gemv | None:
     """The sizes of ``op`` when it is ``ops.gemm`` with one row (M = 1)."""
     if op.name not in ("gemm_nn", "gemm_nt", "gemm_tn", "gemm_tt"):

@@ -40,7 +40,7 @@ import math
 
 from tessera.kernels.codegen_loops import _loops, unit_axes
 from tessera.kernels.contraction import analyse
-from tessera.kernels.direct import conv_of, flat_positions, gemv_of
+from tessera.kernels.direct import conv_of, flat_positions, flatcl_k_block, gemv_of
 from tessera.kernels.ir import Operator, accesses, drop_unit_axes
 from tessera.kernels.machine import Machine
 from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule, Schedule, WinogradSchedule
@@ -361,8 +361,11 @@ def _predict_flatc(op: Operator, s: DirectSchedule, m: Machine, threads: int) ->
     vl = 16 if s.isa == "avx512" else 8
     nr = s.vecs * vl
     k = d.cig * d.kh * d.kw
-    kc_fit = 4096 // nr
-    k_blocks = 1 if k <= kc_fit + kc_fit // 2 else -(-k // kc_fit)
+    if s.algo == "flatcl":
+        k_blocks = -(-k // flatcl_k_block(d, nr))
+    else:
+        kc_fit = 4096 // nr
+        k_blocks = 1 if k <= kc_fit + kc_fit // 2 else -(-k // kc_fit)
     if s.algo == "flatcl":  # one band of linear tiles over the plane
         tiles_row, row_tiles = -(-(d.oh * d.ow) // s.rows), 1
     else:

@@ -171,8 +171,15 @@ void tk_prepack(const float *restrict w, float *restrict dst) { fc_pack_weight(d
 #define FC_RB_FIT (16384 / ((long)FC_TW * FC_MR * FC_NR))
 #define FC_RB (FC_RB_FIT < 1 ? 1 : FC_RB_FIT > FC_TH ? FC_TH : FC_RB_FIT)
 #define FC_THB ((FC_TH + FC_RB - 1) / FC_RB)
-#define FC_KC_FIT (4096 / FC_NR)
+/* FC_LIN: every tile of the item reads the whole plane of each input channel its k block
+ * covers, so the block's input channels (their phase planes) are held to 16 KiB of L1 too (a 1x1
+ * convolution on 7x7 planes took 256 channels, 50 KiB, a block, and its broadcasts came from
+ * L2: 54 GFLOP/s, Milan, 1 thread) */
+#define FC_KC_W (4096 / FC_NR)
+#define FC_KC_X ((4096L * FC_KH * FC_KW) / FC_CH / 8 * 8) /* whole 8 x 8 transposes */
+#define FC_KC_FIT (FC_LIN && FC_KC_X < FC_KC_W ? (FC_KC_X < 8 ? 8 : FC_KC_X) : FC_KC_W)
 #define FC_KCC (FC_K <= FC_KC_FIT + FC_KC_FIT / 2 ? FC_K : FC_KC_FIT)
+long tk_flat_kc = FC_KCC; /* the k block, read by the tests against the model's (direct.flatcl_k_block) */
 /* Where each block of NR output channels is read by one item only (one image, one band of
  * rows: a small plane), its weight is transposed slice by slice as the item reaches it, into
  * a buffer of the thread's, the next slice fetched on the way: the weight is read once a
