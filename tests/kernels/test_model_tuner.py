@@ -180,6 +180,13 @@ def test_inputs_lie_on_a_line_and_placements_move_each_off_it_with_the_same_valu
         assert y.flags.c_contiguous and y.dtype == x.dtype and np.array_equal(x, y)
 
 
+def test_a_long_call_is_timed_once_a_measurement():
+    from tessera.kernels.tuner import LONG_CALL_S, _repeats
+
+    assert _repeats(7, 0.001) == 7 and _repeats(7, 0.2) == 5 and _repeats(2, 0.2) == 3  # at least 3 under a long call
+    assert _repeats(7, LONG_CALL_S) == 4 and _repeats(7, 0.4) == 2 and _repeats(7, 0.6) == 1 and _repeats(7, 1.5) == 1
+
+
 def test_final_rounds_keep_the_fastest_at_its_slower_placement():
     """The first timing's 3 fastest are timed again, round by round in turn, at each placement;
     one fast where its inputs lie on a line but slow 16 bytes off one loses to one a little
@@ -203,8 +210,12 @@ def test_final_rounds_keep_the_fastest_at_its_slower_placement():
         t.rounds = []
     assert final_rounds(picked, retime) is picked[0]
     lone = [Trial(LoopSchedule(order=("a",)), 1.0, measured=2.0, times=[2.0, 2.0]),
-            Trial(LoopSchedule(order=("b",)), 1.0, measured=1.0, times=[1.0])]  # rejected: one time
+            Trial(LoopSchedule(order=("b",)), 1.0, measured=1.0, times=[1.0], rejected=True)]
     assert final_rounds(lone, retime) is lone[1] and lone[0].rounds == []
+    # a long call measured once (not rejected) is a finalist like any other
+    lone[1].rejected = False
+    assert final_rounds(lone, retime) is lone[0] and lone[0].rounds == [1.0, 1.0] and lone[1].rounds == [1.1, 1.1]
+    lone[0].rounds, lone[1].rounds = [], []
     # judged by the mean of the placements (the tuner's GEMMs): a little slower off a line but
     # faster on one beats one as fast at both that is slower on a line
     speed = {0: (1.0, 1.3), 1: (1.2, 1.2), 2: (1.3, 1.3)}

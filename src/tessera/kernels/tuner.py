@@ -38,6 +38,7 @@ class Trial:
     times: list[float] = field(default_factory=list)
     compile_seconds: float = 0.0
     rounds: list[float] = field(default_factory=list)  # a finalist's interleaved re-timings (tune)
+    rejected: bool = False  # its first run was far slower than the best so far: timed no further
 
 
 @dataclass
@@ -243,10 +244,15 @@ REJECT_FACTOR = 1.5  # a first run this much slower than the best median so far 
 REJECT_AFTER_S = 0.05  # ... when it took this long (cold-call costs are then a small part of it)
 
 
+LONG_CALL_S = 0.25  # a call this long is timed once a measurement, and needs no untimed warm-up run
+
+
 def _repeats(repeats: int, seconds: float) -> int:
     """Timed runs of a candidate that takes ``seconds`` a call: at most ``repeats``, about a
-    second's worth, at least 3."""
-    return max(3, min(repeats, int(1.0 / max(seconds, 1e-6))))
+    second's worth, at least 3 (1 for a long call: 4096^3 on 1 thread takes 1.4-1.6 s a call
+    here, and three of them per measurement made its tuning 172 s on the Milan VM; the finalist
+    rounds still time every finalist at every placement)."""
+    return max(3 if seconds < LONG_CALL_S else 1, min(repeats, int(1.0 / max(seconds, 1e-6))))
 
 
 def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int, best: float) -> None:
@@ -256,12 +262,13 @@ def _measure(trial: Trial, kernel, inputs, threads: int, repeats: int, best: flo
     that length): the rank stays right, and large shapes tune in a fraction of the time."""
     first = kernel.time(*inputs, threads=threads, repeats=1, warmup=0)[0]
     if first > REJECT_AFTER_S and first > REJECT_FACTOR * best:
-        trial.times, trial.measured = [first], first
+        trial.times, trial.measured, trial.rejected = [first], first, True
         return
     reps = _repeats(repeats, first)
     # one more untimed run: a kernel with scratch of its own (Winograd's transforms) is still
-    # warming its caches and pages on the second call (1.9 ms, then 1.3-1.4 at 64ch 56x56)
-    trial.times = kernel.time(*inputs, threads=threads, repeats=reps, warmup=1)
+    # warming its caches and pages on the second call (1.9 ms, then 1.3-1.4 at 64ch 56x56);
+    # a long call's first run warmed them a small share of its time
+    trial.times = kernel.time(*inputs, threads=threads, repeats=reps, warmup=int(first < LONG_CALL_S))
     trial.measured = statistics.median(trial.times)
 
 
@@ -297,7 +304,7 @@ def final_rounds(picked: list[Trial], retime, placements: int = 1, rounds: int =
     reads its inputs in place as much as a GEMM that does not pack them). Each finalist's
     times are kept in ``Trial.rounds`` (placement by placement, round after round);
     ``Trial.measured`` stays the first timing's median."""
-    timed = sorted((i for i, t in enumerate(picked) if len(t.times) > 1), key=lambda i: picked[i].measured)
+    timed = sorted((i for i, t in enumerate(picked) if t.times and not t.rejected), key=lambda i: picked[i].measured)
     finalists = timed[:FINALISTS]
     if len(finalists) < 2:
         return min(picked, key=lambda t: t.measured)
