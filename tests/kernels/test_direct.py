@@ -10,7 +10,15 @@ import pytest
 from kernel_checks import assert_prepacked_weight_agrees, assert_within_bound, random_inputs, run
 
 from tessera.kernels import compile_kernel, ops
-from tessera.kernels.direct import depthwise_of, direct_space, dwc_of, flat_of, flatcl_k_block, gemv_of, grouped_of
+from tessera.kernels.direct import (
+    depthwise_of,
+    direct_space,
+    dwc_of,
+    flat_of,
+    flatcl_k_block,
+    gemv_of,
+    grouped_of,
+)
 from tessera.kernels.machine import cpu_isas
 from tessera.kernels.schedule import DirectSchedule
 from tessera.kernels.tuner import rank
