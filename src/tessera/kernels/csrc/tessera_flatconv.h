@@ -16,8 +16,8 @@
  * every WQ) are computed and dropped. The weight rows are broadcast from the caller's
  * [G, COG, CIG, KH, KW] tensor as they are (no packing); a thread takes one block of NR
  * positions of one image and group, sums it over K in blocks of FC_KC for every output
- * channel, then scatters the valid columns. Sums run over k in order whatever the thread
- * count: results do not depend on it.
+ * channel, then copies the valid columns out as runs of consecutive outputs. Sums run over
+ * k in order whatever the thread count: results do not depend on it.
  *
  * With FC_CVEC 1 the same planes feed the other orientation (oneDNN's idea for small planes
  * and groups): output channels on the vector lanes, positions broadcast. A tile is FC_MR
@@ -42,9 +42,6 @@
 #define FC_K (FC_CIG * FC_KH * FC_KW)
 #ifndef FC_KC
 #define FC_KC 128
-#endif
-#ifndef FC_SCATTER_RUNS
-#define FC_SCATTER_RUNS 1
 #endif
 #define FC_HP_DATA (FC_PH + FC_H)
 #define FC_HP_READ ((FC_OH - 1) * FC_SH + FC_KH)
@@ -377,8 +374,7 @@ void tk_run(float *restrict out, const float *restrict in0, const float *restric
 #pragma omp parallel num_threads(nthreads)
     {
         float *cbuf = tk_alloc((long)FC_COG * FC_NR);
-        long dst[FC_NR], runs[FC_NR][3];
-        (void)dst, (void)runs;
+        long runs[FC_NR][3];
 #pragma omp for schedule(static)
         for (long item = 0; item < FC_ITEMS; ++item) {
             long ng = item / FC_QB, q0 = (item % FC_QB) * FC_NR, g = ng % FC_G;
@@ -397,7 +393,6 @@ void tk_run(float *restrict out, const float *restrict in0, const float *restric
                 }
             }
             float *y = out + ng * (long)FC_COG * FC_OH * FC_OW;
-#if FC_SCATTER_RUNS
             /* the block's kept columns as runs of consecutive outputs (a row's part, the dropped
              * columns between rows skipped), each copied a vector at a time for every channel */
             long nruns = 0;
@@ -421,18 +416,6 @@ void tk_run(float *restrict out, const float *restrict in0, const float *restric
                     fc_copy_run(d, src, runs[r][2]);
                 }
             }
-#else
-            for (long j = 0; j < FC_NR; ++j) {
-                long q = q0 + j, oh = q / FC_WQ, ow = q % FC_WQ;
-                dst[j] = (oh < FC_OH && ow < FC_OW) ? oh * FC_OW + ow : -1;
-            }
-            for (long co = 0; co < FC_COG; ++co) {
-                const float *c = cbuf + co * FC_NR;
-                float *yc = y + co * (long)FC_OH * FC_OW;
-                for (long j = 0; j < FC_NR; ++j)
-                    if (dst[j] >= 0) yc[dst[j]] = c[j];
-            }
-#endif
         }
         free(cbuf);
     }
