@@ -18,7 +18,9 @@ groups of 16-32 channels costs as much as the arithmetic (``flat`` reads its B r
 from padded phase planes instead; on planes of 7-28 columns, whose rows leave a share of its
 vectors' lanes on dropped columns, ``flatc`` puts a group's output channels on the lanes and
 broadcasts the positions from the same planes, oneDNN's orientation, with the weight
-transposed once a call or once for good, ``Kernel.bind(constant=0)``); a GEMV reads every
+transposed once a call or once for good, ``Kernel.bind(constant=0)``; ``flatcl`` the same with
+tiles of consecutive positions across row ends, for small planes whose rows no register tile
+divides); a GEMV reads every
 element of its matrix once, so packing it for the micro-kernel (as the GEMM loops do) doubles
 the memory traffic of an operator that is nothing but memory traffic.
 """
