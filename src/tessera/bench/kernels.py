@@ -221,8 +221,9 @@ def _prepacked_call(kind, op, tuned, inputs, threads, repeats):
     """The row's weight packed once, outside the timing, and read packed by each call (as MKL's
     packed SGEMM and oneDNN's reordered weights are): a GEMM's B (input 1) under the tuned
     micro-kernel schedule; a convolution's weight (input 0) under the tuned schedule when it
-    can take it (a micro-kernel that packs A, ``flatc``, Winograd), and under the fastest timed
-    ``flatc`` schedule of the tuning, the faster of the two. None when neither applies."""
+    can take it (a micro-kernel that packs A, ``flatc``, ``flatcl``, Winograd), and under the
+    fastest timed ``flatc`` / ``flatcl`` schedule of the tuning, the faster of the two. None when
+    neither applies."""
     index = 1 if kind == "gemm" else 0
     schedules = []
     if isinstance(tuned.best, GemmSchedule):
@@ -230,7 +231,8 @@ def _prepacked_call(kind, op, tuned, inputs, threads, repeats):
     elif kind != "gemm":
         schedules.append(tuned.best)
     if kind != "gemm":
-        timed = [t for t in tuned.trials if t.measured is not None and getattr(t.schedule, "algo", None) == "flatc"]
+        timed = [t for t in tuned.trials
+                 if t.measured is not None and getattr(t.schedule, "algo", None) in ("flatc", "flatcl")]
         if timed:
             schedules.append(min(timed, key=lambda t: t.measured).schedule)
     calls = []
@@ -367,7 +369,7 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
         "torch.mm(out=) are; torch's convolutions allocate their output in each call (their oneDNN paths take no "
         "out=).",
         "tessera_prepacked_gflops: the row's weight packed once at bind, outside the timing (GEMM rows: B under the row's schedule; "
-        "conv rows: the weight under the row's schedule where it takes it, or the tuning's fastest flatc schedule, the faster), "
+        "conv rows: the weight under the row's schedule where it takes it, or the tuning's fastest flatc / flatcl schedule, the faster), "
         "and read packed by every call (Kernel.bind(constant=...)), the like-for-like counterpart of MKL's packed "
         "SGEMM (prepacked_vs_mkl_packed_geomean) and oneDNN's reordered weights; the win fraction and geomean take the plain call, "
         "win_fraction_ / geomean_either_side_prepacked take each side's faster of packing per call and packing "
