@@ -101,18 +101,23 @@ def flat_of(op: Operator) -> ConvSizes | None:
     return d if d is not None and d.cig > 1 and d.sh in (1, 2) and d.sw in (1, 2) else None
 
 
+def _phase_rows(d: ConvSizes) -> tuple[int, int]:
+    """The phase planes' rows and padded row width (``FC_HQ``, ``FC_WQ`` in ``csrc/tessera_flatconv.h``)."""
+    hq = -(-max(d.ph + d.h, (d.oh - 1) * d.sh + d.kh) // d.sh)
+    wq = -(-max(d.pw + d.w, (d.ow - 1) * d.sw + d.kw) // d.sw)
+    return hq, wq
+
+
 def flat_positions(d: ConvSizes) -> int:
     """The output positions the flat kernel computes for one image and group: OH rows of WQ
-    columns, WQ the phase planes' padded row width (``FC_WQ`` in ``csrc/tessera_flatconv.h``)."""
-    wq = -(-max(d.pw + d.w, (d.ow - 1) * d.sw + d.kw) // d.sw)
-    return d.oh * wq
+    columns, WQ the phase planes' padded row width."""
+    return d.oh * _phase_rows(d)[1]
 
 
 def flatcl_k_block(d: ConvSizes, nr: int) -> int:
     """The k block of the flatcl kernel (``FC_KCC`` in ``csrc/tessera_flatconv.h``): its weight
     slice ([KC][NR]) and its input channels' phase planes each held to 16 KiB."""
-    hq = -(-max(d.ph + d.h, (d.oh - 1) * d.sh + d.kh) // d.sh)
-    wq = -(-max(d.pw + d.w, (d.ow - 1) * d.sw + d.kw) // d.sw)
+    hq, wq = _phase_rows(d)
     read = (d.oh - 1) * wq + d.ow + ((d.kh - 1) // d.sh) * wq + (d.kw - 1) // d.sw
     channel = d.sh * d.sw * max(hq * wq, read)
     kc_w, kc_x = 4096 // nr, 4096 * d.kh * d.kw // channel // 8 * 8

@@ -361,14 +361,12 @@ def _predict_flatc(op: Operator, s: DirectSchedule, m: Machine, threads: int) ->
     vl = 16 if s.isa == "avx512" else 8
     nr = s.vecs * vl
     k = d.cig * d.kh * d.kw
-    if s.algo == "flatcl":
+    if s.algo == "flatcl":  # one band of linear tiles over the plane
         k_blocks = -(-k // flatcl_k_block(d, nr))
+        tiles_row, row_tiles = -(-(d.oh * d.ow) // s.rows), 1
     else:
         kc_fit = 4096 // nr
         k_blocks = 1 if k <= kc_fit + kc_fit // 2 else -(-k // kc_fit)
-    if s.algo == "flatcl":  # one band of linear tiles over the plane
-        tiles_row, row_tiles = -(-(d.oh * d.ow) // s.rows), 1
-    else:
         tc = min(s.rows, d.ow)  # a tile: tr rows of tc positions
         tr = s.rows // tc
         tiles_row, row_tiles = -(-d.ow // tc), -(-d.oh // tr)

@@ -40,9 +40,7 @@
 #endif
 #define FC_NR (FC_NV * TK_VL)
 #define FC_K (FC_CIG * FC_KH * FC_KW)
-#ifndef FC_KC
 #define FC_KC 128
-#endif
 #define FC_HP_DATA (FC_PH + FC_H)
 #define FC_HP_READ ((FC_OH - 1) * FC_SH + FC_KH)
 #define FC_HP (FC_HP_DATA > FC_HP_READ ? FC_HP_DATA : FC_HP_READ)
@@ -148,8 +146,8 @@ void tk_prepack(const float *restrict w, float *restrict dst) { fc_pack_weight(d
 #define FC_P ((long)FC_OH * FC_OW)
 #if FC_LIN
 /* Linear tiles (FC_LIN 1): a tile is MR consecutive positions of the plane in row-major order,
- * across row ends, the last one overlapping the one before it; each position's offset in the
- * planes is computed per tile (po below), so no position is computed twice but in the last
+ * across row ends, the last one overlapping the one before it; each position's place in the
+ * planes is a pointer set per tile (xp in fc_ctile), so no position is computed twice but in the last
  * tile. 7x7 planes in tiles of 6 compute 54 positions for 49, where tiles of one row compute
  * 7 x 12 = 84. The whole plane is one item's band (its sums stay near 64 KiB: the space offers
  * it only where they do). */
