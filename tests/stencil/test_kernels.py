@@ -24,6 +24,13 @@ SCHEDULES = [
     StencilSchedule(rz=2, ry=2, tz=3, ty=5, prefetch=32),  # prefetches change no value
     StencilSchedule(ry=4, ty=8, tx=9, prefetch=8, isa="avx2"),
 ]
+# factored: each group of points sharing a coefficient summed, then multiplied once
+FACTORED = [
+    StencilSchedule(factor=True),
+    StencilSchedule(rz=2, ry=2, tz=3, ty=5, factor=True),  # jammed: its leftover blocks too
+    StencilSchedule(tz=2, ty=3, tx=5, prefetch=8, factor=True, isa="avx2"),
+    StencilSchedule(tz=4, ty=2, vectorize=False, factor=True),
+]
 CASES = [("star7", "constant"), ("star25", "point"), ("ete37", "class"), ("ete73", "point")]
 
 
@@ -53,6 +60,29 @@ def test_bit_identical_to_float32_reference_without_contraction(case):
         kernel = compile_stencil(st, GRID, s, contract=False)
         for threads in (1, 2):
             assert np.array_equal(kernel(u, co, threads=threads), want), (s.short(), threads)
+
+
+@pytest.mark.parametrize("case", CASES + [("ete73", "constant")], ids=lambda c: "-".join(c))
+def test_factored_kernels_match_their_own_order(case):
+    """Bit for bit the float32 reference of the factored order without contraction (the
+    "point" kind has no shared coefficient: there it is the plain order), and within the
+    float32 bound of float64 with it."""
+    st, u, co = _inputs(*case, seed=4)
+    want = ref.apply_float32(st, u, co, factor=True)
+    exact, bound = ref.apply_float64(st, u, co), ref.error_bound(st, u, co)
+    for s in FACTORED:
+        assert np.array_equal(compile_stencil(st, GRID, s, contract=False)(u, co, threads=2), want), s.short()
+        out = compile_stencil(st, GRID, s)(u, co, threads=2)
+        assert (np.abs(out - exact) <= bound).all(), s.short()
+
+
+def test_factored_order_is_its_own():
+    """The factored reference is another rounding order (so the test above can fail), and an
+    unfactored kernel does not match it."""
+    st, u, co = _inputs("ete73", "constant", seed=5)
+    factored = ref.apply_float32(st, u, co, factor=True)
+    assert not np.array_equal(factored, ref.apply_float32(st, u, co))
+    assert not np.array_equal(compile_stencil(st, GRID, contract=False)(u, co), factored)
 
 
 def test_avx512_schedule_when_available():

@@ -64,6 +64,10 @@ def test_bad_schedules():
         StencilSchedule(prefetch=16, vectorize=False)
     with pytest.raises(ValueError, match="rz=0 must be an int >= 1"):
         StencilSchedule(rz=0)
+    with pytest.raises(ValueError, match="factor=True with split=2: factoring applies to undecomposed sweeps"):
+        StencilSchedule(factor=True, split=2)
+    with pytest.raises(ValueError, match="factor=1 must be True or False"):
+        StencilSchedule(factor=1)
     with pytest.raises(ValueError, match="rz=2, ry=1: the wave kernel computes one row at a time"):
         compile_wave(make_stencil("star7"), (3, 3, 3), StencilSchedule(rz=2))
 

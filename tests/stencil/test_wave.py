@@ -16,8 +16,8 @@ def test_cfl_limits():
         assert 0.3 < cfl_limit(shape) < 0.6
 
 
-@pytest.mark.parametrize("time_block", [1, 3])
-def test_wave_kernel_bit_identical_to_float32_leapfrog(time_block):
+@pytest.mark.parametrize("time_block,factor", [(1, False), (3, False), (3, True)])
+def test_wave_kernel_bit_identical_to_float32_leapfrog(time_block, factor):
     grid, steps, at = (11, 9, 13), 7, (5, 2, 6)
     st = make_stencil("ete37", "class")
     rng = np.random.default_rng(0)
@@ -29,10 +29,10 @@ def test_wave_kernel_bit_identical_to_float32_leapfrog(time_block):
     src = rng.standard_normal(steps).astype(np.float32)
     want_prev, want_cur = prev.copy(), cur.copy()
     for t in range(steps):
-        nxt = ref.leapfrog_float32(st, want_prev, want_cur, co)
+        nxt = ref.leapfrog_float32(st, want_prev, want_cur, co, factor=factor)
         nxt[tuple(a + st.halo for a in at)] += src[t]
         want_prev, want_cur = want_cur, nxt
-    kernel = compile_wave(st, grid, StencilSchedule(time_block=time_block), contract=False)
+    kernel = compile_wave(st, grid, StencilSchedule(time_block=time_block, factor=factor), contract=False)
     got_prev, got_cur = kernel.run(prev, cur, co, src, at, threads=2)
     assert np.array_equal(got_cur, want_cur) and np.array_equal(got_prev, want_prev)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from tessera.kernels.schedule import ISAS
 from tessera.stencil.schedule import StencilSchedule, split_points
-from tessera.stencil.stencil import Stencil
+from tessera.stencil.stencil import Stencil, factor_groups
 
 HELPERS = "static inline long tk_min(long a, long b) { return a < b ? a : b; }\n"
 NOVEC = '__attribute__((optimize("no-tree-vectorize"))) '
@@ -95,6 +95,16 @@ class _Layout:
             value = f"{ld}(q + {field})" if vector else f"v[x + ({field})]"
         return f"{acc} = {acc} + {coeff} * {value};"
 
+    def group_term(self, points, row: tuple[int, int] = (0, 0), acc: str = "acc", vector: bool = False,
+                   ld: str = "LD") -> str:
+        """``acc += c * (u_1 + u_2 + ...)`` of ``points``, which share the coefficient ``c``:
+        the values summed left to right in point order, then one product (one point: ``term``)."""
+        if len(points) == 1:
+            return self.term(points[0], row, acc, vector, ld=ld)
+        fields = [self.offset(p.offset) + self.field_row(row) for p in points]
+        total = " + ".join(f"{ld}(q + {f})" if vector else f"v[x + ({f})]" for f in fields)
+        return self.term(points[0], row, acc, vector, value=f"({total})", ld=ld)
+
     def decls(self, vector: bool = False) -> str:
         arrays = [f"  const float *restrict c{i} = coefs[{i}];" for i in range(len(self.index))]
         consts = [f"  const vf {name} = (vf){{}} + {lit};" for lit, name in self.constants.items()] if vector else []
@@ -126,7 +136,7 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
     template whose ``{ld}`` is the load macro (masked in the row's tail)."""
     assert init is None or len(block) == 1, "an init expression is for one row"
     accs = [f"a{i}" for i in range(len(block))]
-    value_major = s.vectorize and _ascending(lay, points)
+    value_major = s.vectorize and not s.factor and _ascending(lay, points)
 
     def body(vector: bool, masked: bool = False) -> str:
         ld, st = ("LDM", "STM") if masked else ("LD", "ST")
@@ -140,6 +150,10 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
         decl = " ".join(f"{kind} {a} = {start};" for a, start in zip(accs, starts, strict=True))
         if vector and value_major:
             terms = _value_major_terms(lay, points, block, accs, ld, 0 if masked else s.prefetch)
+        elif s.factor:  # a value several rows read is one expression; GCC loads it once
+            terms = _prefetches(lay, points, block, s.prefetch) if vector and s.prefetch and not masked else []
+            terms += [lay.group_term(g, r, a, vector, ld=ld) for _, g in factor_groups(points)
+                      for a, r in zip(accs, block, strict=True)]
         else:
             terms = [lay.term(p, r, a, vector, ld=ld) for p in points for a, r in zip(accs, block, strict=True)]
         store = " ".join((f"{st}(o + x + {lay.field_row(r)}, {a});" if vector else f"o[x + {lay.field_row(r)}] = {a};")
@@ -158,15 +172,18 @@ def _ascending(lay: _Layout, points) -> bool:
     return all(a < b for a, b in zip(offsets[:-1], offsets[1:], strict=False))
 
 
+def _prefetches(lay: _Layout, points, block, prefetch: int) -> list[str]:
+    """Each field row the jammed rows read, asked for ``prefetch`` floats ahead."""
+    rows = sorted({lay.offset((p.offset[0], p.offset[1], 0)) + lay.field_row(r) for p in points for r in block})
+    return [f"__builtin_prefetch(q + {row} + {prefetch}, 0, 3);" for row in rows]
+
+
 def _value_major_terms(lay: _Layout, points, block, accs, ld: str, prefetch: int) -> list[str]:
     """The vector body's terms with each field value loaded once: the (row, point) terms in
     ascending address order (ties: rows in turn), so with ``points`` ascending every row still
     adds its terms in the stencil's order. A value more than one row reads is pinned in a
     register. With ``prefetch``, each field row is first asked for that many floats ahead."""
-    lines = []
-    if prefetch:
-        rows = sorted({lay.offset((p.offset[0], p.offset[1], 0)) + lay.field_row(r) for p in points for r in block})
-        lines += [f"__builtin_prefetch(q + {row} + {prefetch}, 0, 3);" for row in rows]
+    lines = _prefetches(lay, points, block, prefetch) if prefetch else []
     terms = sorted(((lay.offset(p.offset) + lay.field_row(r), i, p, a, r)
                     for i, p in enumerate(points) for a, r in zip(accs, block, strict=True)), key=lambda t: t[:2])
     uses = Counter(t[0] for t in terms)

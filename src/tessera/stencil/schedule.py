@@ -19,13 +19,20 @@
   onto the same output (so each pass streams fewer arrays); ``split_level`` says where the
   passes loop: over the whole grid (``grid``, the paper's form), per tile (``tile``: the
   output tile stays in cache between passes) or per row (``row``);
+- factoring (``factor``): the points that share a coefficient (an equal scalar, or one
+  array) summed first and multiplied once, as Devito factorises: a 73-point Laplacian has
+  10 distinct weights, so 63 of its 73 FMAs become adds, which are off each output's
+  chain of dependent FMAs (and on their own pipes on AMD's Zen cores). It changes the
+  rounding (a sum of values, then one product), so a factored kernel matches the float32
+  reference of its own order (``reference.apply_float32(..., factor=True)``), not the
+  unfactored one;
 - temporal blocking (``time_block`` > 1, the wave kernel only): that many leapfrog steps
   per sweep over z, each step a plane behind the one before by the stencil's radius
   (a wavefront), so a plane is used by all of them while it is in cache.
 
 A schedule never changes results beyond rounding order: the terms of every point are
-added in the stencil's order in every schedule, so with FMA contraction off all schedules
-give the same bits.
+added in the stencil's order in every schedule, so with FMA contraction off all unfactored
+schedules give the same bits (and all factored ones theirs).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ class StencilSchedule:
     split_level: str = "tile"
     time_block: int = 1
     prefetch: int = 0  # floats ahead of x each field row is prefetched (0: none)
+    factor: bool = False  # points sharing a coefficient summed, then multiplied once
     isa: str = "avx2"
     kind: str = field(default="stencil", init=False)
 
@@ -66,6 +74,11 @@ class StencilSchedule:
             raise ValueError(f"prefetch={self.prefetch} applies to vector kernels; use vectorize=True or prefetch=0")
         if not isinstance(self.tx, int) or self.tx < 0:
             raise ValueError(f"tx={self.tx!r} must be an int >= 0 (0: whole rows)")
+        if not isinstance(self.factor, bool):
+            raise ValueError(f"factor={self.factor!r} must be True or False")
+        if self.factor and self.split > 1:
+            raise ValueError(f"factor=True with split={self.split}: factoring applies to undecomposed sweeps; "
+                             "use split=1 or factor=False")
         if self.split_level not in SPLIT_LEVELS:
             raise ValueError(f"split_level {self.split_level!r}; choose one of {', '.join(SPLIT_LEVELS)}")
 
@@ -81,7 +94,9 @@ class StencilSchedule:
         tb = f" T{self.time_block}" if self.time_block > 1 else ""
         jam = (f" rz{self.rz}" if self.rz > 1 else "") + (f" ry{self.ry}" if self.ry > 1 else "")
         pf = f" pf{self.prefetch}" if self.prefetch else ""
-        return f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'}{jam} simd{int(self.vectorize)}{pf}{split}{tb}"
+        fac = " factored" if self.factor else ""
+        return (f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'}{jam} simd{int(self.vectorize)}{pf}{fac}"
+                f"{split}{tb}")
 
     @staticmethod
     def from_dict(data: dict) -> StencilSchedule:

@@ -77,6 +77,16 @@ class Stencil:
         return f"{self.name}|h{self.halo}|{pts}"
 
 
+def factor_groups(points) -> list[tuple[float | str, tuple[Point, ...]]]:
+    """``points`` grouped by coefficient (an equal scalar or the same array), the groups in
+    order of their first point, each group's points in point order: a factored sweep sums
+    each group's field values and multiplies the sum once (``StencilSchedule.factor``)."""
+    groups: dict[float | str, list[Point]] = {}
+    for p in points:
+        groups.setdefault(p.coeff, []).append(p)
+    return [(c, tuple(g)) for c, g in groups.items()]
+
+
 def padded_shape(shape: tuple[int, int, int], halo: int) -> tuple[int, int, int]:
     return tuple(n + 2 * halo for n in shape)
 
