@@ -150,7 +150,7 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
         decl = " ".join(f"{kind} {a} = {start};" for a, start in zip(accs, starts, strict=True))
         if vector and value_major:
             terms = _value_major_terms(lay, points, block, accs, ld, 0 if masked else s.prefetch)
-        elif s.factor:  # a value several rows read is one expression; GCC loads it once
+        elif s.factor:  # per group and row; a value several rows read is in each row's expression
             terms = _prefetches(lay, points, block, s.prefetch) if vector and s.prefetch and not masked else []
             terms += [lay.group_term(g, r, a, vector, ld=ld) for _, g in factor_groups(points)
                       for a, r in zip(accs, block, strict=True)]
