@@ -91,8 +91,9 @@ def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
     not among them (the model's per-ISA load costs are estimates), and the best unjammed
     vector one: the model counts the bytes a sweep moves, not how many rows it streams at
     once, and ``rz`` x ``ry`` jammed rows stream several times as many (star7: 16 rows for 2 x 2,
-    6 unjammed), more than the hardware prefetchers may follow (on the Milan VM the model's
-    2 x 2 pick for star7 ran 1.4x slower than one row at a time, both predicted at the DRAM bound)."""
+    6 unjammed), more than the hardware prefetchers may follow (on the Milan VM star7 constant ran
+    8.15 ms under the model's 2 x 2 pick and 6.02 one row at a time, both predicted at the DRAM
+    bound: benchmarks/results/amd-milan/stencil.md and its history)."""
     picked, seen = [], set()
     for t in trials:
         family = (t.schedule.tz, t.schedule.split, t.schedule.split_level)
@@ -122,8 +123,8 @@ def twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, thread
     either way), at least ``DEEP_TY`` rows wide so the y halo is a small part of what it
     reads. Where points share coefficients, factored twins too (``StencilSchedule.factor``:
     fewer dependent FMAs, a rounding order of its own) of those and of the best unjammed one
-    (whose latency chains are longest, and where factoring paid most in probes: ete73
-    constant 36 -> 29 ms on the Milan VM)."""
+    (whose latency chains are longest: ete73 constant on the Milan VM, 33.1 ms jammed in the
+    first committed run, 24.5 factored and unjammed in the next)."""
     undecomposed = [t.schedule for t in picked if t.schedule.vectorize and not t.schedule.decomposed
                     and not t.schedule.prefetch and not t.schedule.factor]
     bases = undecomposed[:TWINS]
