@@ -78,6 +78,28 @@ def test_factored_kernels_match_their_own_order(case):
         assert (np.abs(out - exact) <= bound).all(), s.short()
 
 
+def test_every_field_alignment_gives_the_same_bits():
+    """A constant stencil's rows start with one vector, then go on from the field's next
+    vector boundary (points in between computed twice): on a grid whose row pitch is a
+    multiple of the vector (24 + 2 x 4 floats), a field placed at each float offset in turn
+    puts that start at every distance from the boundary, and each gives the reference's bits
+    and leaves the halo alone."""
+    grid = (3, 4, 24)
+    st = make_stencil("star25", "constant")
+    rng = np.random.default_rng(6)
+    u = rng.standard_normal(padded_shape(grid, st.halo), dtype=np.float32)
+    want = ref.apply_float32(st, u, {}, factor=True)
+    kernel = compile_stencil(st, grid, StencilSchedule(ty=2, factor=True, isa="avx2"), contract=False)
+    for shift in range(8):
+        buf = np.zeros(u.size + 8, np.float32)
+        field = buf[shift : shift + u.size].reshape(u.shape)
+        field[...] = u
+        out_buf = np.zeros(u.size + 8, np.float32)
+        out = out_buf[shift : shift + u.size].reshape(u.shape)
+        assert np.array_equal(kernel(field, {}, out=out, threads=2), want), shift
+        assert not out_buf[:shift].any() and not out_buf[shift + u.size :].any()
+
+
 def test_factored_order_is_its_own():
     """The factored reference is another rounding order (so the test above can fail), and an
     unfactored kernel does not match it."""
