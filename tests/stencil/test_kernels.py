@@ -7,6 +7,7 @@ import pytest
 
 from tessera.stencil import StencilSchedule, compile_stencil, make_stencil, padded_shape, weight_arrays
 from tessera.stencil import reference as ref
+from tessera.stencil.codegen import generate_apply
 
 GRID = (5, 7, 19)  # odd on purpose: no tile or vector length divides it
 SCHEDULES = [
@@ -84,12 +85,15 @@ def test_every_field_alignment_gives_the_same_bits():
     multiple of the vector (24 + 2 x 4 floats), a field placed at each float offset in turn
     puts that start at every distance from the boundary, and each gives the reference's bits
     and leaves the halo alone."""
-    grid = (3, 4, 24)
+    grid = (3, 4, 24)  # a pitch of 32 floats: a multiple of the AVX2 vector
     st = make_stencil("star25", "constant")
     rng = np.random.default_rng(6)
     u = rng.standard_normal(padded_shape(grid, st.halo), dtype=np.float32)
     want = ref.apply_float32(st, u, {}, factor=True)
-    kernel = compile_stencil(st, grid, StencilSchedule(ty=2, factor=True, isa="avx2"), contract=False)
+    schedule = StencilSchedule(ty=2, factor=True, isa="avx2")
+    assert "tk_h" in generate_apply(st, grid, schedule)  # the aligning start is generated here
+    assert "tk_h" not in generate_apply(st, (3, 4, 23), schedule)  # and not at a pitch of 31
+    kernel = compile_stencil(st, grid, schedule, contract=False)
     for shift in range(8):
         buf = np.zeros(u.size + 8, np.float32)
         field = buf[shift : shift + u.size].reshape(u.shape)

@@ -133,10 +133,12 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
     and the pass writes its output whole (the first), one vector at the row's start goes
     first and the loop goes on from the field's next vector-size boundary (the points in
     between computed twice, to the same value: no masked vector, which costs several plain
-    ones on AMD's cores), so the full vectors' loads of the row (and, where the row pitch is a
-    multiple of the vector, of every row the stencil reads) do not straddle cache lines: a
-    load across a line takes two of the core's load slots, and a high-order stencil is bound
-    by its loads; without vectors (the function carries ``NOVEC``) the x one
+    ones on AMD's cores), so the full vectors' loads of every row the stencil reads do not
+    straddle cache lines: a load across a line takes two of the core's load slots, and a
+    high-order stencil is bound by its loads. Only where the row pitch is a multiple of the
+    vector (then one boundary aligns every row): with another pitch the rows' offsets from the
+    boundary differ, and a probe of ete73 (pitch 268) found the extra vector a row cost more
+    than it saved; without vectors (the function carries ``NOVEC``) the x one
     at a time throughout. Each row's terms are added in point order, one rounding per multiply and per add
     (or per FMA when contraction is on), in both loops. ``init``: the (vector, scalar)
     start of a one-row block's sum instead of 0 (first pass) or the output, the vector one a
@@ -171,7 +173,7 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
         return f"{{ long x = {lo};\nfor (; x < {hi}; ++x) {{\n    {body(False)}\n}} }}"
     vl = ISAS[s.isa][0]
     head = ""
-    if first and init is None and not lay.stencil.arrays:  # every load from the field: align them
+    if first and init is None and not lay.stencil.arrays and lay.px % vl == 0:  # all loads aligned
         head = (f"{{ const long tk_h = (long)(((0ul - (unsigned long)(v + x)) & {4 * vl - 1}ul) >> 2);\n"
                 f"if (tk_h && x + tk_h + {vl} <= {hi}) {{\n    const float *q = v + x; (void)q;\n"
                 f"    {body(True)}\n    x += tk_h;\n}} }}\n")
