@@ -172,6 +172,7 @@ def test_square_only_names_what_it_needs(capsys):
     before anything runs."""
     assert "got bench 'serve'" in _error_of(capsys, ["bench", "serve", "--square-only"])
     assert "with --quick" in _error_of(capsys, ["bench", "kernels", "--square-only", "--quick"])
+    assert "got bench 'stencil'" in _error_of(capsys, ["bench", "stencil", "--tvm-only"])
 
 
 def test_serve_model_names_what_it_needs(capsys):

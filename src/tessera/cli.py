@@ -78,6 +78,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         raise UserError(f"unknown benchmark {args.name!r}; available: {', '.join(sorted(BENCHES))}")
     for given, flag, bench, what, use in (
         (args.square_only, "--square-only", "kernels", "selects the kernels benchmark's square SGEMM rows", ""),
+        (args.tvm_only, "--tvm-only", "kernels", "selects the kernels benchmark's TVM shapes", ""),
         (args.model is not None, "--model", "serve", "picks one model of the serve benchmark's full plan", " 12x768"),
     ):  # options of one benchmark's full plan
         if given and (args.name != bench or args.quick):
@@ -90,14 +91,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
     elif args.name == "kernels":
         import dataclasses
 
-        plan = module.SQUARE if args.square_only else module.QUICK if args.quick else module.FULL
+        plan = (module.SQUARE if args.square_only else module.TVM if args.tvm_only else module.QUICK if args.quick
+                else module.FULL)
         if args.tvm_trials == 0:  # TVM left out: the rest of the run in minutes
             plan = dataclasses.replace(plan, tvm_gemms=(), tvm_convs=())
         elif args.tvm_trials is not None:
             plan = dataclasses.replace(plan, tvm_trials=args.tvm_trials)
         result = module.run_kernels_bench(plan)
-        if args.square_only:  # beside the full run's files, not over them
-            result = dataclasses.replace(result, name="kernels-sgemm")
+        if args.square_only or args.tvm_only:  # beside the full run's files, not over them
+            result = dataclasses.replace(result, name="kernels-sgemm" if args.square_only else "kernels-tvm")
     elif args.name == "serve" and args.model is not None:
         try:
             result = module.run_serve_bench(only=args.model)
@@ -189,6 +191,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="kernels: only the square SGEMM rows (256^3-4096^3, 1 and 2 threads) with their fraction of the FMA "
         "peak probed in each timing round; written as kernels-sgemm.* beside the full run's files",
+    )
+    p.add_argument(
+        "--tvm-only",
+        action="store_true",
+        help="kernels: only the shapes TVM tunes (a square GEMM, a BERT MLP GEMM, a 3x3 convolution; 1 thread), "
+        "every anchor beside them; written as kernels-tvm.* beside the full run's files",
     )
     p.add_argument(
         "--model",

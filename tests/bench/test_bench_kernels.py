@@ -84,6 +84,20 @@ def test_square_only_plan_has_only_the_square_sgemm_rows():
     assert SQUARE.rounds == FULL.rounds and SQUARE.repeats == FULL.repeats  # timed as the full run
 
 
+def test_tvm_only_plan_has_a_row_for_each_shape_tvm_tunes():
+    """`tessera bench kernels --tvm-only`: the full plan's TVM shapes, each with the 1-thread row
+    `_tvm_rows` looks for (a job without its row is skipped), and no other shape."""
+    from tessera.bench.kernels import FULL, TVM, _cases, _conv_shape
+
+    cases = list(_cases(TVM))
+    assert TVM.threads == (1,) and TVM.tvm_trials == FULL.tvm_trials and TVM.rounds == FULL.rounds
+    gemms = [list(c[3]) for c in cases if c[0] == "gemm"]
+    assert sorted(gemms) == sorted(list(mnk) for mnk in TVM.tvm_gemms) and TVM.tvm_gemms == FULL.tvm_gemms
+    convs = [c[1] for c in cases if c[0] == "conv"]
+    assert convs == [f"#{i} {_conv_shape(TVM.convs[i], TVM.conv_batches[0]).label()}" for i in TVM.tvm_convs]
+    assert [TVM.convs[i] for i in TVM.tvm_convs] == [FULL.convs[i] for i in FULL.tvm_convs]
+
+
 def test_prepacked_call_of_a_best_that_fetches_the_next_b_panel():
     """A tuned best reading B in place and fetching its next panel from B's matrix
     (prefetch_next_b) gets a prepacked call that reads B packed, without the fetch: replacing

@@ -131,6 +131,15 @@ QUICK = KernelsPlan(
 SQUARE = dataclasses.replace(FULL, gemm_shapes=(), convs=(), tvm_gemms=(), tvm_convs=(), validation=("gemm:512",),
                              train_steps=4)
 
+# TVM's shapes alone (`tessera bench kernels --tvm-only`: ~15 minutes at the documented trial
+# budget), at 1 thread, beside every anchor: the full plan's three TVM shapes, so a machine
+# that has not run the whole plan gets TVM's curve and the time at which it matches Tessera
+TVM = dataclasses.replace(
+    FULL, gemm_sizes=(1024,), gemm_shapes=tuple(s for s in FULL.gemm_shapes if s[1:] == (512, 3072, 768)),
+    convs=(FULL.convs[FULL.tvm_convs[0]],), conv_batches=(1,), threads=(1,), tvm_convs=(0,),
+    validation=("gemm:512",), train_steps=4,
+)  # fmt: skip
+
 
 def _median_seconds(call, repeats: int) -> float:
     call()
