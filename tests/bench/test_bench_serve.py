@@ -105,6 +105,20 @@ def test_rounds_start_every_system_once_a_round_in_rotated_order():
     assert {core for *_, core in started} == {None}
 
 
+def test_summary_names_the_slowest_hundredth_with_their_arrival_times():
+    from tessera.bench.serve_load import summarize
+
+    # [index, sent, finished, status, tokens]: request i sent at i/10 s, taking (i % 97)/100 s
+    records = [[i, i / 10, i / 10 + (i % 97) / 100, 200, 5 + i] for i in range(250)]
+    records.append([250, 30.0, 31.0, 500, 9])  # an error: not among the answered
+    stats = summarize(records, slo_s=0.5)
+    slowest = stats["slowest"]
+    assert len(slowest) == 3  # ceil(250 / 100) of the answered
+    # the longest are 0.96 s (i = 96, 193) and 0.95 s (i = 95, 192; the later one kept)
+    assert [row[1] for row in slowest] == [0.95, 0.96, 0.96] and stats["p99_s"] <= slowest[-1][1]
+    assert sorted(row[0] for row in slowest) == [9.6, 19.2, 19.3] and all(row[2] == 5 + round(row[0] * 10) for row in slowest)
+
+
 def test_request_flops_match_torch_flop_counter(tmp_path):
     # every multiply-add the unpadded forward does, attention's included (eager attention, so
     # torch's counter sees its two matmuls; no pooler: the served embedding is pooled tokens)

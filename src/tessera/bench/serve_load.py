@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -37,6 +38,10 @@ def summarize(records: list[list], slo_s: float) -> dict:
         "p90_s": float(np.percentile(latency, 90)),
         "p99_s": float(np.percentile(latency, 99)),
         "goodput_rps": sum(1 for r in ok if r[2] - r[1] <= slo_s) / duration,
+        # the slowest 1% (p99 and above): [sent at (s from the run's start), latency (s), tokens];
+        # under one shared arrival sequence, whether every system's slowest came in the same bursts
+        "slowest": [[round(r[1], 3), round(r[2] - r[1], 3), r[4]]
+                    for r in sorted(ok, key=lambda r: r[2] - r[1])[-max(1, math.ceil(len(ok) / 100)):]],
     }
 
 
