@@ -131,8 +131,8 @@ QUICK = KernelsPlan(
 SQUARE = dataclasses.replace(FULL, gemm_shapes=(), convs=(), tvm_gemms=(), tvm_convs=(), validation=("gemm:512",),
                              train_steps=4)
 
-# TVM's shapes alone (`tessera bench kernels --tvm-only`: ~15 minutes at the documented trial
-# budget), at 1 thread, beside every anchor: the full plan's three TVM shapes, so a machine
+# TVM's shapes alone (`tessera bench kernels --tvm-only`: 36 minutes at 256 trials a shape on
+# the Milan VM, about 45 minutes a shape at the documented 1000), at 1 thread, beside every anchor: the full plan's three TVM shapes, so a machine
 # that has not run the whole plan gets TVM's curve and the time at which it matches Tessera
 TVM = dataclasses.replace(
     FULL, gemm_sizes=(1024,), gemm_shapes=tuple(s for s in FULL.gemm_shapes if s[1:] == (512, 3072, 768)),
