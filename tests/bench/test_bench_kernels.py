@@ -39,8 +39,8 @@ def test_quick_kernels_bench(tmp_path, measured_machine):
     assert all("peak_gflops" not in x for r in result.rows if r["kind"] == "conv" for x in r["rounds"])
     assert 0 <= h["win_fraction_vs_best_anchor"] <= 1 and h["shapes"] == len(result.rows)
     # a GEMM row also times its schedule with the weight (B) packed once, beside MKL's packed SGEMM
-    # when its pick is the micro-kernel GEMM (on a loaded machine the timing can pick a loop nest
-    # for a 128^3 GEMM, which has no packed B to keep)
+    # when its pick is the micro-kernel GEMM (a loop-nest pick has no packed B to keep; on a loaded
+    # machine the timing once picked one for a 128^3 GEMM, no longer in the quick plan)
     gemm = [r for r in result.rows if r["kind"] == "gemm"]
     micro = [r for r in gemm if r["algorithm"] == "micro-kernel"]
     assert micro, "no GEMM row picked the micro-kernel"

@@ -118,7 +118,7 @@ class KernelsPlan:
 
 FULL = KernelsPlan()
 QUICK = KernelsPlan(
-    gemm_sizes=(128, 256), gemm_shapes=(), conv_batches=(1,),  # each new shape compiles its shortlist
+    gemm_sizes=(256,), gemm_shapes=(), conv_batches=(1,),  # each new shape compiles its shortlist
     convs=((64, 64, 14, 3, 1, 1), (128, 256, 14, 1, 2, 0), (32, 32, 14, 3, 1, 1, 32)),
     machine_seconds=0.05, top_k=3, repeats=3, tvm_trials=8, tvm_gemms=(), tvm_convs=(),  # TVM: > 2 min alone
     settle_s=0.0, rounds=2,  # a plumbing check, not figures (2 rounds: the spread's plumbing)
