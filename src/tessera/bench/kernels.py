@@ -131,13 +131,15 @@ QUICK = KernelsPlan(
 SQUARE = dataclasses.replace(FULL, gemm_shapes=(), convs=(), tvm_gemms=(), tvm_convs=(), validation=("gemm:512",),
                              train_steps=4)
 
-# TVM's shapes alone (`tessera bench kernels --tvm-only`: 36 minutes at 256 trials a shape on
-# the Milan VM, about 45 minutes a shape at the documented 1000), at 1 thread, beside every anchor: the full plan's three TVM shapes, so a machine
-# that has not run the whole plan gets TVM's curve and the time at which it matches Tessera
+# TVM's shapes alone (`tessera bench kernels --tvm-only`; 36 minutes at 256 trials a shape on
+# the Milan VM, about 45 minutes a shape at the documented 1000): the full plan's TVM shapes,
+# derived from its tvm_gemms / tvm_convs, at 1 thread with every anchor beside them, so a
+# machine that has not run the whole plan gets TVM's curve and when it matches Tessera
 TVM = dataclasses.replace(
-    FULL, gemm_sizes=(1024,), gemm_shapes=tuple(s for s in FULL.gemm_shapes if s[1:] == (512, 3072, 768)),
-    convs=(FULL.convs[FULL.tvm_convs[0]],), conv_batches=(1,), threads=(1,), tvm_convs=(0,),
-    validation=("gemm:512",), train_steps=4,
+    FULL, gemm_sizes=tuple(m for m, n, k in FULL.tvm_gemms if m == n == k),
+    gemm_shapes=tuple(s for s in FULL.gemm_shapes if s[1:] in FULL.tvm_gemms),
+    convs=tuple(FULL.convs[i] for i in FULL.tvm_convs), tvm_convs=tuple(range(len(FULL.tvm_convs))),
+    conv_batches=FULL.conv_batches[:1], threads=(1,), validation=("gemm:512",), train_steps=4,
 )  # fmt: skip
 
 
