@@ -24,12 +24,14 @@ SCHEDULES = [
     StencilSchedule(rz=2, tz=3, ty=2, vectorize=False),  # z blocks in the build without vectors
     StencilSchedule(rz=2, ry=2, tz=3, ty=5, prefetch=32),  # prefetches change no value
     StencilSchedule(ry=4, ty=8, tx=9, prefetch=8, isa="avx2"),
+    StencilSchedule(rz=2, ry=2, tz=3, ty=5, stream=16, isa="avx2"),  # nor do streaming prefetches
 ]
 # factored: each group of points sharing a coefficient summed, then multiplied once
 FACTORED = [
     StencilSchedule(factor=True),
     StencilSchedule(rz=2, ry=2, tz=3, ty=5, factor=True),  # jammed: its leftover blocks too
     StencilSchedule(tz=2, ty=3, tx=5, prefetch=8, factor=True, isa="avx2"),
+    StencilSchedule(tz=2, ty=3, stream=256, factor=True, isa="avx2"),  # prefetching past the field's end
     StencilSchedule(tz=4, ty=2, vectorize=False, factor=True),
 ]
 CASES = [("star7", "constant"), ("star25", "point"), ("ete37", "class"), ("ete73", "point")]

@@ -62,6 +62,10 @@ def test_bad_schedules():
         StencilSchedule(prefetch=-1)
     with pytest.raises(ValueError, match="prefetch=16 applies to vector kernels"):
         StencilSchedule(prefetch=16, vectorize=False)
+    with pytest.raises(ValueError, match="stream=-8 must be an int >= 0"):
+        StencilSchedule(stream=-8)
+    with pytest.raises(ValueError, match="stream=64 applies to vector kernels"):
+        StencilSchedule(stream=64, vectorize=False)
     with pytest.raises(ValueError, match="rz=0 must be an int >= 1"):
         StencilSchedule(rz=0)
     with pytest.raises(ValueError, match="factor=True with split=2: factoring applies to undecomposed sweeps"):

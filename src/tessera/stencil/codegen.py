@@ -157,14 +157,15 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
             starts = [f"{ld}(o + x + {lay.field_row(r)})" if vector else f"o[x + {lay.field_row(r)}]" for r in block]
         kind = "vf" if vector else "float"
         decl = " ".join(f"{kind} {a} = {start};" for a, start in zip(accs, starts, strict=True))
+        streams = _stream_prefetches(lay, points, block, s.stream) if vector and s.stream and not masked else []
         if vector and value_major:
-            terms = _value_major_terms(lay, points, block, accs, ld, 0 if masked else s.prefetch)
+            terms = streams + _value_major_terms(lay, points, block, accs, ld, 0 if masked else s.prefetch)
         elif s.factor:  # per group and row; a value several rows read is in each row's expression
-            terms = _prefetches(lay, points, block, s.prefetch) if vector and s.prefetch and not masked else []
+            terms = streams + (_prefetches(lay, points, block, s.prefetch) if vector and s.prefetch and not masked else [])
             terms += [lay.group_term(g, r, a, vector, ld=ld) for _, g in factor_groups(points)
                       for a, r in zip(accs, block, strict=True)]
         else:
-            terms = [lay.term(p, r, a, vector, ld=ld) for p in points for a, r in zip(accs, block, strict=True)]
+            terms = streams + [lay.term(p, r, a, vector, ld=ld) for p in points for a, r in zip(accs, block, strict=True)]
         store = " ".join((f"{st}(o + x + {lay.field_row(r)}, {a});" if vector else f"o[x + {lay.field_row(r)}] = {a};")
                          for a, r in zip(accs, block, strict=True))
         return "{ " + "\n    ".join([decl, *terms, store]) + " }"
@@ -190,6 +191,18 @@ def _prefetches(lay: _Layout, points, block, prefetch: int) -> list[str]:
     """Each field row the jammed rows read, asked for ``prefetch`` floats ahead."""
     rows = sorted({lay.offset((p.offset[0], p.offset[1], 0)) + lay.field_row(r) for p in points for r in block})
     return [f"__builtin_prefetch(q + {row} + {prefetch}, 0, 3);" for row in rows]
+
+
+def _stream_prefetches(lay: _Layout, points, block, ahead: int) -> list[str]:
+    """The rows the jammed ``block`` is the first to read in a z-major sweep, ``ahead`` floats
+    on: those of the planes at the stencil's reach ahead (``dz`` + the row's plane >= the
+    reach; the block before, ``rz`` planes back, read every plane below); and the block's
+    output rows, for writing (locality 3: kept in every cache level)."""
+    reach = max(p.offset[0] for p in points)
+    rows = sorted({lay.offset((p.offset[0], p.offset[1], 0)) + lay.field_row(r)
+                   for p in points for r in block if p.offset[0] + r[0] >= reach})
+    return ([f"__builtin_prefetch(q + {row} + {ahead}, 0, 3);" for row in rows]
+            + [f"__builtin_prefetch(o + x + {lay.field_row(r) + ahead}, 1, 3);" for r in block])
 
 
 def _value_major_terms(lay: _Layout, points, block, accs, ld: str, prefetch: int) -> list[str]:

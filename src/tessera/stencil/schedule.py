@@ -14,6 +14,12 @@
   is asked for ``prefetch`` floats ahead of the x loop (the rows of a high-order stencil are
   more streams than the hardware prefetchers follow, so without it most new lines are
   demand misses);
+- streaming prefetch (``stream`` > 0, vector kernels): only the field rows a block is the
+  first to read in the z-major sweep (those of the planes at the stencil's reach ahead; the
+  other rows were read for earlier planes and are in cache) asked for ``stream`` floats
+  ahead, and the output rows asked for writing, so the read for ownership of an output line
+  is under way before its stores: two prefetches a vector of an unjammed row, where
+  ``prefetch`` issues one for each row it reads;
 - stencil decomposition: ``split`` sub-stencils, consecutive runs of the points holding
   about the same number of coefficient arrays each, applied one after another, each adding
   onto the same output (so each pass streams fewer arrays); ``split_level`` says where the
@@ -57,6 +63,7 @@ class StencilSchedule:
     split_level: str = "tile"
     time_block: int = 1
     prefetch: int = 0  # floats ahead of x each field row is prefetched (0: none)
+    stream: int = 0  # floats ahead of x the block's leading field rows and its output rows are prefetched (0: none)
     factor: bool = False  # points sharing a coefficient summed, then multiplied once
     isa: str = "avx2"
     kind: str = field(default="stencil", init=False)
@@ -72,6 +79,10 @@ class StencilSchedule:
             raise ValueError(f"prefetch={self.prefetch!r} must be an int >= 0 (floats ahead; 0: none)")
         if self.prefetch and not self.vectorize:
             raise ValueError(f"prefetch={self.prefetch} applies to vector kernels; use vectorize=True or prefetch=0")
+        if not isinstance(self.stream, int) or isinstance(self.stream, bool) or self.stream < 0:
+            raise ValueError(f"stream={self.stream!r} must be an int >= 0 (floats ahead; 0: none)")
+        if self.stream and not self.vectorize:
+            raise ValueError(f"stream={self.stream} applies to vector kernels; use vectorize=True or stream=0")
         if not isinstance(self.tx, int) or self.tx < 0:
             raise ValueError(f"tx={self.tx!r} must be an int >= 0 (0: whole rows)")
         if not isinstance(self.factor, bool):
@@ -93,7 +104,7 @@ class StencilSchedule:
         split = f" split{self.split}@{self.split_level}" if self.split > 1 else ""
         tb = f" T{self.time_block}" if self.time_block > 1 else ""
         jam = (f" rz{self.rz}" if self.rz > 1 else "") + (f" ry{self.ry}" if self.ry > 1 else "")
-        pf = f" pf{self.prefetch}" if self.prefetch else ""
+        pf = (f" pf{self.prefetch}" if self.prefetch else "") + (f" st{self.stream}" if self.stream else "")
         fac = " factored" if self.factor else ""
         return (f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'}{jam} simd{int(self.vectorize)}{pf}{fac}"
                 f"{split}{tb}")
