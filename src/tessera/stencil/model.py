@@ -118,7 +118,7 @@ def predict_stencil(stencil: Stencil, shape, s: StencilSchedule, m: Machine, thr
     points = nz * ny * nx
     t = traffic(stencil, shape, s, m, threads)
     tiles = math.ceil(nz / s.tz) * math.ceil(ny / s.ty)
-    busy = math.ceil(tiles / threads) * threads / tiles  # the static schedule's last round
+    busy = math.ceil(tiles / threads) * threads / tiles  # the last round of whole tiles
     run = 4.0 * (min(s.ty, ny) if not s.tx or s.tx >= nx else 1) * min(s.tx or nx, nx)
     read_bw = m.bandwidth("DRAM", threads) * stream_efficiency(t.streams, run)
     t_mem = points * (t.read_bytes / read_bw + t.write_bytes / m.write_bw[min(threads, max(m.write_bw))])
