@@ -157,15 +157,16 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
             starts = [f"{ld}(o + x + {lay.field_row(r)})" if vector else f"o[x + {lay.field_row(r)}]" for r in block]
         kind = "vf" if vector else "float"
         decl = " ".join(f"{kind} {a} = {start};" for a, start in zip(accs, starts, strict=True))
-        streams = _stream_prefetches(lay, points, block, s.stream) if vector and s.stream and not masked else []
-        if vector and value_major:
-            terms = streams + _value_major_terms(lay, points, block, accs, ld, 0 if masked else s.prefetch)
+        ahead = vector and not masked  # prefetches go in the full vectors' body only
+        terms = _stream_prefetches(lay, points, block, s.stream) if ahead and s.stream else []
+        if vector and value_major:  # it writes the rows' prefetches itself
+            terms += _value_major_terms(lay, points, block, accs, ld, s.prefetch if ahead else 0)
         elif s.factor:  # per group and row; a value several rows read is in each row's expression
-            terms = streams + (_prefetches(lay, points, block, s.prefetch) if vector and s.prefetch and not masked else [])
+            terms += _prefetches(lay, points, block, s.prefetch) if ahead and s.prefetch else []
             terms += [lay.group_term(g, r, a, vector, ld=ld) for _, g in factor_groups(points)
                       for a, r in zip(accs, block, strict=True)]
         else:
-            terms = streams + [lay.term(p, r, a, vector, ld=ld) for p in points for a, r in zip(accs, block, strict=True)]
+            terms += [lay.term(p, r, a, vector, ld=ld) for p in points for a, r in zip(accs, block, strict=True)]
         store = " ".join((f"{st}(o + x + {lay.field_row(r)}, {a});" if vector else f"o[x + {lay.field_row(r)}] = {a};")
                          for a, r in zip(accs, block, strict=True))
         return "{ " + "\n    ".join([decl, *terms, store]) + " }"
@@ -254,10 +255,9 @@ def _tiles(lay: _Layout, s: StencilSchedule, inner: str) -> str:
     """The tiles (z-blocks x y-blocks) over the threads, OpenMP's guided schedule: each thread
     takes a long run of consecutive tiles first (a z range, as a static split would give it),
     then shorter ones, so a thread slowed by something else on its core (another process, a
-    VM neighbour) leaves its last tiles to the others instead of holding the sweep. Probes on
-    the Milan VM, in the benchmark's own worker process beside Devito's: star25 and ete73
-    constant 0.84-0.87 of the static schedule's median time, star7 at parity, and the same
-    speed in a quiet process."""
+    VM neighbour) leaves its last tiles to the others instead of holding the sweep (the
+    committed Milan runs: ete73 constant's paired sweep beside Devito's 35.4 ms under the
+    static split, 22.8 under this, against 23.8 and 22.5 in the quiet main process)."""
     nz, ny, _ = lay.shape
     return (f"#pragma omp parallel for collapse(2) schedule(guided) num_threads(nthreads)\n"
             f"for (long bz = 0; bz < {nz}; bz += {s.tz})\nfor (long by = 0; by < {ny}; by += {s.ty}) {{\n"
