@@ -2,6 +2,8 @@
 the float64 answer (built with FMA contraction, as used), and bit for bit equal to the
 float32 reference when built with -ffp-contract=off (one fixed summation order)."""
 
+import re
+
 import numpy as np
 import pytest
 
@@ -33,6 +35,7 @@ FACTORED = [
     StencilSchedule(tz=2, ty=3, tx=5, prefetch=8, factor=True, isa="avx2"),
     StencilSchedule(tz=2, ty=3, stream=256, factor=True, isa="avx2"),  # prefetching past the field's end
     StencilSchedule(tz=4, ty=2, vectorize=False, factor=True),
+    StencilSchedule(rz=4, tz=5, ty=3, stream=64, factor=True, isa="avx2"),  # 4 planes share loads, then 1
 ]
 CASES = [("star7", "constant"), ("star25", "point"), ("ete37", "class"), ("ete73", "point")]
 
@@ -79,6 +82,19 @@ def test_factored_kernels_match_their_own_order(case):
         assert np.array_equal(compile_stencil(st, GRID, s, contract=False)(u, co, threads=2), want), s.short()
         out = compile_stencil(st, GRID, s)(u, co, threads=2)
         assert (np.abs(out - exact) <= bound).all(), s.short()
+
+
+def test_jammed_factored_rows_load_each_value_once():
+    """A factored block of jammed rows loads each field value once in its vector body (the
+    values the rows share, such as z neighbours of two planes, are not loaded per row): as
+    many loads as the model counts distinct values for that blocking."""
+    from tessera.stencil.model import _field_loads
+
+    st = make_stencil("ete73", "constant")
+    source = generate_apply(st, GRID, StencilSchedule(rz=2, tz=2, factor=True, isa="avx2"))
+    body = source.split("for (; x + 8 <= x1; x += 8) {")[1].split("if (x < x1)")[0]  # the 2-plane block's
+    loads = re.findall(r"\bLD\(q \+ (-?\d+)\)", body)
+    assert len(loads) == len(set(loads)) == _field_loads(st, GRID, 1, 2) * 2 < 2 * len(st.points)
 
 
 def test_every_field_alignment_gives_the_same_bits():

@@ -161,7 +161,10 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
         terms = _stream_prefetches(lay, points, block, s.stream) if ahead and s.stream else []
         if vector and value_major:  # it writes the rows' prefetches itself
             terms += _value_major_terms(lay, points, block, accs, ld, s.prefetch if ahead else 0)
-        elif s.factor:  # per group and row; a value several rows read is in each row's expression
+        elif s.factor and vector and len(block) > 1:  # per group and row, each field value loaded once
+            terms += _prefetches(lay, points, block, s.prefetch) if ahead and s.prefetch else []
+            terms += _shared_group_terms(lay, points, block, accs, ld)
+        elif s.factor:  # per group and row
             terms += _prefetches(lay, points, block, s.prefetch) if ahead and s.prefetch else []
             terms += [lay.group_term(g, r, a, vector, ld=ld) for _, g in factor_groups(points)
                       for a, r in zip(accs, block, strict=True)]
@@ -217,12 +220,43 @@ def _value_major_terms(lay: _Layout, points, block, accs, ld: str, prefetch: int
     uses = Counter(t[0] for t in terms)
     loaded = None
     for address, _, p, a, r in terms:
-        name = f"u{address}" if address >= 0 else f"um{-address}"
+        name = _value_name(address)
         if address != loaded:
             pin = f' __asm__("" : "+v"({name}));' if uses[address] > 1 else ""
             lines.append(f"vf {name} = {ld}(q + {address});{pin}")
             loaded = address
         lines.append(lay.term(p, r, a, True, value=name, ld=ld))
+    return lines
+
+
+def _value_name(address: int) -> str:
+    return f"u{address}" if address >= 0 else f"um{-address}"
+
+
+def _shared_group_terms(lay: _Layout, points, block, accs, ld: str) -> list[str]:
+    """A factored vector body of jammed rows with each field value loaded once: the groups in
+    turn, each for every row (the factored order: a group's values summed in point order,
+    then one product onto the row's sum). A value more than one (group, row) reads, such as
+    a z neighbour of two jammed planes, is loaded into a register at its first use and
+    pinned there (an empty asm; GCC would otherwise fold a load into each add again); the
+    groups of nearby distances come next to each other, so it is not held long."""
+    jobs = [(g, a, r) for _, g in factor_groups(points) for a, r in zip(accs, block, strict=True)]
+    uses = Counter(lay.offset(p.offset) + lay.field_row(r) for g, _, r in jobs for p in g)
+    lines, loaded = [], set()
+    for g, a, r in jobs:
+        values = []
+        for p in g:
+            address = lay.offset(p.offset) + lay.field_row(r)
+            if uses[address] == 1:
+                values.append(f"{ld}(q + {address})")
+                continue
+            name = _value_name(address)
+            if address not in loaded:
+                lines.append(f'vf {name} = {ld}(q + {address}); __asm__("" : "+v"({name}));')
+                loaded.add(address)
+            values.append(name)
+        total = values[0] if len(values) == 1 else "(" + " + ".join(values) + ")"
+        lines.append(lay.term(g[0], r, a, True, value=total, ld=ld))
     return lines
 
 
