@@ -65,6 +65,7 @@ def test_tuner_times_factored_and_unjammed_twins(machine):
     timed = [t.schedule for t in tuned.trials if t.measured is not None]
     assert any(s.vectorize and s.rz == s.ry == 1 and not s.factor for s in timed)
     assert any(s.factor and s.rz == s.ry == 1 for s in timed)
+    assert any(s.factor and s.rz == 2 and s.ry == 1 for s in timed)  # two planes sharing z neighbours
     # ... and streaming-prefetch twins of the plain and the factored ones (measured, not modelled)
     assert any(s.stream and s.factor for s in timed) and any(s.stream and not s.factor for s in timed)
     u, co = sample_inputs(st, grid)

@@ -128,7 +128,9 @@ def twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, thread
     first committed run, 24.5 factored and unjammed in the next). And streaming-prefetch
     twins of the bases and the factored ones (``StencilSchedule.stream``: only the leading
     plane's rows and the output ahead; the committed Milan run that added them chose one for
-    every constant case, star7 constant 5.96 -> 4.17 ms, star25 constant 10.93 -> 8.76)."""
+    every constant case, star7 constant 5.96 -> 4.17 ms, star25 constant 10.93 -> 8.76). The
+    best unjammed one also gets a factored twin over two planes (``rz = 2``), whose rows
+    load the z neighbours they share once."""
     undecomposed = [t.schedule for t in picked if t.schedule.vectorize and not t.schedule.decomposed
                     and not t.schedule.prefetch and not t.schedule.stream and not t.schedule.factor]
     bases = undecomposed[:TWINS]
@@ -138,6 +140,9 @@ def twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, thread
     if len(factor_groups(stencil.points)) < len(stencil.points):
         unjammed = [b for b in undecomposed if b.rz == b.ry == 1][:1]
         factored = [replace(b, factor=True) for b in dict.fromkeys(bases + unjammed)]
+        # two planes: a factored block loads the z neighbours the planes share once, and two
+        # rows' sums are few registers beside the values held (the bases jam 8 rows)
+        factored += [replace(b, factor=True, rz=2, tz=max(2, b.tz)) for b in unjammed]
     variants += factored + [replace(b, stream=STREAM) for b in dict.fromkeys(bases + factored)]
     seen = {t.schedule for t in picked}
     variants = [v for v in dict.fromkeys(variants) if v not in seen]  # two bases may share a deep twin
