@@ -95,16 +95,6 @@ class _Layout:
             value = f"{ld}(q + {field})" if vector else f"v[x + ({field})]"
         return f"{acc} = {acc} + {coeff} * {value};"
 
-    def group_term(self, points, row: tuple[int, int] = (0, 0), acc: str = "acc", vector: bool = False,
-                   ld: str = "LD") -> str:
-        """``acc += c * (u_1 + u_2 + ...)`` of ``points``, which share the coefficient ``c``:
-        the values summed left to right in point order, then one product (one point: ``term``)."""
-        if len(points) == 1:
-            return self.term(points[0], row, acc, vector, ld=ld)
-        fields = [self.offset(p.offset) + self.field_row(row) for p in points]
-        total = " + ".join(f"{ld}(q + {f})" if vector else f"v[x + ({f})]" for f in fields)
-        return self.term(points[0], row, acc, vector, value=f"({total})", ld=ld)
-
     def decls(self, vector: bool = False) -> str:
         arrays = [f"  const float *restrict c{i} = coefs[{i}];" for i in range(len(self.index))]
         consts = [f"  const vf {name} = (vf){{}} + {lit};" for lit, name in self.constants.items()] if vector else []
@@ -161,13 +151,9 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
         terms = _stream_prefetches(lay, points, block, s.stream) if ahead and s.stream else []
         if vector and value_major:  # it writes the rows' prefetches itself
             terms += _value_major_terms(lay, points, block, accs, ld, s.prefetch if ahead else 0)
-        elif s.factor and vector and len(block) > 1:  # per group and row, each field value loaded once
+        elif s.factor:  # per group and row, each field value loaded once
             terms += _prefetches(lay, points, block, s.prefetch) if ahead and s.prefetch else []
-            terms += _shared_group_terms(lay, points, block, accs, ld)
-        elif s.factor:  # per group and row
-            terms += _prefetches(lay, points, block, s.prefetch) if ahead and s.prefetch else []
-            terms += [lay.group_term(g, r, a, vector, ld=ld) for _, g in factor_groups(points)
-                      for a, r in zip(accs, block, strict=True)]
+            terms += _group_terms(lay, points, block, accs, ld, vector)
         else:
             terms += [lay.term(p, r, a, vector, ld=ld) for p in points for a, r in zip(accs, block, strict=True)]
         store = " ".join((f"{st}(o + x + {lay.field_row(r)}, {a});" if vector else f"o[x + {lay.field_row(r)}] = {a};")
@@ -222,8 +208,7 @@ def _value_major_terms(lay: _Layout, points, block, accs, ld: str, prefetch: int
     for address, _, p, a, r in terms:
         name = _value_name(address)
         if address != loaded:
-            pin = f' __asm__("" : "+v"({name}));' if uses[address] > 1 else ""
-            lines.append(f"vf {name} = {ld}(q + {address});{pin}")
+            lines.append(_load(name, address, ld, pin=uses[address] > 1))
             loaded = address
         lines.append(lay.term(p, r, a, True, value=name, ld=ld))
     return lines
@@ -233,13 +218,19 @@ def _value_name(address: int) -> str:
     return f"u{address}" if address >= 0 else f"um{-address}"
 
 
-def _shared_group_terms(lay: _Layout, points, block, accs, ld: str) -> list[str]:
-    """A factored vector body of jammed rows with each field value loaded once: the groups in
-    turn, each for every row (the factored order: a group's values summed in point order,
-    then one product onto the row's sum). A value more than one (group, row) reads, such as
-    a z neighbour of two jammed planes, is loaded into a register at its first use and
-    pinned there (an empty asm; GCC would otherwise fold a load into each add again); the
-    groups of nearby distances come next to each other, so it is not held long."""
+def _load(name: str, address: int, ld: str, pin: bool) -> str:
+    """A field value loaded once into ``name``; ``pin``: kept in a register by an empty asm
+    (GCC would otherwise fold the load into each of its uses again)."""
+    return f"vf {name} = {ld}(q + {address});" + (f' __asm__("" : "+v"({name}));' if pin else "")
+
+
+def _group_terms(lay: _Layout, points, block, accs, ld: str, vector: bool) -> list[str]:
+    """A factored body: the groups of points sharing a coefficient in turn, each for every
+    jammed row (a group's values summed in point order, then one product onto the row's sum).
+    In the vector body a value more than one (group, row) reads, such as a z neighbour of two
+    jammed planes, is loaded at its first use and pinned in a register (the groups of nearby
+    distances come next to each other, so it is not held long); the scalar body reads each
+    value where it is used."""
     jobs = [(g, a, r) for _, g in factor_groups(points) for a, r in zip(accs, block, strict=True)]
     uses = Counter(lay.offset(p.offset) + lay.field_row(r) for g, _, r in jobs for p in g)
     lines, loaded = [], set()
@@ -247,16 +238,18 @@ def _shared_group_terms(lay: _Layout, points, block, accs, ld: str) -> list[str]
         values = []
         for p in g:
             address = lay.offset(p.offset) + lay.field_row(r)
-            if uses[address] == 1:
+            if not vector:
+                values.append(f"v[x + ({address})]")
+            elif uses[address] == 1:
                 values.append(f"{ld}(q + {address})")
-                continue
-            name = _value_name(address)
-            if address not in loaded:
-                lines.append(f'vf {name} = {ld}(q + {address}); __asm__("" : "+v"({name}));')
-                loaded.add(address)
-            values.append(name)
+            else:
+                name = _value_name(address)
+                if address not in loaded:
+                    lines.append(_load(name, address, ld, pin=True))
+                    loaded.add(address)
+                values.append(name)
         total = values[0] if len(values) == 1 else "(" + " + ".join(values) + ")"
-        lines.append(lay.term(g[0], r, a, True, value=total, ld=ld))
+        lines.append(lay.term(g[0], r, a, vector, value=total, ld=ld))
     return lines
 
 
