@@ -76,8 +76,7 @@ def test_small_serve_bench(tmp_path):
     # (no server computes faster than the FMA peak: both fractions below 1, the ceiling above it)
     assert 0 < head["best_peer_fraction_of_peak"] < 1 and 0 < head["tessera_fraction_of_peak"] < 1
     assert head["peak_over_best_peer"] > 1
-    # a generous wall-clock bound: "well under a millisecond"; measured ~10 us (test_dp_scheduler)
-    assert result.headline["dp_plan_us_per_request"] < 1000
+    assert result.headline["dp_plan_us_per_request"] > 0  # measured (its bound: test_dp_scheduler)
     memory = result.extra["memory_plan"]  # the plan on the workload's batches, in process
     assert memory["first_pass"]["allocations"] == memory["second_pass"]["allocations"] == 0
     assert memory["held_mib"] > 0 and memory["max_ratio"] >= 1  # a placement never beats the peak

@@ -143,7 +143,10 @@ def test_schedules_the_batch_holding_the_oldest_request():
     assert all(r.length >= 300 for r in batch)  # batched with its length neighbours
 
 
-def test_plans_256_requests_well_under_a_millisecond_per_request():
+def test_plans_256_requests_with_at_most_max_batch_candidates_each():
+    """The plan's work is bounded by the limits, not the queue: each request weighs at most
+    ``max_batch_size`` candidate batches (cells of the dense table), so planning 256 requests
+    stays cheap on any machine (its time is printed, not asserted: no wall-clock test)."""
     table = CostTable.from_function(
         lambda n, b: 2e-3 + 4e-5 * n * (1 + 0.8 * (b - 1)),
         [8, 32, 64, 128, 256, 384, 512],
@@ -153,15 +156,23 @@ def test_plans_256_requests_well_under_a_millisecond_per_request():
     rng = random.Random(2)
     queue = requests([rng.randint(5, 500) for _ in range(256)])
     scheduler = DPScheduler(limits, table)
+    reads = 0
+
+    class Row(list):  # counts the cells the plan reads
+        def __getitem__(self, b):
+            nonlocal reads
+            reads += 1
+            return super().__getitem__(b)
+
+    rows = [Row(r) for r in table.dense(500, limits.max_batch_size)]
+    ordered = sorted(queue, key=lambda r: r.length)
+    runs, _ = plan_batches([r.length for r in ordered], rows, limits)
+    assert 0 < reads <= len(queue) * limits.max_batch_size
+    assert [i for a, b in runs for i in range(a, b)] == list(range(len(queue)))  # each once, in order
     scheduler.plan(queue)  # dense table built once, as at server start
     began = time.perf_counter()
-    repeats = 10
-    for _ in range(repeats):
-        batches, _ = scheduler.plan(queue)
-    per_request = (time.perf_counter() - began) / repeats / len(queue)
-    print(f"DP plan of 256 requests: {per_request * 1e6:.1f} us per request, {len(batches)} batches")
-    # a generous wall-clock bound (20x): 0.2 ms: measured ~10 us on a loaded 2-core machine
-    assert per_request < 2e-4
+    batches, _ = scheduler.plan(queue)
+    print(f"DP plan of 256 requests: {(time.perf_counter() - began) / len(queue) * 1e6:.1f} us per request")
     assert sorted(r.id for b in batches for r in b) == sorted(r.id for r in queue)
 
 
