@@ -186,11 +186,12 @@ def _tune_and_time(kind: str, spec, threads: int, trials: int, repeats: int, cac
     args.append(tvm.runtime.tensor(np.empty(out_shape, np.float32), dev))
     fn = lib["main"]
     fn(*args)
-    times = []
-    while len(times) < repeats or sum(times) < MIN_TIMED_S:  # a moment of the VM's is not its speed
+    times, total = [], 0.0
+    while len(times) < repeats or total < MIN_TIMED_S:  # a moment of the VM's is not its speed
         t0 = time.perf_counter()
         fn(*args)
         times.append(time.perf_counter() - t0)
+        total += times[-1]  # a running sum: a microsecond operator takes ~10^6 calls to fill 1 s
     return {
         "seconds": statistics.median(times),
         "tuning_s": meta["tuning_s"],
