@@ -5,6 +5,13 @@ Flags (named, never ``-march=native``: the VM masks the CPU model):
 (``-mavx2 -mfma`` for avx2, and ``-mavx512f`` for avx512). No ``-ffast-math``: IEEE
 semantics stay, so results depend only on the binary (FMA contraction is part of it).
 
+Every kernel is compiled with the system headers it may use (``immintrin.h``, ``omp.h``,
+``math.h``, ...) included first from a header gcc has precompiled once for those flags (kept
+in the cache beside the kernels): parsing ``immintrin.h`` is most of a small kernel's compile
+time (0.35 s against 0.09 s here). The code is the same either way (the headers are
+include-guarded and the flags unchanged; tests/kernels/test_compiler.py compares the bytes);
+where the precompiled header cannot be built or used, gcc reads the header's text instead.
+
 A compiled kernel is cached under ``$TESSERA_KERNEL_CACHE`` (default
 ``~/.cache/tessera/kernels``) by a hash of its source (which names the operator, its
 shapes and the schedule), the headers it may include (``csrc/*.h``), the flags and the
@@ -29,6 +36,8 @@ from tessera.kernels.schedule import ISAS
 
 CSRC = Path(__file__).parent / "csrc"
 COMMON_FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=fast")
+# the system headers generated kernels and csrc/ include (precompiled once a flag set)
+PRELUDE = "".join(f"#include <{h}>\n" for h in ("immintrin.h", "math.h", "omp.h", "stdlib.h", "string.h", "time.h"))
 INSTALL_HINT = "install one, e.g. `apt-get install gcc` (Debian/Ubuntu) or `dnf install gcc`, or set CC"
 
 
@@ -92,6 +101,33 @@ class Compiled:
     cached: bool
 
 
+def prelude_include(compiler: Compiler, flags: tuple[str, ...]) -> tuple[str, ...]:
+    """gcc arguments that include the precompiled prelude (built here once for ``flags``, an
+    atomic rename so concurrent processes agree), or () where gcc cannot precompile it."""
+    if os.environ.get("TESSERA_NO_PCH") or "clang" in compiler.version.lower():
+        return ()
+    tag = hashlib.sha256(json.dumps([PRELUDE, flags, compiler.path, compiler.version]).encode()).hexdigest()[:16]
+    folder = cache_dir() / "pch" / tag
+    header = folder / "tessera_prelude.h"
+    if not (folder / "tessera_prelude.h.gch").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        if not header.exists():
+            tmp = folder / f".h.{os.getpid()}"
+            tmp.write_text(PRELUDE)
+            os.replace(tmp, header)
+        tmp = folder / f".gch.{os.getpid()}"
+        cmd = [compiler.path, *flags, "-x", "c-header", str(header), "-o", str(tmp)]
+        try:
+            built = subprocess.run(cmd, capture_output=True, text=True, timeout=300).returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            built = False
+        if not built:
+            tmp.unlink(missing_ok=True)
+            return ()
+        os.replace(tmp, folder / "tessera_prelude.h.gch")
+    return ("-I", str(folder), "-include", "tessera_prelude.h")
+
+
 def compile_source(source: str, *, isa: str, name: str = "kernel", extra_flags: tuple[str, ...] = ()) -> Compiled:
     """Build ``source`` into a shared library (or find it in the cache). ``extra_flags`` come
     after the common ones, so e.g. ``-ffp-contract=off`` overrides ``=fast`` (the stencil
@@ -108,7 +144,8 @@ def compile_source(source: str, *, isa: str, name: str = "kernel", extra_flags: 
         src = Path(tmp) / f"{name}.c"
         src.write_text(source)
         target = Path(tmp) / "out.so"
-        cmd = [compiler.path, *compiler.flags(isa), *extra_flags, "-I", str(CSRC), str(src), "-o", str(target)]
+        flags = (*compiler.flags(isa), *extra_flags)
+        cmd = [compiler.path, *flags, *prelude_include(compiler, flags), "-I", str(CSRC), str(src), "-o", str(target)]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.SubprocessError) as exc:
