@@ -302,9 +302,12 @@ class _Pool:
 _POOLS: dict[_RankSpec, _Pool] = {}  # least recently used first
 MAX_CALLS = 40
 MAX_THREADS = 200
-# ranks kept alive in all pools together (each holds torch and the tests' imports, ~0.5 GB):
-# a new pool ends the least recently used ones beyond it
-MAX_POOLED_RANKS = 10
+# ranks kept alive in all pools together (each holds torch and the tests' imports, 0.3-0.6 GB
+# resident, much of it torch's shared libraries): a new pool ends the least recently used ones
+# beyond it. 14 keeps pools of 2, 4 and 8 ranks at once: with 10, an 8-rank test ended the
+# 2- and 4-rank pools that the tests after it then started again (a run of the suite logged
+# 21 pool starts, about a third of them such restarts)
+MAX_POOLED_RANKS = 14
 
 
 def _run_pooled(key: _RankSpec, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
