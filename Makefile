@@ -29,11 +29,13 @@ demo: $(STAMP)
 	fi
 	$(VENV)/bin/tessera generate --model $(RUN) --digits 0123456789 --steps 20 --seed 0 --out runs/digits.png
 
-# two pytest workers (pytest-xdist), each test file whole on one. Measured on 2 cores at
-# ab08a39: quiet, 499 s serial vs 455 s with two workers (each starts its own rank pools);
-# with other work on the machine, 1017 s vs 635 s. Add -n 0 to run serially.
+# two pytest workers (pytest-xdist), each test file whole on one, and every file that starts
+# ranks in the test's process on the same one (tests/conftest.py: xdist groups), so the rank
+# pools start once and multi-rank tests do not share the cores. On the Intel VM (2 cores),
+# --dist loadfile: 912 s at 205255e, 938 and 1113 s with the precompiled kernel headers (the
+# VM's speed moves); with the groups and larger pools as well: 847 s. Add -n 0 to run serially.
 test: $(STAMP)
-	OMP_NUM_THREADS=2 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests
+	OMP_NUM_THREADS=2 $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup tests
 
 # the documentation site (mkdocs.yml, docs/) into site/; --strict: a broken link, page or
 # API reference fails the build (tests/test_docs.py runs the same build in the suite)

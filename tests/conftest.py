@@ -1,6 +1,8 @@
 """Fixtures shared by several test folders."""
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -45,3 +47,22 @@ def reused_ranks():
     launch.reuse_ranks(True)
     yield
     launch.reuse_ranks(False)
+
+
+_STARTS_RANKS = re.compile(r"\bspawn\(|--nproc|\bnproc=")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs two workers with ``--dist loadgroup``: each test file goes whole to one
+    worker (as ``loadfile`` would), except that every file that starts ranks in the test's own
+    process (``spawn``, or a CLI run with ``--nproc``) goes to the same one, as one group. Its
+    rank pools (``reused_ranks``) then start once for the suite, not once a worker, and two
+    multi-rank tests never share the 2 cores at once (8 ranks beside 4 on 2 cores mostly wait
+    on each other's collectives)."""
+    starts: dict[Path, bool] = {}
+    for item in items:
+        path = item.path
+        if path not in starts:
+            starts[path] = bool(_STARTS_RANKS.search(path.read_text()))
+        group = "ranks" if starts[path] else str(path)
+        item.add_marker(pytest.mark.xdist_group(name=group))

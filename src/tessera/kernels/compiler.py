@@ -28,6 +28,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,30 +102,38 @@ class Compiled:
     cached: bool
 
 
+_PRELUDE_LOCK = threading.Lock()  # the tuners compile candidates from a thread pool
+_NO_PRELUDE: set[str] = set()  # flag sets gcc could not precompile for, in this process
+
+
 def prelude_include(compiler: Compiler, flags: tuple[str, ...]) -> tuple[str, ...]:
-    """gcc arguments that include the precompiled prelude (built here once for ``flags``, an
-    atomic rename so concurrent processes agree), or () where gcc cannot precompile it."""
+    """gcc arguments that include the precompiled prelude (built here once for ``flags``, then
+    renamed into place, so concurrent processes agree), or () where gcc cannot precompile it."""
     if os.environ.get("TESSERA_NO_PCH") or "clang" in compiler.version.lower():
         return ()
     tag = hashlib.sha256(json.dumps([PRELUDE, flags, compiler.path, compiler.version]).encode()).hexdigest()[:16]
     folder = cache_dir() / "pch" / tag
-    header = folder / "tessera_prelude.h"
-    if not (folder / "tessera_prelude.h.gch").exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        if not header.exists():
-            tmp = folder / f".h.{os.getpid()}"
-            tmp.write_text(PRELUDE)
-            os.replace(tmp, header)
-        tmp = folder / f".gch.{os.getpid()}"
-        cmd = [compiler.path, *flags, "-x", "c-header", str(header), "-o", str(tmp)]
-        try:
-            built = subprocess.run(cmd, capture_output=True, text=True, timeout=300).returncode == 0
-        except (OSError, subprocess.SubprocessError):
-            built = False
-        if not built:
-            tmp.unlink(missing_ok=True)
+    with _PRELUDE_LOCK:
+        if tag in _NO_PRELUDE:
             return ()
-        os.replace(tmp, folder / "tessera_prelude.h.gch")
+        if not (folder / "tessera_prelude.h.gch").exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            mine = f"{os.getpid()}.{threading.get_ident()}"
+            header = folder / "tessera_prelude.h"
+            if not header.exists():
+                (folder / f".h.{mine}").write_text(PRELUDE)
+                os.replace(folder / f".h.{mine}", header)
+            tmp = folder / f".gch.{mine}"
+            cmd = [compiler.path, *flags, "-x", "c-header", str(header), "-o", str(tmp)]
+            try:
+                built = subprocess.run(cmd, capture_output=True, text=True, timeout=300).returncode == 0
+            except (OSError, subprocess.SubprocessError):
+                built = False
+            if not built:
+                tmp.unlink(missing_ok=True)
+                _NO_PRELUDE.add(tag)
+                return ()
+            os.replace(tmp, folder / "tessera_prelude.h.gch")
     return ("-I", str(folder), "-include", "tessera_prelude.h")
 
 
