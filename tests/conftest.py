@@ -57,8 +57,7 @@ def pytest_collection_modifyitems(config, items):
     worker (as ``loadfile`` would), except that every file that starts ranks in the test's own
     process (``spawn``, or a CLI run with ``--nproc``) goes to the same one, as one group. Its
     rank pools (``reused_ranks``) then start once for the suite, not once a worker, and two
-    multi-rank tests never share the 2 cores at once (8 ranks beside 4 on 2 cores mostly wait
-    on each other's collectives)."""
+    multi-rank tests never run at once on the 2 cores."""
     starts: dict[Path, bool] = {}
     for item in items:
         path = item.path
