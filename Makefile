@@ -33,8 +33,8 @@ demo: $(STAMP)
 # ranks in the test's process on the same one (tests/conftest.py: xdist groups), so the rank
 # pools start once and multi-rank tests do not share the cores. On the Intel VM (2 cores),
 # --dist loadfile: 912 s at 205255e, 938 and 1113 s with the precompiled kernel headers (the
-# VM's speed moves); with the groups and larger pools as well: 847 s, and `make test` 802 and
-# 928 s in two later runs of the same code. Add -n 0 to run serially.
+# VM's speed moves); with the groups and larger pools as well: 847 s; `make test` 802 s at
+# 99f8a41 and 928 s at fa814c5 (one test smaller). Add -n 0 to run serially.
 test: $(STAMP)
 	OMP_NUM_THREADS=2 $(VENV)/bin/python -m pytest -q -n 2 --dist loadgroup tests
 
