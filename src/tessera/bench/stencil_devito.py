@@ -113,8 +113,12 @@ def main(argv: list[str]) -> int:
         check(spec, Path(spec["check_dir"]))
     result = serve(spec) if spec.get("repeats", 0) > 0 else {}
     import devito
+    from devito import configuration
 
     result["devito"] = devito.__version__
+    cc = configuration["compiler"]  # the code path it ran: its platform, language and compiler flags
+    result["code_path"] = (f"platform {configuration['platform']}, {configuration['language']}, "
+                           f"{type(cc).__name__} {' '.join(getattr(cc, 'cflags', []))}")  # fmt: skip
     Path(argv[2]).write_text(json.dumps(result))
     return 0
 

@@ -120,9 +120,8 @@ def prelude_include(compiler: Compiler, flags: tuple[str, ...]) -> tuple[str, ..
             folder.mkdir(parents=True, exist_ok=True)
             mine = f"{os.getpid()}.{threading.get_ident()}"
             header = folder / "tessera_prelude.h"
-            if not header.exists():
-                (folder / f".h.{mine}").write_text(PRELUDE)
-                os.replace(folder / f".h.{mine}", header)
+            (folder / f".h.{mine}").write_text(PRELUDE)
+            os.replace(folder / f".h.{mine}", header)  # the same text whoever writes it
             tmp = folder / f".gch.{mine}"
             cmd = [compiler.path, *flags, "-x", "c-header", str(header), "-o", str(tmp)]
             try:
