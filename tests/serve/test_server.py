@@ -121,7 +121,7 @@ def test_two_workers_serve_what_the_model_computes(model_dir):
         assert first["packed_weights_mib"] > 0 and second["packed_weights_mib"] == 0
         assert second["shared_packed_weights_mib"] == first["packed_weights_mib"]
         assert runners[0].dense.swaps[-1][1].packed is runners[1].dense.swaps[-1][1].packed
-        assert runners[0].dense.swaps[-1][1] is not runners[1].dense.swaps[-1][1]  # own output buffers
+        assert runners[0].dense.pool is not runners[1].dense.pool  # own output buffers
     torch.set_num_threads(threads)
     with pytest.raises(ValueError, match="workers must be a positive integer or 'auto', got 0"):
         ServeConfig(model="unused", workers=0)

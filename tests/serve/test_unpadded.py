@@ -4,6 +4,7 @@ for every batch composition tried and every attention split; so does the padded
 baseline. The HF model code is untouched: the same loaded model object serves all."""
 
 import random
+from collections import Counter
 
 import pytest
 import torch
@@ -67,7 +68,12 @@ def test_packed_batches_equal_one_request_at_a_time(encoder_dirs, family, task, 
         served.config.num_hidden_layers if family in ("bert", "roberta") else 0
     )
     assert not any("forward" in m.__dict__ for m in served.model.modules())  # the model is left as it was
-    # layers reuse their output buffers, yet an output still held is never written over
+    # layers of one width share their output buffers (fewer than there are layers of that
+    # width: each call takes one no tensor holds), yet an output still held is never written over
+    pool, widths = runners[-1].dense.pool, Counter(m.out_features for m in served.model.modules()
+                                                   if isinstance(m, torch.nn.Linear))
+    wide = max(widths, key=widths.get)
+    assert widths[wide] > 3 and len(pool[wide]) < widths[wide], (len(pool[wide]), widths)
     held = runners[-1](tokens_for([5, 9], seed=1))
     kept = held.clone()
     runners[-1](tokens_for([30, 2, 7], seed=2))
