@@ -68,6 +68,8 @@ def test_tuner_times_factored_and_unjammed_twins(machine):
     assert any(s.factor and s.rz == 2 and s.ry == 1 for s in timed)  # two planes sharing z neighbours
     # ... and streaming-prefetch twins of the plain and the factored ones (measured, not modelled)
     assert any(s.stream and s.factor for s in timed) and any(s.stream and not s.factor for s in timed)
+    # ... and those streaming factored ones as deep tiles (the grid's whole depth, all its rows here)
+    assert any(s.stream and s.factor and s.tz == grid[0] and s.ty == grid[1] for s in timed)
     u, co = sample_inputs(st, grid)
     out = compile_stencil(st, grid, tuned.best)(u, co, threads=2)
     assert (np.abs(out - ref.apply_float64(st, u, co)) <= ref.error_bound(st, u, co)).all()

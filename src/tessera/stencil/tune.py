@@ -130,7 +130,10 @@ def twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, thread
     plane's rows and the output ahead; the committed Milan run that added them chose one for
     every constant case, star7 constant 5.96 -> 4.17 ms, star25 constant 10.93 -> 8.76). The
     best unjammed one also gets a factored twin over two planes (``rz = 2``), whose rows
-    load the z neighbours they share once."""
+    load the z neighbours they share once. And the streaming factored ones as deep tiles,
+    ``DEEP_TY`` and twice as wide (probes on the Intel VM at 256^3 on 2 threads, interleaved:
+    star25 constant 7.11 ms under run 7's pick, 5.20 deep, 64 rows, factored over two planes,
+    streaming; ete37 constant 8.22 -> 6.64; each twin alone was no faster)."""
     undecomposed = [t.schedule for t in picked if t.schedule.vectorize and not t.schedule.decomposed
                     and not t.schedule.prefetch and not t.schedule.stream and not t.schedule.factor]
     bases = undecomposed[:TWINS]
@@ -144,6 +147,11 @@ def twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, thread
         # rows' sums are few registers beside the values held (the bases jam 8 rows)
         factored += [replace(b, factor=True, rz=2, tz=max(2, b.tz)) for b in unjammed]
     variants += factored + [replace(b, stream=STREAM) for b in dict.fromkeys(bases + factored)]
+    # the factored ones with the streaming prefetch as deep tiles too, DEEP_TY and twice that
+    # wide: the window of planes a column keeps in L2, the loads the factored rows share and
+    # the leading plane fetched ahead, together (each alone above)
+    variants += [replace(f, stream=STREAM, tz=shape[0], ty=max(f.ty, min(width, shape[1])))
+                 for f in factored for width in (DEEP_TY, 2 * DEEP_TY)]
     seen = {t.schedule for t in picked}
     variants = [v for v in dict.fromkeys(variants) if v not in seen]  # two bases may share a deep twin
     return [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in variants]
