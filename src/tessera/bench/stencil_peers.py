@@ -132,11 +132,11 @@ class _Worker:
 SETTLE_S = 0.2  # libgomp's idle threads spin far less than this before they sleep
 
 
-def run_devito(st, shape_name: str, grid, threads: int, rounds: int, tessera: dict | None = None) -> dict:
-    """Check Devito's answer on a small grid against the float64 reference; then, with
-    ``tessera`` (the case's compiled kernel: {"lib": path}), Devito and Tessera each in a
-    process of its own on bit-identical arrays (``stencil_devito.pattern``), ``rounds`` rounds
-    interleaved (the order alternating, D T T D D T ...), each round ``steps`` sweeps of each."""
+def run_devito(st, shape_name: str, grid, threads: int, rounds: int, tessera: dict) -> dict:
+    """Check Devito's answer on a small grid against the float64 reference; then Devito and
+    ``tessera`` (the case's compiled kernel: {"lib": path}) each in a process of its own on
+    bit-identical arrays (``stencil_devito.pattern``), ``rounds`` rounds interleaved (the order
+    alternating, D T T D D T ...), each round ``steps`` sweeps of each."""
     from tessera.stencil import padded_shape, weight_arrays
     from tessera.stencil import reference as ref
 
@@ -155,11 +155,11 @@ def run_devito(st, shape_name: str, grid, threads: int, rounds: int, tessera: di
         np.save(Path(tmp) / "u.npy", u)
         for k, v in co.items():
             np.save(Path(tmp) / f"{k}.npy", v)
-        spec = _devito_spec(st, shape_name, grid, rounds if tessera else 0, tmp)
+        spec = _devito_spec(st, shape_name, grid, rounds, tmp)
         spec_path, result_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
         ours_path = Path(tmp) / "tessera.json"
-        ours_path.write_text(json.dumps({**(tessera or {}), "grid": list(grid), "halo": st.halo,
+        ours_path.write_text(json.dumps({**tessera, "grid": list(grid), "halo": st.halo,
                                          "arrays": len(st.arrays), "threads": threads, "steps": spec["steps"]}))
         log = (Path(tmp) / "workers.log").open("w")
         devito = ours = None
@@ -167,21 +167,20 @@ def run_devito(st, shape_name: str, grid, threads: int, rounds: int, tessera: di
         try:
             devito = _Worker([str(DEVITO_VENV / "bin" / "python"), str(WORKER), str(spec_path), str(result_path)],
                              env, log)  # fmt: skip
-            if tessera:
-                ours = _Worker([sys.executable, str(TESSERA_WORKER), str(ours_path)], env, log)
-                for r in range(rounds):
-                    order = (devito, ours) if r % 2 == 0 else (ours, devito)
-                    for worker in order:
-                        got = worker.run()
-                        # each runs OpenMP's default wait policy, as its users do (a passive one
-                        # puts threads to sleep at every barrier, which costs a kernel with many);
-                        # the pause lets the one that just ran stop spinning before the other starts
-                        time.sleep(SETTLE_S)
-                        if worker is ours:
-                            times["tessera_seconds"].append(got["seconds"])
-                        else:
-                            times["kernel_seconds"].append(got["kernel_seconds"])
-                            times["wall_seconds"].append(got["wall_seconds"])
+            ours = _Worker([sys.executable, str(TESSERA_WORKER), str(ours_path)], env, log)
+            for r in range(rounds):
+                order = (devito, ours) if r % 2 == 0 else (ours, devito)
+                for worker in order:
+                    got = worker.run()
+                    # each runs OpenMP's default wait policy, as its users do (a passive one
+                    # puts threads to sleep at every barrier, which costs a kernel with many);
+                    # the pause lets the one that just ran stop spinning before the other starts
+                    time.sleep(SETTLE_S)
+                    if worker is ours:
+                        times["tessera_seconds"].append(got["seconds"])
+                    else:
+                        times["kernel_seconds"].append(got["kernel_seconds"])
+                        times["wall_seconds"].append(got["wall_seconds"])
             for worker in (devito, ours):
                 if worker is not None:
                     worker.close()
