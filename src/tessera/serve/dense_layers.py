@@ -23,8 +23,8 @@ reference count, so neither the call's own input or residual, which its caller h
 output that escapes, e.g. a classifier's logits, is ever written over). On this VM a fresh
 tensor of a few MiB costs more in page faults than the GEMM that fills it; and one buffer a
 layer held twelve of each for a 12-layer encoder (a BERT-base-size one at 500 tokens: 166 MB
-of buffers, against 15 MB shared: three of the hidden width, one of each other), at the same
-speed (a paired A/B of the two over a mix of 5-500 token requests: 0.996).
+of buffers, against 15 MB shared: three of the hidden width, one of each other), and was no
+faster (a paired comparison in process; its figures are in the commit that made the pool).
 
 The model object itself is never changed: ``on()`` sets each module's ``forward`` and puts
 the old one back on exit, so a model shared with other runners (or a test's reference

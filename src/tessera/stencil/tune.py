@@ -131,9 +131,9 @@ def twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, thread
     every constant case, star7 constant 5.96 -> 4.17 ms, star25 constant 10.93 -> 8.76). The
     best unjammed one also gets a factored twin over two planes (``rz = 2``), whose rows
     load the z neighbours they share once. And the streaming factored ones as deep tiles,
-    ``DEEP_TY`` and twice as wide (probes on the Intel VM at 256^3 on 2 threads, interleaved:
-    star25 constant 7.11 ms under run 7's pick, 5.20 deep, 64 rows, factored over two planes,
-    streaming; ete37 constant 8.22 -> 6.64; each twin alone was no faster)."""
+    ``DEEP_TY`` and twice as wide, where each trait alone had been timed before: the committed
+    Intel run that added them (run 8) chose the 64-row one for star25 and ete37 constant,
+    7.92 -> 5.08 ms and 8.56 -> 6.46 against run 7's picks."""
     undecomposed = [t.schedule for t in picked if t.schedule.vectorize and not t.schedule.decomposed
                     and not t.schedule.prefetch and not t.schedule.stream and not t.schedule.factor]
     bases = undecomposed[:TWINS]
