@@ -78,15 +78,21 @@ static void tk_attend(const float *restrict Q, const float *restrict K, const fl
                 tk_store(S + i * npad + p * TK_KW + TK_VL, acc[i][1]);
             }
         }
-        /* softmax of each row over its n keys (the padded keys past n read as -inf) */
+        /* softmax of each row over its n keys (the padded keys past n read as -inf); the rows'
+         * maxima first, all rows a key vector at a time: one row's running max alone waits on
+         * its last max at every vector */
         float inv[TK_SR];
+        tk_vf rmax[TK_SR];
+        for (int i = 0; i < TK_SR; ++i) {
+            for (long j = n; j < width; ++j) S[i * npad + j] = -INFINITY;
+            rmax[i] = tk_set1(-INFINITY);
+        }
+        for (long j = 0; j < width; j += TK_VL)
+            for (int i = 0; i < TK_SR; ++i) rmax[i] = tk_max(rmax[i], tk_load(S + i * npad + j));
         for (int i = 0; i < TK_SR; ++i) {
             float *s = S + i * npad;
-            for (long j = n; j < width; ++j) s[j] = -INFINITY;
-            tk_vf m = tk_set1(-INFINITY);
-            for (long j = 0; j < width; j += TK_VL) m = tk_max(m, tk_load(s + j));
             /* exp(s - max) = 2^((s - max) log2 e), the shift and the product one FMA */
-            tk_vf l2e = tk_set1(1.44269504088896341f), shift = tk_set1(-tk_hmax(m) * 1.44269504088896341f), sum = tk_zero();
+            tk_vf l2e = tk_set1(1.44269504088896341f), shift = tk_set1(-tk_hmax(rmax[i]) * 1.44269504088896341f), sum = tk_zero();
             for (long j = 0; j < width; j += TK_VL) {
                 tk_vf e = tk_exp2_neg(tk_fma(tk_load(s + j), l2e, shift));
                 tk_store(s + j, e);
