@@ -3,6 +3,8 @@
 import dataclasses
 import json
 
+import pytest
+
 from tessera.bench import stencil as bench
 from tessera.bench.harness import write_results
 
@@ -159,5 +161,7 @@ def test_devito_and_tessera_each_in_a_process_of_its_own(tmp_path, monkeypatch):
     assert got["kernel_seconds"] == [0.01 * r for r in range(1, 6)] and len(got["tessera_seconds"]) == 5
     assert all(t > 0 for t in got["tessera_seconds"]) and got["devito"] == "fake"
     assert got["check_ok"] is False  # the stand-in answers zeros
+    with pytest.raises(ValueError, match="rounds=0; the paired comparison needs at least 1 round"):
+        stencil_peers.run_devito(st, "star7", (8, 9, 10), 1, 0, tessera={"lib": str(kernel.compiled.path)})
     a, b = pattern((4, 5, 6), 0), pattern((4, 5, 6), 3)
     assert a.dtype == np.float32 and -0.5 <= a.min() and a.max() < 0.5 and 0.5 <= b.min() and b.max() < 1.5

@@ -140,6 +140,8 @@ def run_devito(st, shape_name: str, grid, threads: int, rounds: int, tessera: di
     from tessera.stencil import padded_shape, weight_arrays
     from tessera.stencil import reference as ref
 
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"run_devito: rounds={rounds!r}; the paired comparison needs at least 1 round")
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(threads),
