@@ -144,3 +144,24 @@ def test_shortlist_holds_each_isa(machine):
     trials = rank(make_stencil("star7", "constant"), (64, 64, 64), threads=2, machine=two_isas)
     assert {t.schedule.isa for t in shortlist(trials, 2)} == {"avx2", "avx512"}
     assert {t.schedule.isa for t in trials[:2]} != {"avx2", "avx512"}  # the rule, not the top two, brings both
+
+
+def test_shortlist_spreads_decomposed_schedules_over_isas_depths_and_splits(machine):
+    """Variable coefficients: the model predicts the decomposed schedules within a few percent
+    of each other, so the shortlist times the best decomposed one of each vector ISA at every
+    tile depth and every split count (the top families alone hold one ISA and one split)."""
+    from dataclasses import replace
+
+    from tessera.stencil.tune import SPLITS, TZ, rank, shortlist
+
+    two_isas = replace(machine, peak_flops={**machine.peak_flops, "avx512": {1: 250e9, 2: 500e9}},
+                       isas=("avx2", "avx512"))
+    st = make_stencil("star25", "point")
+    trials = rank(st, (64, 64, 64), threads=2, machine=two_isas)
+    picked = [t.schedule for t in shortlist(trials, 2)]
+    for isa in ("avx2", "avx512"):
+        decomposed = [s for s in picked if s.isa == isa and s.vectorize and s.decomposed]
+        assert {s.tz for s in decomposed} == set(TZ), (isa, sorted({s.tz for s in decomposed}))
+        assert {s.split for s in decomposed if s.split_level == "tile"} == set(SPLITS), isa
+    top = [t.schedule for t in trials[:len(picked)]]  # as many of the best predicted hold fewer kinds
+    assert len({(s.isa, s.tz, s.split) for s in top}) < len({(s.isa, s.tz, s.split) for s in picked})

@@ -94,7 +94,12 @@ def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
     once, and ``rz`` x ``ry`` jammed rows stream several times as many (star7: 16 rows for 2 x 2,
     6 unjammed), more than the hardware prefetchers may follow (on the Milan VM star7 constant ran
     8.15 ms under the model's 2 x 2 pick and 6.02 one row at a time, both predicted at the DRAM
-    bound: benchmarks/results/amd-milan/stencil.md and its history)."""
+    bound: benchmarks/results/amd-milan/stencil.md and its history). Where the stencil has
+    decomposed schedules (variable coefficients), the best decomposed one of each vector ISA
+    at each tile depth and at each split count too: the model predicts them within about 2% of
+    each other (the same bytes), and the top families alone all went to one ISA and one split
+    (star25 variable on the Intel VM: every one AVX2 split in two, where AVX-512 tiles split in
+    three or four ran faster in probes)."""
     picked, seen = [], set()
     for t in trials:
         family = (t.schedule.tz, t.schedule.split, t.schedule.split_level)
@@ -106,6 +111,10 @@ def shortlist(trials: list[Trial], top_k: int) -> list[Trial]:
     wants = [lambda s: not s.decomposed, lambda s: s.decomposed]
     wants += [lambda s, isa=isa: s.isa == isa and s.vectorize for isa in dict.fromkeys(t.schedule.isa for t in trials)]
     wants.append(lambda s: s.vectorize and not s.decomposed and s.rz == 1 and s.ry == 1)
+    for isa in dict.fromkeys(t.schedule.isa for t in trials if t.schedule.decomposed):  # variable coefficients
+        wants += [lambda s, isa=isa, tz=tz: s.vectorize and s.decomposed and s.isa == isa and s.tz == tz for tz in TZ]
+        wants += [lambda s, isa=isa, k=k: s.vectorize and s.split == k and s.split_level == "tile" and s.isa == isa
+                  for k in SPLITS]
     for want in wants:  # the best of each kind the top ones lack
         if not any(want(t.schedule) for t in picked):
             extra = next((t for t in trials if want(t.schedule)), None)
