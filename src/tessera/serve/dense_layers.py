@@ -80,15 +80,11 @@ class _Layer:
         each layer's own held the model's depth times more memory."""
         n = self.kernel.n
         buffers = self.pool.setdefault(n, [])
-        for i, buf in enumerate(buffers):
-            if not held_elsewhere(buf):
-                if buf.shape[0] < m:
-                    buf = buffers[i] = torch.empty(m, n)
-                    self.counts["buffers"] += 1
-                return buf[:m]
-        buffers.append(torch.empty(m, n))
-        self.counts["buffers"] += 1
-        return buffers[-1][:m]
+        free = next((i for i, buf in enumerate(buffers) if not held_elsewhere(buf)), len(buffers))
+        if free == len(buffers) or buffers[free].shape[0] < m:
+            buffers[free : free + 1] = [torch.empty(m, n)]  # a new one, or the short free one replaced
+            self.counts["buffers"] += 1
+        return buffers[free][:m]
 
 
 @contextlib.contextmanager
