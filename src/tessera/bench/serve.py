@@ -16,7 +16,8 @@ sorted windows, padded), ``infinity_torch`` and ``infinity_optimum`` (infinity-e
 with each CPU engine it offers: torch, and ONNX Runtime through optimum, in a virtual
 environment of its own; said absent when it cannot be installed or started), and
 ``one_by_one`` (the simplest server). ``tessera_torch_kernels`` (Tessera on torch's dense
-kernels) shows what the kernels add.
+kernels) shows what the kernels add, ``tessera_avx`` (its kernels on AVX only; measured where
+the CPU has AMX-BF16) what the AMX kernel adds.
 
 Three phases per model, each on its own requests (seeded apart):
 
@@ -72,7 +73,7 @@ class ServeBenchPlan:
     peers: tuple[str, ...] = PEERS
     batch_sizes: tuple[int, ...] = (1, 4, 8, 16, 32)  # each peer's batch-size knob, swept
     sweep_requests: int = 150
-    sweep_extra: tuple[str, ...] = ("tessera", "tessera_torch_kernels")  # measured once in the sweep
+    sweep_extra: tuple[str, ...] = ("tessera", "tessera_torch_kernels", "tessera_avx")  # measured once in the sweep
     saturation_requests: int = 1000
     repeats: int = 3
     concurrency: int = 64

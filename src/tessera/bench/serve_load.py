@@ -62,6 +62,8 @@ def scrape(url: str) -> dict:
         "mean_batch_size": values.get("tessera_batch_size_sum", 0) / count,
         "padding_overhead": values.get("tessera_batch_computed_tokens_sum", 0) / real - 1,
         "cost_table": info["scheduler"].get("cost_table"),
+        # the instruction sets the dense kernels ran ("amx", "avx512", "avx2"); absent on torch's
+        "dense_isas": info["runner"].get("dense_isas"),
     }
 
 

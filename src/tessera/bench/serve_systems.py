@@ -27,6 +27,8 @@ TESSERA_SYSTEMS = {
     "sort_window": ["--scheduler", "sort_window"],
     "tessera": _TESSERA,
     "tessera_torch_kernels": ["--scheduler", "dp", "--kernels", "torch"],
+    # Tessera's kernels on AVX only, where the CPU has AMX (what the AMX kernel adds)
+    "tessera_avx": [*_TESSERA, "--amx", "off"],
     "tessera_memplan": ["--scheduler", "dp", "--attention", "padded", "--memory-plan"],
     # two cores: one engine worker of two threads, or two workers of one thread each
     "tessera_1x2": [*_TESSERA, "--workers", "1", "--threads", "2"],

@@ -10,6 +10,13 @@ shortlist as dense kernels, times them at ``m_hint`` rows, times the three faste
 interleaved rounds (``tuner.final_rounds``) and keeps the fastest, recorded on disk beside
 the GEMM tuner's choices (a restart does not re-tune).
 
+On a CPU with AMX-BF16 (``amx="auto"``, the default) the kernel is ``csrc/tessera_dense_amx.c``
+instead: float32 accuracy from six bfloat16 tile products a product (each float split into
+three bfloat16 parts; see that file), at about 1.5x the AVX-512 kernel's speed from 32 rows
+up. ``mode="model"`` takes it with its default blocks wherever it runs; ``mode="measure"``
+times its block choices beside the AVX shortlist and keeps the fastest of them all.
+``amx="off"`` keeps to the AVX kernels (e.g. to compare them).
+
 Results do not depend on ``M`` or on the thread count: each output is reduced over K in one
 fixed order (KC blocks in order), so a request computes the same bits alone or in a batch.
 """
@@ -17,21 +24,64 @@ fixed order (KC blocks in order), so a request computes the same bits alone or i
 from __future__ import annotations
 
 import ctypes
+import json
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cache
 
 import torch
 from torch import Tensor
 
 from tessera.kernels import ops
-from tessera.kernels.compiler import CSRC, Compiled, compile_source, load
-from tessera.kernels.machine import load_machine
+from tessera.kernels.compiler import CSRC, Compiled, CompilerError, compile_source, load
+from tessera.kernels.machine import cpu_flags, load_machine
 from tessera.kernels.schedule import GemmSchedule, schedule_from_dict
-from tessera.kernels.tuner import MODES, final_rounds, rank, save_choice, saved_choice, shortlist
+from tessera.kernels.tuner import MODES, Trial, final_rounds, rank, save_choice, saved_choice, shortlist
 
 SOURCE = CSRC / "tessera_dense.c"
+AMX_SOURCE = CSRC / "tessera_dense_amx.c"
+AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512bf16")
+AMX_CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"}
+AMX_CHOICES = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class AmxSchedule:
+    """The AMX dense kernel's blocks: ``mb`` rows of X and ``kc`` of K at a time (their three
+    bfloat16 planes stay in L2 while every column tile of W passes)."""
+
+    mb: int = 256
+    kc: int = 768
+    kind: str = field(default="amx_dense", init=False)
+    isa: str = field(default="amx", init=False)
+
+    def key(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    def short(self) -> str:
+        return f"amx bf16x6 mb{self.mb} kc{self.kc}"
+
+
+def amx_schedules(k: int) -> list[AmxSchedule]:
+    """The AMX blocks the measured tuning times: the default first (the model mode's pick)."""
+    kcs = dict.fromkeys(min(k, kc) for kc in (768, 384, 1536))
+    return [AmxSchedule(256, kc) for kc in kcs] + [AmxSchedule(128, min(k, 768))]
+
+
+@cache
+def amx_ready() -> str | None:
+    """None where the AMX kernel builds and Linux grants the tiles, else why not."""
+    missing = AMX_CPU_FLAGS - cpu_flags()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))}"
+    try:
+        kernel = _build(32, 32, AmxSchedule(32, 32))
+    except (CompilerError, OSError) as exc:
+        return f"the compiler did not build the AMX kernel ({str(exc).splitlines()[0]})"
+    if not kernel._lib.tk_amx_ready():
+        return "Linux did not grant this process AMX's tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return None
 
 
 @dataclass(frozen=True)
@@ -41,14 +91,18 @@ class DenseOp:
     n: int
     k: int
     m_hint: int
+    amx: bool = False  # the AMX kernel among the candidates
 
     def signature(self) -> str:
         # x=in-place: choices timed on the kernel that packed all of X per call (no such tag)
         # are not measurements of this one, which reads X in place; they are timed again
-        return f"dense|n={self.n}|k={self.k}|m_hint={self.m_hint}|x=in-place"
+        return f"dense|n={self.n}|k={self.k}|m_hint={self.m_hint}|x=in-place" + ("|amx" if self.amx else "")
 
 
-def source(n: int, k: int, s: GemmSchedule) -> str:
+def source(n: int, k: int, s: GemmSchedule | AmxSchedule) -> str:
+    if isinstance(s, AmxSchedule):
+        defines = {"TK_VEC": 512, "TK_N": n, "TK_K": k, "TK_KC": min(s.kc, k), "TK_MB": s.mb}
+        return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + AMX_SOURCE.read_text()
     kc = min(s.kc, k)
     defines = {
         "TK_VEC": 512 if s.isa == "avx512" else 256,
@@ -68,7 +122,7 @@ def source(n: int, k: int, s: GemmSchedule) -> str:
 class DenseKernel:
     n: int
     k: int
-    schedule: GemmSchedule
+    schedule: GemmSchedule | AmxSchedule
     compiled: Compiled
     _lib: ctypes.CDLL = field(repr=False)
 
@@ -171,26 +225,38 @@ def _checked(t: Tensor, name: str, shape: tuple[int, ...]) -> Tensor:
 
 
 @cache
-def _build(n: int, k: int, schedule: GemmSchedule) -> DenseKernel:
-    compiled = compile_source(source(n, k, schedule), isa=schedule.isa, name=f"dense_{n}x{k}")
+def _build(n: int, k: int, schedule: GemmSchedule | AmxSchedule) -> DenseKernel:
+    amx = isinstance(schedule, AmxSchedule)
+    compiled = compile_source(source(n, k, schedule), isa="avx512" if amx else schedule.isa,
+                              name=f"dense_{'amx_' if amx else ''}{n}x{k}", extra_flags=AMX_FLAGS if amx else ())  # fmt: skip
     return DenseKernel(n, k, schedule, compiled, load(compiled))
 
 
+def _schedule(data: dict) -> GemmSchedule | AmxSchedule:
+    if data.get("kind") == "amx_dense":
+        return AmxSchedule(data["mb"], data["kc"])
+    return schedule_from_dict(data)
+
+
 def dense_kernel(
-    n: int, k: int, *, threads: int = 1, mode: str = "model", m_hint: int = 256, top_k: int = 4
+    n: int, k: int, *, threads: int = 1, mode: str = "model", m_hint: int = 256, top_k: int = 4, amx: str = "auto"
 ) -> DenseKernel:
     """The dense kernel for an ``N x K`` weight: the recorded choice if there is one, else the
-    model's pick (``model``) or the fastest of the model's shortlist timed now (``measure``)."""
+    model's pick (``model``) or the fastest of the model's shortlist timed now (``measure``).
+    ``amx="auto"``: the AMX kernel where this CPU has it (see the module's docstring)."""
     if mode not in MODES:
         raise ValueError(f"tuning mode {mode!r}; choose one of {', '.join(MODES)}")
+    if amx not in AMX_CHOICES:
+        raise ValueError(f"dense_kernel: amx={amx!r}; choose one of {', '.join(AMX_CHOICES)}")
     for name, value in (("n", n), ("k", k), ("m_hint", m_hint)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"dense_kernel: {name} must be a positive int, got {value!r}")
     machine = load_machine()
-    key = DenseOp(n, k, m_hint)
+    with_amx = amx == "auto" and amx_ready() is None
+    key = DenseOp(n, k, m_hint, with_amx)
     entry = saved_choice(key, threads, machine)
     if entry and (mode == "model" or entry["mode"] == "measure"):
-        return _build(n, k, schedule_from_dict(entry["schedule"]))
+        return _build(n, k, _schedule(entry["schedule"]))
     # the dense kernel takes only the tile, mc and kc from a schedule (it reads X in place and
     # W prepacked): of schedules that differ in nothing else, the best ranked stands for all
     trials, seen = [], set()
@@ -200,9 +266,11 @@ def dense_kernel(
             seen.add((s.isa, s.mr, s.nr, s.mc, s.kc, s.unroll))
             trials.append(t)
     if mode == "model":
-        best = trials[0].schedule
+        best = amx_schedules(k)[0] if with_amx else trials[0].schedule
     else:
         picked = shortlist(trials, top_k)
+        if with_amx:
+            picked += [Trial(s, float("nan")) for s in amx_schedules(k)]
         kernels = [_build(n, k, t.schedule) for t in picked]
         for t, kernel in zip(picked, kernels, strict=True):
             t.times = kernel.time(m_hint, threads=threads, repeats=5)

@@ -6,7 +6,7 @@ import argparse
 
 _SERVE_FIELDS = (
     "model", "task", "pooling", "host", "port", "scheduler", "runner", "attention", "memory_plan", "kernels",
-    "tuning", "max_batch_tokens", "max_batch_size", "max_queue", "max_client_batch", "payload_limit",
+    "amx", "tuning", "max_batch_tokens", "max_batch_size", "max_queue", "max_client_batch", "payload_limit",
     "overload_status", "threads", "workers", "drain_timeout_s", "cost_table",
 )  # fmt: skip
 
@@ -46,7 +46,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 # flags (by dest) that only one task reads; given to the other they would be ignored
 ENCODER_ONLY = (
-    "pooling", "scheduler", "runner", "attention", "memory_plan", "kernels", "tuning", "max_batch_tokens",
+    "pooling", "scheduler", "runner", "attention", "memory_plan", "kernels", "amx", "tuning", "max_batch_tokens",
     "max_batch_size", "max_client_batch", "overload_status", "cost_table", "workers",
 )  # fmt: skip
 GENERATE_ONLY = (
@@ -151,6 +151,13 @@ def add_serve_parser(sub, positive_int) -> None:
         choices=["auto", "tessera", "torch"],
         help="dense layers of the unpadded runner: Tessera's compiled kernels or torch's "
         "(auto: tessera when a C compiler is found and no --memory-plan)",
+    )
+    p.add_argument(
+        "--amx",
+        default="auto",
+        choices=["auto", "off"],
+        help="Tessera's dense kernels on AMX tiles where the CPU has AMX-BF16 (float32 accuracy from six "
+        "bfloat16 products a product; auto), or on AVX only (off)",
     )
     p.add_argument(
         "--tuning",

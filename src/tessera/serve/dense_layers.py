@@ -138,6 +138,7 @@ class DenseLayers:
     mode: str = "model"  # the tuner's mode: "model" (predicted best) or "measure" (timed now)
     m_hint: int = 256  # the token count a "measure" tuning times at
     threads: int = 1  # the thread count tuned for (the kernel runs at torch's count when called)
+    amx: str = "auto"  # "auto": the AMX kernel where the CPU has it (float32 accuracy); "off": AVX only
     packed_from: DenseLayers | None = None  # another worker's layers, whose packed weights are reused
     # the packed attention of a batch, attend(q, k, v, segments, scaling) -> (T, heads, head_dim):
     # given, BERT's and RoBERTa's encoder layers run whole (see `_whole_layer`)
@@ -192,7 +193,7 @@ class DenseLayers:
             mine = theirs
             self.shared_bytes += theirs.packed.numel() * 4
         else:
-            kernel = dense_kernel(n, k, threads=self.threads, mode=self.mode, m_hint=self.m_hint)
+            kernel = dense_kernel(n, k, threads=self.threads, mode=self.mode, m_hint=self.m_hint, amx=self.amx)
             mine = _Packed(kernel, kernel.pack(w.contiguous()), bias, w)
             self.packed_bytes += mine.packed.numel() * 4
         self.by_name[name] = mine
@@ -212,6 +213,8 @@ class DenseLayers:
             "packed_weights_mib": round(self.packed_bytes / 2**20, 1),
             "shared_packed_weights_mib": round(self.shared_bytes / 2**20, 1),
             "tuning": self.mode,
+            # the kernels' instruction sets: "amx" (bf16x6 tiles), "avx512" or "avx2"
+            "dense_isas": sorted({p.kernel.schedule.isa for p in self.by_name.values()}),
             "dense_calls": self.counts["calls"],
             "dense_rows": self.counts["rows"],
             "dense_buffers": self.counts["buffers"],

@@ -49,6 +49,7 @@ class ServeConfig:
     # the unpadded runner's dense layers: "tessera" (the compiled kernels; needs a C compiler),
     # "torch" (its own), or "auto": tessera unless the memory plan is on or no compiler is found
     kernels: str = "auto"
+    amx: str = "auto"  # Tessera's dense kernels on AMX where the CPU has it ("auto"), or AVX only ("off")
     tuning: str = (
         "model"  # the kernels' tuning: "model" (predicted) or "measure" (timed at start-up, kept on disk)
     )
@@ -84,6 +85,7 @@ class ServeConfig:
             raise ValueError(f"workers must be a positive integer or 'auto', got {self.workers!r}")
         check_choice("kernels", self.kernels, ("auto", "tessera", "torch"))
         check_choice("tuning", self.tuning, ("model", "measure"))
+        check_choice("amx", self.amx, ("auto", "off"))
         if self.kernels == "tessera" and self.runner_name != "unpadded":
             raise ValueError(f"--kernels tessera is the unpadded runner's; runner is {self.runner_name}")
 
@@ -131,6 +133,7 @@ def build_engine(config: ServeConfig, served, metrics=None) -> Engine:
             "attention": config.attention,
             "memory_plan": config.memory_plan,
             "kernels": config.kernels_name,
+            "amx": config.amx,
             "tuning": config.tuning,
         }  # fmt: skip
         if config.runner_name == "unpadded"

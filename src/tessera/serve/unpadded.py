@@ -252,6 +252,7 @@ class UnpaddedRunner(Runner):
         kernels: str = "torch",
         tuning: str = "model",
         dense_from: UnpaddedRunner | None = None,
+        amx: str = "auto",
     ):
         """``dense_from``: another runner on a copy of the same model (an engine worker's), whose
         packed dense weights this one reuses where they are equal."""
@@ -271,7 +272,7 @@ class UnpaddedRunner(Runner):
         if kernels == "tessera" and attention == "per_request" and supports(head_dim):
             self.attention_kernel = attention_kernel(head_dim)
         self.dense = (
-            DenseLayers(served.model, mode=tuning, threads=torch.get_num_threads(),
+            DenseLayers(served.model, mode=tuning, threads=torch.get_num_threads(), amx=amx,
                         packed_from=dense_from.dense if dense_from is not None else None,
                         attend=_on_kernel if self.attention_kernel is not None else None)  # fmt: skip
             if kernels == "tessera"

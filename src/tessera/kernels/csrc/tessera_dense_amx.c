@@ -1,0 +1,279 @@
+/* A dense layer, Y[M, N] = X[M, K] W[N, K]^T + bias (+ R), on AMX tiles with float32 accuracy:
+ * the same entry points, arguments and epilogues as tessera_dense.c (N, K fixed when compiled,
+ * M given at each call), for CPUs with AMX-BF16.
+ *
+ * AMX multiplies bfloat16 (8 significant bits) and accumulates in float32. Each float32 value
+ * is split into three bfloat16 parts, x = h + m + l (h = bf16(x), m = bf16(x - h),
+ * l = bf16(x - h - m); each difference is exact in float32), with |m| <= 2^-8 |x| and
+ * |l| <= 2^-16 |x|, and x - h - m - l below 2^-24 |x|. A product x w then takes six bf16
+ * products, hh + hm + mh + hl + lh + mm (each exact in float32), leaving out ml, lm and ll,
+ * which are below 2^-23 |x w| together (Henry, Tang and Heinecke, "Leveraging the bfloat16
+ * artificial intelligence datatype for higher-precision computations", 2019: "bf16x6"). The
+ * sums run in float32 as in any float32 GEMM; the tests bound the error against float64 at
+ * the float32 GEMM's own tolerance. One AMX tile product (16 x 16 outputs, 32 terms each)
+ * runs at 16 times the AVX-512 FMA rate, so six of them still beat the FMAs.
+ *
+ * Layouts. The weight is packed once: each of its three parts as VNNI tiles (for a column
+ * tile of 16 columns of W^T and a k tile of 32, 16 rows of 16 (k, k + 1) pairs, 1 KiB), N
+ * padded to 32 columns and K to TK_KP (a multiple of 32) with zeros. X is split per call, a
+ * block of TK_MB rows by TK_KC columns at a time, into three row-major bf16 planes (zero
+ * padded to 32 rows). Loops: row blocks of X, k blocks, then pairs of column tiles (threads
+ * split these), then pairs of row tiles; four accumulator tiles (32 x 32 outputs) take each k
+ * tile's products as h.(h, m, l), m.(h, m), l.h: two tile loads of X per part and two of W per
+ * product pair. Partial sums of one k block go to Y and come back for the next; on the last,
+ * the epilogue (bias, residual, GELU) runs on the 32 x 32 block as it is stored, and
+ * LayerNorm on the row block's complete rows.
+ *
+ * Reductions run in one fixed order whatever M and the thread count: a row's outputs do not
+ * depend on the batch it is in.
+ *
+ * Defined by the generator before this file: TK_VEC (512), TK_N, TK_K, TK_KC, TK_MB.
+ */
+#include "tessera_vec.h"
+#include "tessera_math.h"
+#include "tessera_dense_epilogue.h"
+
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TK_KP ((TK_K + 31) / 32 * 32)        /* K padded to whole k tiles */
+#define TK_KCP ((TK_KC + 31) / 32 * 32)      /* a k block, whole k tiles */
+#define TK_NT ((TK_N + 31) / 32 * 2)         /* column tiles of 16, an even count */
+#define TK_KT (TK_KP / 32)                   /* k tiles */
+#define TK_TILE 512                          /* bf16 values in one packed tile (1 KiB) */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tk_tilecfg;
+
+static int tk_amx_state = -1;
+
+/* Linux hands AMX's tile data to a process only once asked (arch_prctl); 0 when granted. */
+void tk_init(void) {
+    if (tk_amx_state < 0) tk_amx_state = (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */);
+}
+
+int tk_amx_ready(void) { return tk_amx_state == 0; }
+
+/* floats (pairs of bf16) of the packed weight: three parts, TK_NT column tiles x TK_KT k tiles */
+long tk_packed_floats(void) { return 3L * TK_NT * TK_KT * TK_TILE / 2; }
+
+static void tk_tiles_on(void) {
+    tk_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* 16 floats -> three bf16 parts (h, m, l) by round-to-nearest-even; x - h and x - h - m are
+ * exact in float32. */
+TK_INLINE void tk_split16(__m512 x, __m256i *h, __m256i *m, __m256i *l) {
+    __m256i hb = (__m256i)_mm512_cvtneps_pbh(x);
+    __m512 r = _mm512_sub_ps(x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hb), 16)));
+    __m256i mb = (__m256i)_mm512_cvtneps_pbh(r);
+    r = _mm512_sub_ps(r, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(mb), 16)));
+    *h = hb;
+    *m = mb;
+    *l = (__m256i)_mm512_cvtneps_pbh(r);
+}
+
+/* W: N x K row-major (torch's Linear.weight). Part p, column tile j, k tile t at
+ * ((p * NT + j) * KT + t) * 512 bf16; in a tile, k pair r, column c: r * 32 + c * 2 + k % 2. */
+void tk_pack_weight(const float *restrict W, float *restrict packed) {
+    uint16_t *wp = (uint16_t *)packed;
+    memset(wp, 0, (size_t)tk_packed_floats() * 4);
+    float buf[16] __attribute__((aligned(64)));
+    uint16_t parts[3][16] __attribute__((aligned(64)));
+    for (long n = 0; n < TK_N; ++n)
+        for (long k0 = 0; k0 < TK_K; k0 += 16) {
+            for (int i = 0; i < 16; ++i) buf[i] = k0 + i < TK_K ? W[n * TK_K + k0 + i] : 0.0f;
+            __m256i h, m, l;
+            tk_split16(_mm512_load_ps(buf), &h, &m, &l);
+            _mm256_store_si256((__m256i *)parts[0], h);
+            _mm256_store_si256((__m256i *)parts[1], m);
+            _mm256_store_si256((__m256i *)parts[2], l);
+            for (int p = 0; p < 3; ++p)
+                for (int i = 0; i < 16 && k0 + i < TK_K; ++i) {
+                    long k = k0 + i, j = n / 16, c = n % 16, t = k / 32, r = (k % 32) / 2;
+                    wp[((p * TK_NT + j) * TK_KT + t) * TK_TILE + r * 32 + c * 2 + k % 2] = parts[p][i];
+                }
+        }
+}
+
+/* The calling thread's split block of X: three planes of TK_MB (rounded up to 32) rows by TK_KCP
+ * bf16, allocated once and kept. */
+#define TK_MBP ((TK_MB + 31) / 32 * 32)
+static __thread uint16_t *tk_xs;
+
+/* Rows ic .. ic + mb of X, columns pc .. pc + kc, split into the three planes (row stride
+ * TK_KCP), zeros past the rows and columns. */
+static void tk_split_x(const float *restrict X, long ic, long mb, long pc, long kc, uint16_t *restrict xs) {
+    long rows = (mb + 31) / 32 * 32, plane = (long)TK_MBP * TK_KCP;
+    for (long i = 0; i < rows; ++i) {
+        uint16_t *h = xs + i * TK_KCP, *m = h + plane, *l = m + plane;
+        const float *x = X + (ic + i) * TK_K + pc;
+        for (long k = 0; k < TK_KCP; k += 16) {
+            long valid = i < mb ? tk_min(16, kc - k) : 0;
+            __mmask16 mask = valid > 0 ? (__mmask16)((1u << valid) - 1) : 0;
+            __m256i hb, mb16, lb;
+            tk_split16(_mm512_maskz_loadu_ps(mask, x + k), &hb, &mb16, &lb);
+            _mm256_store_si256((__m256i *)(h + k), hb);
+            _mm256_store_si256((__m256i *)(m + k), mb16);
+            _mm256_store_si256((__m256i *)(l + k), lb);
+        }
+    }
+}
+
+/* The 32 x 32 block of Y at rows row, columns n0 (rows < mr and columns < TK_N valid):
+ * c holds its sums (row stride 32). Not the last k block: the partial sums are stored. The
+ * last: + bias (+ R), GELU, stored. */
+static void tk_store_block(const float *restrict c, float *restrict Y, long row, long n0, long mr, int last,
+                           const float *restrict bias, const float *restrict R, int gelu) {
+    for (long i = 0; i < mr; ++i)
+        for (int v = 0; v < 2; ++v) {
+            long col = n0 + v * 16;
+            if (col >= TK_N) break;
+            __mmask16 mask = TK_N - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (TK_N - col)) - 1);
+            __m512 s = _mm512_load_ps(c + i * 32 + v * 16);
+            if (last) {
+                s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, bias + col));
+                if (R) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, R + (row + i) * TK_N + col));
+                if (gelu) s = tk_gelu(s);
+            }
+            _mm512_mask_storeu_ps(Y + (row + i) * TK_N + col, mask, s);
+        }
+}
+
+/* The partial sums of a block from Y into c (row stride 32), zeros where not valid. */
+static void tk_load_block(float *restrict c, const float *restrict Y, long row, long n0, long mr) {
+    memset(c, 0, 32 * 32 * sizeof(float));
+    for (long i = 0; i < mr; ++i)
+        for (int v = 0; v < 2; ++v) {
+            long col = n0 + v * 16;
+            if (col >= TK_N) break;
+            __mmask16 mask = TK_N - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (TK_N - col)) - 1);
+            _mm512_store_ps(c + i * 32 + v * 16, _mm512_maskz_loadu_ps(mask, Y + (row + i) * TK_N + col));
+        }
+}
+
+/* Four accumulator tiles (0: rows 0-15 x cols 0-15, 1: rows 0-15 x 16-31, 2: rows 16-31 x
+ * 0-15, 3: 16-31 x 16-31) take one k block's products: X's part (tiles 4, 5) with W's part given
+ * (tiles 6, 7). A block of at most 16 rows (a short request alone) runs tiles 0 and 1 only. */
+#define TK_PRODUCTS(wpart)                                                                     \
+    do {                                                                                       \
+        _tile_loadd(6, (wpart) + b0, 64);                                                     \
+        _tile_loadd(7, (wpart) + b1, 64);                                                     \
+        _tile_dpbf16ps(0, 4, 6);                                                               \
+        _tile_dpbf16ps(1, 4, 7);                                                               \
+        if (two) {                                                                             \
+            _tile_dpbf16ps(2, 5, 6);                                                           \
+            _tile_dpbf16ps(3, 5, 7);                                                           \
+        }                                                                                      \
+    } while (0)
+
+TK_INLINE void tk_block(const uint16_t *restrict xs, long i0, const uint16_t *restrict wp, long j, long t0, long kts,
+                        int two, int small) {
+    const long plane = (long)TK_MBP * TK_KCP, wplane = (long)TK_NT * TK_KT * TK_TILE;
+    const uint16_t *w[3] = {wp, wp + wplane, wp + 2 * wplane};
+    for (long t = 0; t < kts; ++t) {
+        long b0 = ((j * TK_KT) + t0 + t) * TK_TILE, b1 = b0 + TK_KT * TK_TILE;
+        /* X's part a with W's parts: the large sum h.h alone, or the small ones h.(m, l), m.(h, m), l.h */
+        for (int a = 0; a < (small ? 3 : 1); ++a) {
+            const uint16_t *x = xs + a * plane + i0 * TK_KCP + t * 32;
+            _tile_loadd(4, x, TK_KCP * 2);
+            if (two) _tile_loadd(5, x + 16 * TK_KCP, TK_KCP * 2);
+            if (!small) {
+                TK_PRODUCTS(w[0]);
+            } else if (a == 0) {
+                TK_PRODUCTS(w[1]);
+                TK_PRODUCTS(w[2]);
+            } else {
+                TK_PRODUCTS(w[0]);
+                if (a == 1) TK_PRODUCTS(w[1]);
+            }
+        }
+    }
+}
+
+/* The four accumulator tiles into c (row stride 32) */
+TK_INLINE void tk_tiles_out(float *c) {
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    _tile_stored(2, c + 16 * 32, 128);
+    _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+TK_INLINE void tk_tiles_zero(void) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+}
+
+/* Y = X W^T + bias (+ R when not NULL), then GELU of each value when gelu is not 0, then, when
+ * gamma is not NULL, LayerNorm of each row (gamma, beta, eps). X: M x K, Y and R: M x N. */
+void tk_dense(const float *restrict X, long M, const float *restrict Wp, const float *restrict bias,
+              const float *restrict R, float *restrict Y, const float *restrict gamma,
+              const float *restrict beta, float eps, int gelu, int nthreads) {
+    if (!tk_xs) tk_xs = (uint16_t *)tk_alloc(3L * TK_MBP * TK_KCP / 2);
+    uint16_t *xs = tk_xs;  /* the calling thread's; the team's threads read it */
+    const uint16_t *wp = (const uint16_t *)Wp;
+    /* M in blocks of near-equal rows (multiples of 32), as few as hold at most TK_MB each */
+    long nblocks = (M + TK_MB - 1) / TK_MB, step = (M + nblocks - 1) / nblocks;
+    step = tk_min((step + 31) / 32 * 32, TK_MBP);
+    for (long ic = 0; ic < M; ic += step) {
+        long mb = tk_min(step, M - ic);
+        for (long pc = 0; pc < TK_K; pc += TK_KCP) {
+            long kc = tk_min(TK_KCP, TK_K - pc), kts = (kc + 31) / 32;
+            int first = pc == 0, last = pc + kc >= TK_K;
+            tk_split_x(X, ic, mb, pc, kc, xs);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+            {
+                float c[32 * 32] __attribute__((aligned(64))), cs[32 * 32] __attribute__((aligned(64)));
+                tk_tiles_on();
+#pragma omp for schedule(static)
+                for (long jp = 0; jp < TK_NT / 2; ++jp)
+                    for (long i0 = 0; i0 < mb; i0 += 32) {
+                        long mr = tk_min(32, mb - i0), row = ic + i0, n0 = jp * 32;
+                        /* the small products first, in tiles of their own (2^-8 of the sum's size:
+                         * their roundings 2^-8 of the sum's), then the large ones onto the
+                         * sum so far; one AMX product rounds its sum at each term, so all six in
+                         * one sum rounded it six times a term, 2.3x a float32 GEMM's error at
+                         * K = 3072, this order as little as a float32 GEMM */
+                        tk_tiles_zero();
+                        if (mr > 16)
+                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 1, 1);
+                        else  /* two calls: each inlined with its tile count a constant */
+                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 0, 1);
+                        tk_tiles_out(cs);
+                        if (first) {
+                            tk_tiles_zero();
+                        } else {
+                            tk_load_block(c, Y, row, n0, mr);
+                            _tile_loadd(0, c, 128);
+                            _tile_loadd(1, c + 16, 128);
+                            _tile_loadd(2, c + 16 * 32, 128);
+                            _tile_loadd(3, c + 16 * 32 + 16, 128);
+                        }
+                        if (mr > 16)
+                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 1, 0);
+                        else
+                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 0, 0);
+                        tk_tiles_out(c);
+                        for (int v = 0; v < 32 * 32; v += 16)
+                            _mm512_store_ps(c + v, _mm512_add_ps(_mm512_load_ps(c + v), _mm512_load_ps(cs + v)));
+                        tk_store_block(c, Y, row, n0, mr, last, bias, R, gelu);
+                    }
+                _tile_release();
+            }
+        }
+        if (gamma) tk_layer_norm_rows(Y + ic * TK_N, mb, gamma, beta, eps);
+    }
+}
