@@ -16,8 +16,8 @@
  * Layouts. The weight is packed once: each of its three parts as VNNI tiles (for a column
  * tile of 16 columns of W^T and a k tile of 32, 16 rows of 16 (k, k + 1) pairs, 1 KiB), N
  * padded to 32 columns and K to TK_KP (a multiple of 32) with zeros. X is split per call, a
- * block of TK_MB rows by TK_KC columns at a time, into three row-major bf16 planes (zero
- * padded to 32 rows). Loops: row blocks of X, k blocks, then pairs of column tiles (threads
+ * block of TK_MB rows by TK_KC columns at a time, into three bf16 planes of tiles laid out as
+ * W's are (zero padded to 32 rows). Loops: row blocks of X, k blocks, then pairs of column tiles (threads
  * split these), then pairs of row tiles; four accumulator tiles (32 x 32 outputs) take each k
  * tile's products as h.(h, m, l), m.(h, m), l.h: two tile loads of X per part and two of W per
  * product pair. Partial sums of one k block go to Y and come back for the next; on the last,
@@ -108,25 +108,28 @@ void tk_pack_weight(const float *restrict W, float *restrict packed) {
 }
 
 /* The calling thread's split block of X: three planes of TK_MB (rounded up to 32) rows by TK_KCP
- * bf16, allocated once and kept. */
+ * bf16, allocated once and kept. A plane holds tiles: for each 16 rows and 32 columns, one
+ * contiguous tile (16 rows of 32, 1 KiB), a row's tiles in k order (rows read in place, 16 lines
+ * a tile at the block's row stride, waited on L2 twice as long: 1.4x the time of a layer
+ * at 256 rows when they were all in L1). */
 #define TK_MBP ((TK_MB + 31) / 32 * 32)
 static __thread uint16_t *tk_xs;
 
-/* Rows ic .. ic + mb of X, columns pc .. pc + kc, split into the three planes (row stride
- * TK_KCP), zeros past the rows and columns. */
+/* Rows ic .. ic + mb of X, columns pc .. pc + kc, split into the three planes, zeros past the
+ * rows and columns. */
 static void tk_split_x(const float *restrict X, long ic, long mb, long pc, long kc, uint16_t *restrict xs) {
     long rows = (mb + 31) / 32 * 32, plane = (long)TK_MBP * TK_KCP;
     for (long i = 0; i < rows; ++i) {
-        uint16_t *h = xs + i * TK_KCP, *m = h + plane, *l = m + plane;
+        uint16_t *h = xs + (i / 16) * TK_KCP * 16 + (i % 16) * 32, *m = h + plane, *l = m + plane;
         const float *x = X + (ic + i) * TK_K + pc;
         for (long k = 0; k < TK_KCP; k += 16) {
-            long valid = i < mb ? tk_min(16, kc - k) : 0;
+            long valid = i < mb ? tk_min(16, kc - k) : 0, at = (k / 32) * TK_TILE + k % 32;
             __mmask16 mask = valid > 0 ? (__mmask16)((1u << valid) - 1) : 0;
             __m256i hb, mb16, lb;
             tk_split16(_mm512_maskz_loadu_ps(mask, x + k), &hb, &mb16, &lb);
-            _mm256_store_si256((__m256i *)(h + k), hb);
-            _mm256_store_si256((__m256i *)(m + k), mb16);
-            _mm256_store_si256((__m256i *)(l + k), lb);
+            _mm256_store_si256((__m256i *)(h + at), hb);
+            _mm256_store_si256((__m256i *)(m + at), mb16);
+            _mm256_store_si256((__m256i *)(l + at), lb);
         }
     }
 }
@@ -178,17 +181,30 @@ static void tk_load_block(float *restrict c, const float *restrict Y, long row, 
         }                                                                                      \
     } while (0)
 
+/* The next column pair's W (its six ranges: three parts, two column tiles, this k block's
+ * tiles each) is fetched into L2 while this pair's products run, a share of it per row pair
+ * and a few lines a k tile (a burst at a block's start held the line-fill buffers the tile
+ * loads wait on, and ran slower than none): a model's packed weights outgrow the caches. */
+typedef struct {
+    const char *range[6];
+    long from, lines_per_t, to; /* bytes of each range this block fetches: from .. to */
+} tk_wfetch;
+
 TK_INLINE void tk_block(const uint16_t *restrict xs, long i0, const uint16_t *restrict wp, long j, long t0, long kts,
-                        int two, int small) {
+                        int two, int small, const tk_wfetch *pf) {
     const long plane = (long)TK_MBP * TK_KCP, wplane = (long)TK_NT * TK_KT * TK_TILE;
     const uint16_t *w[3] = {wp, wp + wplane, wp + 2 * wplane};
+    long at = pf ? pf->from : 0;
     for (long t = 0; t < kts; ++t) {
+        if (pf)
+            for (long l = 0; l < pf->lines_per_t && at < pf->to; ++l, at += 64)
+                for (int r = 0; r < 6; ++r) _mm_prefetch(pf->range[r] + at, _MM_HINT_T1);
         long b0 = ((j * TK_KT) + t0 + t) * TK_TILE, b1 = b0 + TK_KT * TK_TILE;
         /* X's part a with W's parts: the large sum h.h alone, or the small ones h.(m, l), m.(h, m), l.h */
         for (int a = 0; a < (small ? 3 : 1); ++a) {
-            const uint16_t *x = xs + a * plane + i0 * TK_KCP + t * 32;
-            _tile_loadd(4, x, TK_KCP * 2);
-            if (two) _tile_loadd(5, x + 16 * TK_KCP, TK_KCP * 2);
+            const uint16_t *x = xs + a * plane + i0 * TK_KCP + t * TK_TILE;
+            _tile_loadd(4, x, 64);
+            if (two) _tile_loadd(5, x + 16 * TK_KCP, 64);
             if (!small) {
                 TK_PRODUCTS(w[0]);
             } else if (a == 0) {
@@ -242,6 +258,18 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
                 for (long jp = 0; jp < TK_NT / 2; ++jp)
                     for (long i0 = 0; i0 < mb; i0 += 32) {
                         long mr = tk_min(32, mb - i0), row = ic + i0, n0 = jp * 32;
+                        tk_wfetch fetch, *pf = 0;
+                        if (jp + 1 < TK_NT / 2) {
+                            long bytes = kts * TK_TILE * 2, shares = (mb + 31) / 32, per = (bytes + shares - 1) / shares;
+                            per = (per + 63) / 64 * 64;
+                            for (int r = 0; r < 6; ++r)
+                                fetch.range[r] = (const char *)(wp + (r / 2) * (long)TK_NT * TK_KT * TK_TILE +
+                                                                ((2 * jp + 2 + r % 2) * TK_KT + pc / 32) * TK_TILE);
+                            fetch.from = i0 / 32 * per;
+                            fetch.to = tk_min(fetch.from + per, bytes);
+                            fetch.lines_per_t = (per / 64 + kts - 1) / kts;
+                            pf = &fetch;
+                        }
                         /* the small products first, in tiles of their own (2^-8 of the sum's size:
                          * their roundings 2^-8 of the sum's), then the large ones onto the
                          * sum so far; one AMX product rounds its sum at each term, so all six in
@@ -249,9 +277,9 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
                          * K = 3072, this order as little as a float32 GEMM */
                         tk_tiles_zero();
                         if (mr > 16)
-                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 1, 1);
+                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 1, 1, pf);
                         else  /* two calls: each inlined with its tile count a constant */
-                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 0, 1);
+                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 0, 1, pf);
                         tk_tiles_out(cs);
                         if (first) {
                             tk_tiles_zero();
@@ -263,9 +291,9 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
                             _tile_loadd(3, c + 16 * 32 + 16, 128);
                         }
                         if (mr > 16)
-                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 1, 0);
+                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 1, 0, 0);
                         else
-                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 0, 0);
+                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 0, 0, 0);
                         tk_tiles_out(c);
                         for (int v = 0; v < 32 * 32; v += 16)
                             _mm512_store_ps(c + v, _mm512_add_ps(_mm512_load_ps(c + v), _mm512_load_ps(cs + v)));
