@@ -47,6 +47,8 @@ def test_settings_that_cannot_work_are_refused_before_the_model_loads(tmp_path, 
     assert f"cannot write the cost table {tmp_path / 'no' / 'cost.json'}: give a file path" in err
     err = _error_of(capsys, [*serve, "--memory-plan", "--scheduler", "fifo_padded"])
     assert "the memory plan is the unpadded runner's; runner is padded" in err
+    err = _error_of(capsys, [*serve, "--amx", "off", "--kernels", "torch"])
+    assert "--amx off chooses how Tessera's dense kernels run; --kernels torch runs torch's" in err
     assert loads == []
 
 
@@ -59,6 +61,7 @@ def test_settings_that_cannot_work_are_refused_before_the_model_loads(tmp_path, 
             ["--task", "generate", "--pooling", "cls", "--max-batch-size", "4"],
             "--pooling, --max-batch-size are read by encoders",
         ),
+        (["--task", "generate", "--amx", "off"], "--amx is read by encoders"),
     ],
 )
 def test_a_flag_the_task_does_not_read_is_refused(capsys, loads, tmp_path, argv, named):

@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
+from tessera.kernels import dense as dense_module
 from tessera.kernels.dense import amx_ready
 from tessera.serve.model import load_model, reference_outputs
 from tessera.serve.runner import PaddedRunner
@@ -41,7 +42,10 @@ def tokens_for(lengths, vocab=200, seed=0):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("task,pooling", [("embed", "mean"), ("embed", "cls"), ("classify", "mean")])
-def test_packed_batches_equal_one_request_at_a_time(encoder_dirs, family, task, pooling):
+def test_packed_batches_equal_one_request_at_a_time(encoder_dirs, family, task, pooling, monkeypatch):
+    # no tuning record (a measured one may have chosen an AVX kernel): "auto" takes AMX where it runs
+    monkeypatch.setattr(dense_module, "saved_choice", lambda *a: None)
+    monkeypatch.setattr(dense_module, "save_choice", lambda *a: None)
     served = load_model(encoder_dirs[family, task], task=task, pooling=pooling)
     runners = [UnpaddedRunner(served, attention=mode) for mode in ATTENTION_MODES] + [PaddedRunner(served)]
     # the dense layers on Tessera's kernels (residuals fused where the family allows): the same

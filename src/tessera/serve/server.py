@@ -86,6 +86,8 @@ class ServeConfig:
         check_choice("kernels", self.kernels, ("auto", "tessera", "torch"))
         check_choice("tuning", self.tuning, ("model", "measure"))
         check_choice("amx", self.amx, ("auto", "off"))
+        if self.amx != "auto" and self.kernels == "torch":
+            raise ValueError(f"--amx {self.amx} chooses how Tessera's dense kernels run; --kernels torch runs torch's")
         if self.kernels == "tessera" and self.runner_name != "unpadded":
             raise ValueError(f"--kernels tessera is the unpadded runner's; runner is {self.runner_name}")
 
