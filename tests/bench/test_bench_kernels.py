@@ -39,13 +39,18 @@ def test_quick_kernels_bench(tmp_path, measured_machine):
     assert all("peak_gflops" not in x for r in result.rows if r["kind"] == "conv" for x in r["rounds"])
     assert 0 <= h["win_fraction_vs_best_anchor"] <= 1 and h["shapes"] == len(result.rows)
     # a GEMM row also times its schedule with the weight (B) packed once, beside MKL's packed SGEMM
-    # when its pick is the micro-kernel GEMM (a loop-nest pick has no packed B to keep; on a loaded
-    # machine the timing once picked one for a 128^3 GEMM, no longer in the quick plan)
+    # when its pick is the micro-kernel GEMM or the AMX one (a loop-nest pick has no packed B to
+    # keep; on a loaded machine the timing once picked one for a 128^3 GEMM, no longer in the plan)
     gemm = [r for r in result.rows if r["kind"] == "gemm"]
-    micro = [r for r in gemm if r["algorithm"] == "micro-kernel"]
-    assert micro, "no GEMM row picked the micro-kernel"
+    micro = [r for r in gemm if r["algorithm"] in ("micro-kernel", "amx bf16x6")]
+    assert micro, "no GEMM row picked the micro-kernel or the AMX kernel"
     assert all(r["tessera_prepacked_gflops"] > 0 for r in micro)
-    assert all("tessera_prepacked_gflops" not in r for r in gemm if r["algorithm"] != "micro-kernel")
+    assert all("tessera_prepacked_gflops" not in r for r in gemm if r not in micro)
+    # an AMX pick (where the CPU has AMX-BF16) also times the tuning's fastest FMA kernel in the
+    # same rounds; no other row does
+    amx = [r for r in gemm if r["algorithm"] == "amx bf16x6"]
+    assert all(r["tessera_fma_gflops"] > 0 for r in amx)
+    assert all("tessera_fma_gflops" not in r for r in result.rows if r not in amx)
     # a conv row times its weight packed once when its tuning timed a flatc schedule (or its pick
     # is a micro-kernel that packs A); a depthwise pick with neither has no packed weight to keep
     convs = [r for r in result.rows if r["kind"] == "conv"]

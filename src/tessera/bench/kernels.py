@@ -179,7 +179,7 @@ def algorithm(schedule) -> str:
     a direct kernel (depthwise, gemv) or Winograd F(m, 3)."""
     kind = schedule.kind
     if kind == "direct":
-        return schedule.algo
+        return "amx bf16x6" if schedule.algo == "amx" else schedule.algo
     if kind == "winograd":
         return f"winograd F({schedule.m},3)"
     return {"gemm": "micro-kernel", "loops": "loop nest"}[kind]
@@ -199,6 +199,7 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
     # a bound call (checks, output and pointers once), as the BLAS anchors' prepared calls are
     call, _ = kernel.bind(*inputs, threads=threads)
     prepacked = _prepacked_call(kind, op, tuned, inputs, threads, plan.repeats)
+    fma = _fma_call(op, tuned, inputs, threads)
     rounds = []
     # the square GEMMs' fraction of peak: the FMA peak probed in each round just before
     # Tessera's timing, so the two share the VM's moment (the run's start-up probe can be
@@ -211,6 +212,8 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
         got = anchor_set.measure(kind, spec, threads, flops, _median_seconds, plan.repeats, plan.settle_s)
         if prepacked is not None:
             got["tessera_prepacked_gflops"] = round(flops / _median_seconds(prepacked, plan.repeats) / GIGA, 2)
+        if fma is not None:
+            got["tessera_fma_gflops"] = round(flops / _median_seconds(fma, plan.repeats) / GIGA, 2)
         rounds.append({"gflops": round(flops / seconds / GIGA, 2), "seconds": seconds, **peak, **got})
     row = {
         "kind": kind, "shape": label, "threads": threads, **ka.median_of_rounds(rounds),
@@ -228,24 +231,35 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
     return row
 
 
+def _fma_call(op, tuned, inputs, threads):
+    """Where the tuned kernel is the AMX GEMM: the bound call of the fastest schedule of the
+    tuning that runs on FMAs (the FMA kernels' own figure, timed in the same rounds), else None."""
+    if getattr(tuned.best, "algo", None) != "amx":
+        return None
+    timed = [t for t in tuned.trials if t.measured is not None and getattr(t.schedule, "algo", None) != "amx"]
+    if not timed:
+        return None
+    return compile_kernel(op, min(timed, key=lambda t: t.measured).schedule).bind(*inputs, threads=threads)[0]
+
+
 def _prepacked_call(kind, op, tuned, inputs, threads, repeats):
     """The row's weight packed once, outside the timing, and read packed by each call (as MKL's
     packed SGEMM and oneDNN's reordered weights are): a GEMM's B (input 1) under the tuned
     micro-kernel schedule; a convolution's weight (input 0) under the tuned schedule when it
     can take it (a micro-kernel that packs A, ``flatc``, ``flatcl``, Winograd), and under the
-    fastest timed ``flatc`` / ``flatcl`` schedule of the tuning, the faster of the two. None when
-    neither applies."""
+    fastest timed ``flatc`` / ``flatcl`` schedule of the tuning, the faster of the two (a GEMM's
+    B likewise under the fastest timed AMX schedule, where one was timed). None when neither
+    applies."""
     index = 1 if kind == "gemm" else 0
     schedules = []
     if isinstance(tuned.best, GemmSchedule):
         schedules.append(tuned.best.packing_b() if index else dataclasses.replace(tuned.best, pack_a=True))
-    elif kind != "gemm":
+    else:
         schedules.append(tuned.best)
-    if kind != "gemm":
-        timed = [t for t in tuned.trials
-                 if t.measured is not None and getattr(t.schedule, "algo", None) in ("flatc", "flatcl")]
-        if timed:
-            schedules.append(min(timed, key=lambda t: t.measured).schedule)
+    own = ("amx",) if kind == "gemm" else ("flatc", "flatcl")
+    timed = [t for t in tuned.trials if t.measured is not None and getattr(t.schedule, "algo", None) in own]
+    if timed:
+        schedules.append(min(timed, key=lambda t: t.measured).schedule)
     calls = []
     for schedule in dict.fromkeys(schedules):
         kernel = compile_kernel(op, schedule)
@@ -387,6 +401,12 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
         "the weight once (the anchors' figures already include MKL's packed SGEMM and oneDNN's reordered weights).",
         "Code paths: OpenBLAS's openblas_get_corename / get_config, BLIS's bli_arch_query_id, threadpoolctl; torch's "
         "from MKL_VERBOSE / ONEDNN_VERBOSE and the ATen ops of one call per path in a child process, after the timings.",
+        "Tessera's AMX GEMM (algorithm 'amx bf16x6', where the CPU has AMX-BF16): float32 accuracy from six bfloat16 "
+        "tile products a product (tested against float64 at a float32 GEMM's tolerance); no anchor computes float32 "
+        "on AMX at that accuracy (MKL's and oneDNN's float32 GEMMs run on FMAs; oneDNN's bf16 fpmath mode rounds "
+        "each input to one bfloat16, about 3 significant digits, and is not a float32 anchor). tessera_fma_gflops: "
+        "on rows where the AMX kernel was chosen, the tuning's fastest FMA schedule timed in the same rounds "
+        "(the FMA kernels' own figure; sgemm_*_fma_fraction_* in the headline).",
         "numpy is a sanity row, not an anchor; its conv is im2col (sliding windows of the padded input) + one "
         "matmul per group.",
         ("TVM: not run (this plan has no TVM shapes: `--tvm-trials 0` or `--quick`)."
@@ -399,7 +419,7 @@ def _run(plan: KernelsPlan, progress: bool, machine=None) -> BenchResult:
         "A win: Tessera >= 0.95x the best anchor measured for that shape and thread count.",
         f"Whole run {time.perf_counter() - began:.0f} s on {machine.cores} cores.",
     ]
-    columns = ["kind", "shape", "threads", "gflops", "tessera_prepacked_gflops", "openblas_gflops", "blis_gflops", "aocl_blis_gflops",
+    columns = ["kind", "shape", "threads", "gflops", "tessera_prepacked_gflops", "tessera_fma_gflops", "openblas_gflops", "blis_gflops", "aocl_blis_gflops",
                "torch_gflops", "torch_path",
                "tvm_gflops", "numpy_gflops", "best_anchor", "vs_best_anchor", "best_anchor_path", "tuning_s",
                "tvm_tuning_s", "algorithm", "schedule"]

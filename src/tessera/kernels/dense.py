@@ -10,7 +10,7 @@ shortlist as dense kernels, times them at ``m_hint`` rows, times the three faste
 interleaved rounds (``tuner.final_rounds``) and keeps the fastest, recorded on disk beside
 the GEMM tuner's choices (a restart does not re-tune).
 
-On a CPU with AMX-BF16 (``amx="auto"``, the default) the kernel is ``csrc/tessera_dense_amx.c``
+On a CPU with AMX-BF16 (``amx="auto"``, the default) the kernel is ``csrc/tessera_amx.h``
 instead: float32 accuracy from six bfloat16 tile products a product (each float split into
 three bfloat16 parts; see that file), at about 1.5x the AVX-512 kernel's speed from 32 rows
 up. ``mode="model"`` takes it with its default blocks wherever it runs; ``mode="measure"``
@@ -34,15 +34,13 @@ import torch
 from torch import Tensor
 
 from tessera.kernels import ops
-from tessera.kernels.compiler import CSRC, Compiled, CompilerError, compile_source, load
-from tessera.kernels.machine import cpu_flags, load_machine
+from tessera.kernels.amx import AMX_FLAGS, amx_ready, amx_source
+from tessera.kernels.compiler import CSRC, Compiled, compile_source, load
+from tessera.kernels.machine import load_machine
 from tessera.kernels.schedule import GemmSchedule, schedule_from_dict
 from tessera.kernels.tuner import MODES, Trial, final_rounds, rank, save_choice, saved_choice, shortlist
 
 SOURCE = CSRC / "tessera_dense.c"
-AMX_SOURCE = CSRC / "tessera_dense_amx.c"
-AMX_FLAGS = ("-mamx-tile", "-mamx-bf16", "-mavx512bf16")
-AMX_CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16", "avx512f"}
 AMX_CHOICES = ("auto", "off")
 
 
@@ -69,21 +67,6 @@ def amx_schedules(k: int) -> list[AmxSchedule]:
     return [AmxSchedule(256, kc) for kc in kcs] + [AmxSchedule(128, min(k, 768))]
 
 
-@cache
-def amx_ready() -> str | None:
-    """None where the AMX kernel builds and Linux grants the tiles, else why not."""
-    missing = AMX_CPU_FLAGS - cpu_flags()
-    if missing:
-        return f"this CPU lacks {', '.join(sorted(missing))}"
-    try:
-        kernel = _build(32, 32, AmxSchedule(32, 32))
-    except (CompilerError, OSError) as exc:
-        return f"the compiler did not build the AMX kernel ({str(exc).splitlines()[0]})"
-    if not kernel._lib.tk_amx_ready():
-        return "Linux did not grant this process AMX's tile data (arch_prctl ARCH_REQ_XCOMP_PERM)"
-    return None
-
-
 @dataclass(frozen=True)
 class DenseOp:
     """What the tuner's on-disk record is keyed by (``signature``), for a dense layer."""
@@ -101,8 +84,7 @@ class DenseOp:
 
 def source(n: int, k: int, s: GemmSchedule | AmxSchedule) -> str:
     if isinstance(s, AmxSchedule):
-        defines = {"TK_VEC": 512, "TK_N": n, "TK_K": k, "TK_KC": min(s.kc, k), "TK_MB": s.mb}
-        return "".join(f"#define {name} {value}\n" for name, value in defines.items()) + AMX_SOURCE.read_text()
+        return amx_source(n, k, s.kc, s.mb)
     kc = min(s.kc, k)
     defines = {
         "TK_VEC": 512 if s.isa == "avx512" else 256,

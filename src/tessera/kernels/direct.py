@@ -1,11 +1,12 @@
 """Operators with a kernel of their own: a depthwise convolution (positions on the vector
 lanes, or channels on them, ``dwc``), a grouped or flat convolution (positions on the vector
-lanes, ``flat``, or output channels on them, ``flatc``) and a matrix-vector product (GEMV).
+lanes, ``flat``, or output channels on them, ``flatc``), a matrix-vector product (GEMV) and,
+where the CPU has AMX-BF16, a GEMM on AMX tiles at float32 accuracy (``amx``).
 All are recognised in the IR (the operators ``ops.conv2d`` and ``ops.gemm`` build), so the
 tuner offers their ``DirectSchedule`` beside the micro-kernel and loop-nest lowerings and the
 model decides between them; the kernels are ``csrc/tessera_depthwise.h``,
-``csrc/tessera_dwchan.h``, ``csrc/tessera_flatconv.h`` and ``csrc/tessera_gemv.h``, sized at
-compile time by the defines written here.
+``csrc/tessera_dwchan.h``, ``csrc/tessera_flatconv.h``, ``csrc/tessera_gemv.h`` and
+``csrc/tessera_gemm_amx.h``, sized at compile time by the defines written here.
 
 Why these: a depthwise convolution has one input channel per output, so the implicit
 GEMM has a reduction of only KH x KW and a generic loop nest guards every tap (a grouped one,
@@ -22,13 +23,17 @@ transposed once a call or once for good, ``Kernel.bind(constant=0)``; ``flatcl``
 tiles of consecutive positions across row ends, for small planes whose rows no register tile
 divides); a GEMV reads every
 element of its matrix once, so packing it for the micro-kernel (as the GEMM loops do) doubles
-the memory traffic of an operator that is nothing but memory traffic.
+the memory traffic of an operator that is nothing but memory traffic; an AMX tile product
+(16 x 16 outputs, 32 terms each) runs at 16 times the rate of AVX-512's FMAs, so even the six
+bfloat16 products a float32 product takes at float32 accuracy outrun them (``amx``, offered
+only where ``amx.amx_ready()``: the CPU has AMX-BF16 and Linux grants the tiles).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tessera.kernels.amx import AMX_FLAGS, amx_ready, amx_source
 from tessera.kernels.ir import Access, BinOp, Operator
 from tessera.kernels.schedule import ISAS, DirectSchedule
 
@@ -136,8 +141,29 @@ def gemv_of(op: Operator) -> Gemv | None:
     return Gemv(n=ext["n"], k=ext["k"], trans_b=op.name.endswith("t"))
 
 
+@dataclass(frozen=True)
+class AmxGemm:
+    m: int
+    n: int
+    k: int
+    trans_b: bool  # B stored [N, K] (a Linear's weight) rather than [K, N]
+
+
+def amx_of(op: Operator) -> AmxGemm | None:
+    """The sizes of ``op`` when it is ``ops.gemm`` with A stored [M, K] (``gemm_nn``, ``gemm_nt``)."""
+    if op.name not in ("gemm_nn", "gemm_nt"):
+        return None
+    ext = op.extents
+    return AmxGemm(m=ext["m"], n=ext["n"], k=ext["k"], trans_b=op.name == "gemm_nt")
+
+
 _RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of, "flat": flat_of, "flatc": flat_of,
-                "flatcl": flat_of, "dwc": dwc_of}
+                "flatcl": flat_of, "dwc": dwc_of, "amx": amx_of}
+
+
+def extra_flags(s) -> tuple[str, ...]:
+    """Compiler flags a schedule's kernel needs beyond its ISA's (AMX's for the amx kernel)."""
+    return AMX_FLAGS if isinstance(s, DirectSchedule) and s.algo == "amx" else ()
 
 
 def applies(op: Operator, algo: str) -> bool:
@@ -147,6 +173,12 @@ def applies(op: Operator, algo: str) -> bool:
 def generate_direct(op: Operator, s: DirectSchedule) -> str:
     """C source of ``op`` under ``s`` (the defines of the kernel's header, then the header)."""
     vec = 512 if s.isa == "avx512" else 256
+    if s.algo == "amx":
+        g = amx_of(op)
+        if g is None:
+            raise ValueError(f"{op.name}: the amx kernel takes a GEMM with A stored [M, K] (gemm_nn or gemm_nt)")
+        head = f"/* {op.signature()}\n * schedule: {s.short()} */\n"
+        return head + amx_source(g.n, g.k, s.vecs, s.rows, {"GA_M": g.m, "GA_TB": int(g.trans_b)}, "tessera_gemm_amx.h")
     if s.algo in ("depthwise", "grouped"):
         d = _RECOGNISERS[s.algo](op)
         if d is None:
@@ -228,8 +260,28 @@ GEMV_BLOCKS = {False: tuple((r, u) for r in (4, 8) for u in (2, 4, 8)),
                True: tuple((r, u) for r in (2, 4, 6) for u in (1, 2))}
 
 
+AMX_MIN_ROWS = 16  # below a tile's 16 rows the AVX kernels win: AMX reads 1.5x the weight bytes
+AMX_BLOCKS = ((256, 768), (256, 384), (128, 768))  # rows of A x columns of K a block (dense.py's probes)
+
+
+def amx_space(op: Operator, isas: tuple[str, ...]) -> list[DirectSchedule]:
+    """The AMX GEMM's blocks, where it applies and runs here: K in near-equal blocks."""
+    g = amx_of(op)
+    if g is None or g.m < AMX_MIN_ROWS or "avx512" not in isas or amx_ready() is not None:
+        return []
+    out = []
+    for mb, kc in AMX_BLOCKS:
+        per_block = -(-g.k // -(-g.k // kc))  # K in as many near-equal blocks as kc would cut
+        kc = -(-per_block // 32) * 32
+        mb = min(mb, -(-g.m // 32) * 32)
+        s = DirectSchedule(algo="amx", isa="avx512", rows=mb, vecs=kc)
+        if s not in out:
+            out.append(s)
+    return out
+
+
 def direct_space(op: Operator, *, isas: tuple[str, ...]) -> list[DirectSchedule]:
-    out = _flat_space(op, isas) + _dwc_space(op, isas)
+    out = _flat_space(op, isas) + _dwc_space(op, isas) + amx_space(op, isas)
     d, v = depthwise_of(op) or grouped_of(op), gemv_of(op)
     if d is not None:
         blocks, algo = DEPTHWISE_BLOCKS, ("depthwise" if d.cig == 1 else "grouped")

@@ -14,7 +14,7 @@ from tessera.kernels.codegen_gemm import generate_gemm, prepackable
 from tessera.kernels.codegen_loops import generate_loops
 from tessera.kernels.compiler import Compiled, compile_source, load
 from tessera.kernels.contraction import analyse
-from tessera.kernels.direct import generate_direct
+from tessera.kernels.direct import extra_flags, generate_direct
 from tessera.kernels.ir import Operator, Tensor
 from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule, Schedule, WinogradSchedule
 
@@ -141,7 +141,9 @@ class Kernel:
     def prepack_operand(self, index: int) -> str | None:
         """"A" or "B" when input ``index`` can be packed once and read packed, else None
         ("W" for the weight, input 0, of a channel-vectorised flat convolution, transposed, or of
-        a Winograd convolution, transformed)."""
+        a Winograd convolution, transformed; "B" of the AMX GEMM, split and laid out as tiles)."""
+        if isinstance(self.schedule, DirectSchedule) and self.schedule.algo == "amx":
+            return "B" if index == 1 else None
         if (isinstance(self.schedule, DirectSchedule) and self.schedule.algo in ("flatc", "flatcl")) or isinstance(
                 self.schedule, WinogradSchedule):
             return "W" if index == 0 else None
@@ -157,14 +159,15 @@ class Kernel:
         if which is None:
             raise ValueError(f"{self.op.name}: constant={index!r} cannot be prepacked under {self.schedule.short()}; "
                              "it must name an input the GEMM schedule packs (no batch loop, no zero padding) "
-                             "or the weight (0) of a flatc or Winograd convolution")
+                             "or the weight (0) of a flatc or Winograd convolution, or B (1) of the AMX GEMM")
         return which
 
     def prepack(self, index: int, value) -> Prepacked:
         """Input ``index`` (a weight: ``value``, its array) packed once, as this schedule reads it
         packed; ``run_prepacked`` then takes it in place of packing it per call."""
         which = self._prepackable(index)
-        lib = self._lib if which == "W" else _prepacked_lib(self.op, self.schedule, which)
+        own = isinstance(self.schedule, (DirectSchedule, WinogradSchedule))  # the kernel's own entry points
+        lib = self._lib if own else _prepacked_lib(self.op, self.schedule, which)
         lib.tk_prepack.restype = lib.tk_run_prepacked.restype = None
         ptr = _pointer(value, self.op.inputs[index], "input", self.op.name)
         packed = aligned_empty(ctypes.c_long.in_dll(lib, "tk_prepacked_floats").value)
@@ -236,7 +239,7 @@ def _prepacked_lib(op: Operator, schedule: GemmSchedule, which: str) -> ctypes.C
 def compile_kernel(op: Operator, schedule: Schedule) -> Kernel:
     """The kernel of ``op`` under ``schedule`` (compiled once per process and cached on disk)."""
     source = generate(op, schedule)
-    compiled = compile_source(source, isa=schedule.isa, name=op.name)
+    compiled = compile_source(source, isa=schedule.isa, name=op.name, extra_flags=extra_flags(schedule))
     if compiled.key in _LOADED:
         return _LOADED[compiled.key]
     lib = load(compiled)

@@ -40,7 +40,7 @@ import math
 
 from tessera.kernels.codegen_loops import _loops, unit_axes
 from tessera.kernels.contraction import analyse
-from tessera.kernels.direct import conv_of, flat_positions, flatcl_k_block, gemv_of
+from tessera.kernels.direct import amx_of, conv_of, flat_positions, flatcl_k_block, gemv_of
 from tessera.kernels.ir import Operator, accesses, drop_unit_axes
 from tessera.kernels.machine import Machine
 from tessera.kernels.schedule import DirectSchedule, GemmSchedule, LoopSchedule, Schedule, WinogradSchedule
@@ -406,13 +406,47 @@ def _predict_gemv(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> 
     return CALL_SECONDS + max(t_compute, t_mem)
 
 
+# AMX (Intel's optimization manual): TDPBF16PS, a 16 x 16 tile of 32 products each, issues
+# every 16 cycles; the kernel runs 24 of them per 32 x 32 block and k tile of 32 (six bfloat16
+# products a float32 product, 2 x 2 accumulator tiles) and loads 20 tiles of 1 KiB for them
+AMX_PRODUCT_CYCLES = 16
+AMX_PRODUCTS_PER_BLOCK = 24
+AMX_TILE_LOADS_PER_BLOCK = 20
+AMX_SPLIT_BYTES = 10.0  # a float read (4 bytes) and its three bfloat16 parts written (6)
+
+
+def _predict_amx(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
+    """The AMX GEMM: its tile products plus the tiles they load from L2 (a tile is not renamed:
+    a load into it waits for its last reader, so loads and products do not overlap), or the
+    packed B read again from beyond L2 for every block of ``s.rows`` rows when it does not stay
+    in L2, whichever binds; plus B split and laid out per call (threads share it), A split per
+    block (one thread) and the partial sums of each k block written to C and read back."""
+    g = amx_of(op)
+    pairs = -(-g.n // 32)
+    t_eff = max(1, min(threads, pairs))
+    blocks = -(-g.m // 32) * pairs * -(-g.k // 32)
+    per_thread = blocks / _balance(pairs, t_eff)
+    t_core = per_thread * (AMX_PRODUCTS_PER_BLOCK * AMX_PRODUCT_CYCLES * _cycle(m, "avx512")
+                           + AMX_TILE_LOADS_PER_BLOCK * 1024 / _bw(m, "L2", t_eff))
+    b_packed = 6.0 * pairs * 32 * -(-g.k // 32) * 32
+    b_bw = m.bandwidth(_level(m, b_packed, t_eff), t_eff)
+    t_pack_b = AMX_SPLIT_BYTES * g.k * g.n / b_bw
+    restreams = -(-g.m // s.rows) - 1 if b_packed > 0.75 * m.cache_bytes["L2"] else 0
+    t_stream = restreams * b_packed / b_bw
+    a_bytes = AMX_SPLIT_BYTES * g.m * g.k
+    t_split_a = a_bytes / _bw(m, _level(m, a_bytes), 1)
+    c_bytes = 4.0 * g.m * g.n
+    t_c = (2 * -(-g.k // s.vecs) - 1) * c_bytes / m.bandwidth(_level(m, c_bytes, t_eff), t_eff)
+    return CALL_SECONDS + t_pack_b + t_split_a + t_c + max(t_core, t_stream)
+
+
 def predict(op: Operator, schedule: Schedule, m: Machine, threads: int = 1) -> float:
     """Predicted seconds of one call of ``op`` under ``schedule`` on ``threads`` threads."""
     if isinstance(schedule, GemmSchedule):
         return predict_gemm(op, schedule, m, threads)
     if isinstance(schedule, DirectSchedule):
         predictor = {"gemv": _predict_gemv, "flat": _predict_flat, "flatc": _predict_flatc, "flatcl": _predict_flatc,
-                     "dwc": _predict_dwc}.get(schedule.algo, _predict_depthwise)
+                     "dwc": _predict_dwc, "amx": _predict_amx}.get(schedule.algo, _predict_depthwise)
         return predictor(op, schedule, m, threads)
     if isinstance(schedule, WinogradSchedule):
         from tessera.kernels.winograd import predict_winograd  # it builds on this module's GEMM model

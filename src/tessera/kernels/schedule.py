@@ -161,13 +161,15 @@ class LoopSchedule:
         return f"loops {'>'.join(self.order)} tiles[{tiles}] par{self.parallel} simd{int(self.vectorize)} u{self.unroll}"
 
 
-DIRECT_ALGOS = ("depthwise", "grouped", "gemv", "flat", "flatc", "flatcl", "dwc")
+DIRECT_ALGOS = ("depthwise", "grouped", "gemv", "flat", "flatc", "flatcl", "dwc", "amx")
 
 
 @dataclass(frozen=True, kw_only=True)
 class DirectSchedule:
     """``algo``: the specialised kernel; ``rows`` x ``vecs``: its register block (depthwise:
-    output rows x vectors along a row; GEMV: matrix rows per pass x vectors of the output)."""
+    output rows x vectors along a row; GEMV: matrix rows per pass x vectors of the output),
+    for ``amx`` (a GEMM on AMX tiles, avx512 only) its cache blocks instead: rows of A a block
+    x columns of K a block."""
 
     algo: str
     isa: str = "avx2"
@@ -181,6 +183,11 @@ class DirectSchedule:
             raise ValueError(f"direct kernel {self.algo!r}; choose one of {', '.join(DIRECT_ALGOS)}")
         if self.rows < 1 or self.vecs < 1:
             raise ValueError(f"register block {self.rows}x{self.vecs} must be at least 1x1")
+        if self.algo == "amx":
+            if self.isa != "avx512" or self.rows % 32 or self.vecs % 32:
+                raise ValueError(f"amx kernel: isa avx512 and blocks in multiples of 32, got {self.isa} "
+                                 f"{self.rows} rows x {self.vecs} of K")
+            return
         live = self.rows * self.vecs + self.vecs + 1 if self.algo != "gemv" else self.vecs + 2
         if live > regs:
             raise ValueError(f"register block {self.rows}x{self.vecs} needs {live} vector registers; {self.isa} has {regs}")
@@ -189,6 +196,8 @@ class DirectSchedule:
         return json.dumps(asdict(self), sort_keys=True)
 
     def short(self) -> str:
+        if self.algo == "amx":
+            return f"amx bf16x6 mb{self.rows} kc{self.vecs}"
         return f"{self.algo} {self.isa} {self.rows}x{self.vecs}"
 
 

@@ -1,5 +1,5 @@
 /* The dense layers' epilogue, shared by the AVX kernel (tessera_dense.c) and the AMX one
- * (tessera_dense_amx.c): GELU on a vector of outputs, and LayerNorm of complete rows of Y.
+ * (tessera_amx.h): GELU on a vector of outputs, and LayerNorm of complete rows of Y.
  * Include after tessera_math.h, with TK_N (Y's row length) defined. */
 #ifndef TESSERA_DENSE_EPILOGUE_H
 #define TESSERA_DENSE_EPILOGUE_H

@@ -1,0 +1,35 @@
+/* The operator compiler's GEMM on AMX tiles at float32 accuracy: C[M, N] = A[M, K] B (B stored
+ * [K, N], or [N, K] when GA_TB), the dense layer of tessera_amx.h with no bias and M fixed. B
+ * is split into its three bfloat16 parts and laid out as tiles at each call (or once, by
+ * tk_prepack, for a B that does not change: a layer's weight), A block by block inside the
+ * layer. The generated file defines TK_VEC (512), TK_N, TK_K, TK_KC, TK_MB, GA_M and GA_TB,
+ * then includes this file.
+ */
+#ifndef TESSERA_GEMM_AMX_H
+#define TESSERA_GEMM_AMX_H
+
+#include "tessera_amx.h"
+
+long tk_prepacked_floats = 3L * TK_NT * TK_KT * TK_TILE / 2;
+
+/* B's strides: B(k, n) = B[k * GA_SK + n * GA_SN] */
+#define GA_SK (GA_TB ? 1 : TK_N)
+#define GA_SN (GA_TB ? TK_K : 1)
+
+static __thread float *ga_packed;
+
+void tk_prepack(const float *restrict b, float *restrict dst) { tk_pack_b(b, GA_SK, GA_SN, (uint16_t *)dst, 1); }
+
+void tk_run_prepacked(float *restrict out, const float *restrict a, const float *restrict b,
+                      const float *restrict packed, int nthreads) {
+    (void)b;
+    tk_dense(a, GA_M, packed, 0, 0, out, 0, 0, 0.0f, 0, nthreads);
+}
+
+void tk_run(float *restrict out, const float *restrict a, const float *restrict b, int nthreads) {
+    if (!ga_packed) ga_packed = tk_alloc(tk_prepacked_floats);
+    tk_pack_b(b, GA_SK, GA_SN, (uint16_t *)ga_packed, nthreads);
+    tk_dense(a, GA_M, ga_packed, 0, 0, out, 0, 0, 0.0f, 0, nthreads);
+}
+
+#endif

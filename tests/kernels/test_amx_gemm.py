@@ -1,0 +1,98 @@
+"""The operator compiler's AMX GEMM (``direct.py``'s ``amx`` kernel on ``csrc/tessera_gemm_amx.h``):
+float32 accuracy from six bfloat16 tile products a product, against a float64 reference on odd
+shapes (tails of every tile and k block), B stored either way, packed per call or once, and the
+same bits at any thread count. The numeric tests skip where the CPU has no AMX-BF16; the space
+and refusal tests run everywhere."""
+
+import numpy as np
+import pytest
+
+from tessera.kernels import direct, ops
+from tessera.kernels.amx import amx_ready
+from tessera.kernels.kernel import compile_kernel
+from tessera.kernels.machine import load_machine
+from tessera.kernels.model import predict
+from tessera.kernels.schedule import DirectSchedule, schedule_from_dict
+from tessera.kernels.tuner import random_inputs
+
+needs_amx = pytest.mark.skipif(amx_ready() is not None, reason=f"AMX: {amx_ready()}")
+
+
+def _errors(op, a, b, c, trans_b):
+    """max |C - C64| over max |C64|, and the same for numpy's float32 matmul (a float32 GEMM)."""
+    bm = b.T if trans_b else b
+    exact = a.astype(np.float64) @ bm.astype(np.float64)
+    scale = np.abs(exact).max()
+    return np.abs(c - exact).max() / scale, np.abs(a @ bm - exact).max() / scale
+
+
+# M, N, K: M below one 16-row tile and between tiles, N not a multiple of 16 or 32, K not of 32
+# and over two k blocks (kc 96 on K = 300: 4 blocks with a tail)
+SHAPES = [(5, 3, 64), (16, 37, 129), (97, 1000, 300), (300, 40, 1600), (33, 200, 300)]
+
+
+@needs_amx
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_amx_gemm_equals_the_float64_product(m, n, k, trans_b):
+    op = ops.gemm(m, n, k, trans_b=trans_b)
+    a, b = random_inputs(op, seed=m + n + k)
+    kernel = compile_kernel(op, DirectSchedule(algo="amx", isa="avx512", rows=64, vecs=96))
+    c = kernel(a, b)
+    err, fp32 = _errors(op, a, b, c, trans_b)
+    # bf16x6 leaves out products below 2^-23 of each term and sums in float32 as a float32 GEMM
+    # does: its error is a float32 GEMM's (measured 0.2-0.5x numpy's float32 matmul here); 2x
+    # numpy's is the float32 tolerance, and bf16x3 (8-11x, tests/kernels/test_serving_kernels.py)
+    # or one bfloat16 rounding (~1e-3) fails it
+    assert err <= 2 * fp32 + 1e-7, (err, fp32)
+    # packed once (a weight) computes the same bits as packed per call; 2 threads as 1
+    packed = kernel.prepack(1, b)
+    assert np.array_equal(kernel.run_prepacked(packed, a, b), c)
+    assert np.array_equal(kernel(a, b, threads=2), c)
+
+
+@needs_amx
+def test_amx_blocks_change_only_the_speed_not_the_k_order_within_a_block():
+    # kc and mb are cache blocks: every kc computes the product to float32 accuracy (the k
+    # blocks' partial sums go through C), and mb does not change a single bit (rows are independent)
+    op = ops.gemm(97, 70, 300)
+    a, b = random_inputs(op, seed=3)
+    outs = {(mb, kc): compile_kernel(op, DirectSchedule(algo="amx", isa="avx512", rows=mb, vecs=kc))(a, b)
+            for mb in (32, 128) for kc in (32, 96, 320)}
+    for (_, kc), c in outs.items():
+        assert _errors(op, a, b, c, False)[0] <= 2 * _errors(op, a, b, a @ b, False)[1] + 1e-7
+        assert np.array_equal(c, outs[(32, kc)])
+
+
+def test_amx_is_offered_for_plain_gemms_of_16_rows_or_more_where_it_runs(monkeypatch):
+    monkeypatch.setattr(direct, "amx_ready", lambda: None)
+    isas = ("avx2", "avx512")
+    space = direct.amx_space(ops.gemm(300, 40, 1600, trans_b=True), isas)
+    assert space and all(s.algo == "amx" and s.rows % 32 == 0 and s.vecs % 32 == 0 for s in space)
+    # K cut into near-equal blocks: 1600 in blocks of at most 768 is 3 x 544 (533.3 up to 32), not 768 + 768 + 64
+    assert {s.vecs for s in space} == {544, 320}
+    for op in (ops.gemm(15, 64, 64), ops.gemm(64, 64, 64, trans_a=True), ops.batched_gemm(2, 64, 64, 64)):
+        assert direct.amx_space(op, isas) == []
+    assert direct.amx_space(ops.gemm(64, 64, 64), ("avx2",)) == []  # the split runs on AVX-512
+    monkeypatch.setattr(direct, "amx_ready", lambda: "this CPU lacks amx_tile")
+    assert direct.amx_space(ops.gemm(64, 64, 64), isas) == []
+
+
+def test_amx_schedule_round_trips_and_the_model_prices_it():
+    s = DirectSchedule(algo="amx", isa="avx512", rows=128, vecs=768)
+    assert schedule_from_dict(__import__("json").loads(s.key())) == s and s.short() == "amx bf16x6 mb128 kc768"
+    machine = load_machine()
+    small, big = predict(ops.gemm(64, 768, 768), s, machine), predict(ops.gemm(2048, 768, 768), s, machine)
+    assert 0 < small < big  # 32x the work costs more, not 32x less
+    # no more than the tile products at the documented rate allow (16 cycles a product)
+    assert big > 2 * 2048 * 768 * 768 / (machine.peak(1, "avx512") * 1024 / 6 / 64)
+
+
+def test_amx_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="avx512"):
+        DirectSchedule(algo="amx", isa="avx2", rows=128, vecs=768)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        DirectSchedule(algo="amx", isa="avx512", rows=100, vecs=768)
+    conv = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=8, out_channels=8, height=8, width=8, kernel=(3, 3), padding=(1, 1)))
+    with pytest.raises(ValueError, match="gemm_nn or gemm_nt"):
+        direct.generate_direct(conv, DirectSchedule(algo="amx", isa="avx512", rows=32, vecs=32))
