@@ -27,6 +27,8 @@ SCHEDULES = [
     StencilSchedule(rz=2, ry=2, tz=3, ty=5, prefetch=32),  # prefetches change no value
     StencilSchedule(ry=4, ty=8, tx=9, prefetch=8, isa="avx2"),
     StencilSchedule(rz=2, ry=2, tz=3, ty=5, stream=16, isa="avx2"),  # nor do streaming prefetches
+    StencilSchedule(ty=3, nt=True),  # non-temporal stores after a masked head to the output's boundary
+    StencilSchedule(rz=2, ry=2, tz=3, ty=5, tx=9, stream=16, nt=True, isa="avx2"),  # x blocks, jammed rows
 ]
 # factored: each group of points sharing a coefficient summed, then multiplied once
 FACTORED = [
@@ -36,6 +38,7 @@ FACTORED = [
     StencilSchedule(tz=2, ty=3, stream=256, factor=True, isa="avx2"),  # prefetching past the field's end
     StencilSchedule(tz=4, ty=2, vectorize=False, factor=True),
     StencilSchedule(rz=4, tz=5, ty=3, stream=64, factor=True, isa="avx2"),  # 4 planes share loads, then 1
+    StencilSchedule(rz=2, tz=2, ty=3, stream=64, factor=True, nt=True, isa="avx2"),
 ]
 CASES = [("star7", "constant"), ("star25", "point"), ("ete37", "class"), ("ete73", "point")]
 
@@ -120,6 +123,32 @@ def test_every_field_alignment_gives_the_same_bits():
         out = out_buf[shift : shift + u.size].reshape(u.shape)
         assert np.array_equal(kernel(field, {}, out=out, threads=2), want), shift
         assert not out_buf[:shift].any() and not out_buf[shift + u.size :].any()
+
+
+@pytest.mark.parametrize("shape_name,kind", [("star7", "point"), ("ete37", "constant")])
+def test_non_temporal_stores_at_every_output_alignment_give_the_same_bits(shape_name, kind):
+    """Under ``nt`` each row's points up to its output's vector boundary are one masked vector,
+    the rest stored past the caches: an output placed at each float offset in turn puts that
+    boundary at every distance from the row's start (and 2 rows jammed over a pitch that no
+    vector divides keep one row off it), and each gives the reference's bits and leaves the halo and the
+    buffer around the output alone."""
+    grid = (3, 4, 24 - 2 * (shape_name == "ete37"))  # row pitches 26 and 30 floats
+    st = make_stencil(shape_name, kind)
+    rng = np.random.default_rng(8)
+    u = rng.standard_normal(padded_shape(grid, st.halo), dtype=np.float32)
+    co = weight_arrays(st, shape_name, grid, rng=rng)
+    want = ref.apply_float32(st, u, co)
+    for schedule in (StencilSchedule(ty=2, nt=True, isa="avx2"), StencilSchedule(ry=2, ty=4, nt=True, isa="avx2")):
+        source = generate_apply(st, grid, schedule)
+        assert "STNT(" in source and "_mm_sfence()" in source
+        kernel = compile_stencil(st, grid, schedule, contract=False)
+        for shift in range(8):
+            out_buf = np.zeros(u.size + 8, np.float32)
+            out = out_buf[shift : shift + u.size].reshape(u.shape)
+            assert np.array_equal(kernel(u, co, out=out, threads=2), want), (schedule.short(), shift)
+            assert not out_buf[:shift].any() and not out_buf[shift + u.size :].any()
+            h = st.halo
+            assert not out[:h].any() and not out[:, :h].any() and not out[:, :, :h].any()
 
 
 def test_factored_order_is_its_own():

@@ -74,6 +74,10 @@ def test_bad_schedules():
         StencilSchedule(factor=1)
     with pytest.raises(ValueError, match="rz=2, ry=1: the wave kernel computes one row at a time"):
         compile_wave(make_stencil("star7"), (3, 3, 3), StencilSchedule(rz=2))
+    with pytest.raises(ValueError, match="nt=True applies to single-pass vector sweeps"):
+        StencilSchedule(nt=True, split=2)
+    with pytest.raises(ValueError, match="nt=True: the wave kernel reads the buffer it writes"):
+        compile_wave(make_stencil("star7"), (3, 3, 3), StencilSchedule(nt=True))
 
 
 def test_a_wave_grid_narrower_than_the_stencil(capsys):

@@ -32,7 +32,8 @@ typedef float vf __attribute__((vector_size({bytes})));
 typedef float vfu __attribute__((vector_size({bytes}), aligned(4)));
 #define LD(p) (*(const vfu *)(p))
 #define ST(p, a) (*(vfu *)(p) = (a))
-{masked}"""
+{masked}
+#define STNT(p, a) {stream}((p), ({vtype})(a))"""
 # a row's last points (fewer than a vector) as one masked vector: masked-off lanes are neither
 # read (no fault past an array's end) nor written
 MASKED = {
@@ -47,7 +48,9 @@ MASKED = {
 
 
 def _vector_types(isa: str) -> str:
-    return VECTOR_TYPES.format(bytes=4 * ISAS[isa][0], masked=MASKED[isa])
+    wide = isa == "avx512"
+    return VECTOR_TYPES.format(bytes=4 * ISAS[isa][0], masked=MASKED[isa], stream="_mm512_stream_ps" if wide
+                               else "_mm256_stream_ps", vtype="__m512" if wide else "__m256")
 
 
 def _literal(value: float) -> str:
@@ -136,6 +139,10 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
     assert init is None or len(block) == 1, "an init expression is for one row"
     accs = [f"a{i}" for i in range(len(block))]
     value_major = s.vectorize and not s.factor and _ascending(lay, points)
+    vl = ISAS[s.isa][0]
+    # non-temporal stores: the rows whose output is on a vector boundary when the first row's is
+    nt = s.nt and first and init is None and s.vectorize
+    nt_rows = {r for r in block if lay.field_row(r) % vl == 0} if nt else set()
 
     def body(vector: bool, masked: bool = False) -> str:
         ld, st = ("LDM", "STM") if masked else ("LD", "ST")
@@ -148,7 +155,7 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
         kind = "vf" if vector else "float"
         decl = " ".join(f"{kind} {a} = {start};" for a, start in zip(accs, starts, strict=True))
         ahead = vector and not masked  # prefetches go in the full vectors' body only
-        terms = _stream_prefetches(lay, points, block, s.stream) if ahead and s.stream else []
+        terms = _stream_prefetches(lay, points, block, s.stream, output=not nt) if ahead and s.stream else []
         if vector and value_major:  # it writes the rows' prefetches itself
             terms += _value_major_terms(lay, points, block, accs, ld, s.prefetch if ahead else 0)
         elif s.factor:  # per group and row, each field value loaded once
@@ -156,15 +163,20 @@ def _x_loop(lay: _Layout, points, first: bool, s: StencilSchedule, lo: str, hi: 
             terms += _group_terms(lay, points, block, accs, ld, vector)
         else:
             terms += [lay.term(p, r, a, vector, ld=ld) for p in points for a, r in zip(accs, block, strict=True)]
-        store = " ".join((f"{st}(o + x + {lay.field_row(r)}, {a});" if vector else f"o[x + {lay.field_row(r)}] = {a};")
-                         for a, r in zip(accs, block, strict=True))
+        puts = ["STNT" if r in nt_rows and not masked else st for r in block]
+        store = " ".join((f"{put}(o + x + {lay.field_row(r)}, {a});" if vector else f"o[x + {lay.field_row(r)}] = {a};")
+                         for put, a, r in zip(puts, accs, block, strict=True))
         return "{ " + "\n    ".join([decl, *terms, store]) + " }"
 
     if not s.vectorize:
         return f"{{ long x = {lo};\nfor (; x < {hi}; ++x) {{\n    {body(False)}\n}} }}"
-    vl = ISAS[s.isa][0]
     head = ""
-    if first and init is None and not lay.stencil.arrays and lay.px % vl == 0:  # all loads aligned
+    if nt:  # the first row's points up to its output's vector boundary, one masked vector
+        head = (f"{{ long tk_h = (long)(((0ul - (unsigned long)(o + x)) & {4 * vl - 1}ul) >> 2);\n"
+                f"if (tk_h > {hi} - x) tk_h = {hi} - x;\n"
+                f"if (tk_h) {{\n    const float *q = v + x; (void)q; TK_TAIL_MASK(tk_h);\n"
+                f"    {body(True, masked=True)}\n    x += tk_h;\n}} }}\n")
+    elif first and init is None and not lay.stencil.arrays and lay.px % vl == 0:  # all loads aligned
         head = (f"{{ const long tk_h = (long)(((0ul - (unsigned long)(v + x)) & {4 * vl - 1}ul) >> 2);\n"
                 f"if (tk_h && x + tk_h + {vl} <= {hi}) {{\n    const float *q = v + x; (void)q;\n"
                 f"    {body(True)}\n    x += tk_h;\n}} }}\n")
@@ -183,16 +195,17 @@ def _prefetches(lay: _Layout, points, block, prefetch: int) -> list[str]:
     return [f"__builtin_prefetch(q + {row} + {prefetch}, 0, 3);" for row in rows]
 
 
-def _stream_prefetches(lay: _Layout, points, block, ahead: int) -> list[str]:
+def _stream_prefetches(lay: _Layout, points, block, ahead: int, output: bool = True) -> list[str]:
     """The rows the jammed ``block`` is the first to read in a z-major sweep, ``ahead`` floats
     on: those of the planes at the stencil's reach ahead (``dz`` + the row's plane >= the
-    reach; the block before, ``rz`` planes back, read every plane below); and the block's
-    output rows, for writing (locality 3: kept in every cache level)."""
+    reach; the block before, ``rz`` planes back, read every plane below); and, with
+    ``output`` (not under non-temporal stores), the block's output rows, for writing
+    (locality 3: kept in every cache level)."""
     reach = max(p.offset[0] for p in points)
     rows = sorted({lay.offset((p.offset[0], p.offset[1], 0)) + lay.field_row(r)
                    for p in points for r in block if p.offset[0] + r[0] >= reach})
     return ([f"__builtin_prefetch(q + {row} + {ahead}, 0, 3);" for row in rows]
-            + [f"__builtin_prefetch(o + x + {lay.field_row(r) + ahead}, 1, 3);" for r in block])
+            + [f"__builtin_prefetch(o + x + {lay.field_row(r) + ahead}, 1, 3);" for r in block if output])
 
 
 def _value_major_terms(lay: _Layout, points, block, accs, ld: str, prefetch: int) -> list[str]:
@@ -286,9 +299,10 @@ def _tiles(lay: _Layout, s: StencilSchedule, inner: str) -> str:
     committed Milan runs: ete73 constant's paired sweep beside Devito's 35.4 ms under the
     static split, 22.8 under this, against 23.8 and 22.5 in the quiet main process)."""
     nz, ny, _ = lay.shape
+    fence = "\n_mm_sfence();  /* non-temporal stores are weakly ordered: drained before the tile ends */" if s.nt else ""
     return (f"#pragma omp parallel for collapse(2) schedule(guided) num_threads(nthreads)\n"
             f"for (long bz = 0; bz < {nz}; bz += {s.tz})\nfor (long by = 0; by < {ny}; by += {s.ty}) {{\n"
-            f"const long z1 = tk_min(bz + {s.tz}, {nz}), y1 = tk_min(by + {s.ty}, {ny});\n{inner}\n}}")
+            f"const long z1 = tk_min(bz + {s.tz}, {nz}), y1 = tk_min(by + {s.ty}, {ny});\n{inner}{fence}\n}}")
 
 
 def generate_apply(stencil: Stencil, shape: tuple[int, int, int], s: StencilSchedule) -> str:
@@ -318,6 +332,8 @@ def generate_wave(stencil: Stencil, shape: tuple[int, int, int], s: StencilSched
     ``time_block`` steps share one sweep over z, step k at plane p - k r (r the radius):
     step k+1 at plane z needs step k's planes up to z + r, and overwrites a plane step k
     has finished reading, so one barrier per plane step keeps it exact."""
+    if s.nt:
+        raise ValueError("nt=True: the wave kernel reads the buffer it writes (non-temporal stores apply to apply)")
     lay = _Layout(stencil, shape)
     nz, ny, nx = shape
     r, tb = max(1, stencil.radius), s.time_block

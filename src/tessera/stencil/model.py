@@ -43,6 +43,9 @@ LOADS_PER_CYCLE = 2
 # here). Coefficient and output loads are aligned streams: LOADS_PER_CYCLE.
 FIELD_LOAD_CYCLES = {"avx2": 3.0, "avx512": 5.0}
 ROW_CYCLES = 30  # a row's loop set-up and pointer arithmetic, per pass
+# a non-temporal store moves the 4 bytes it writes; a plain one (what the machine's write
+# bandwidth measures) reads the line first: twice the bus traffic (an estimate, no probe)
+NT_WRITE_SPEEDUP = 2.0
 CALL_SECONDS = 5e-6
 
 
@@ -121,7 +124,8 @@ def predict_stencil(stencil: Stencil, shape, s: StencilSchedule, m: Machine, thr
     busy = math.ceil(tiles / threads) * threads / tiles  # the last round of whole tiles
     run = 4.0 * (min(s.ty, ny) if not s.tx or s.tx >= nx else 1) * min(s.tx or nx, nx)
     read_bw = m.bandwidth("DRAM", threads) * stream_efficiency(t.streams, run)
-    t_mem = points * (t.read_bytes / read_bw + t.write_bytes / m.write_bw[min(threads, max(m.write_bw))])
+    write_bw = m.write_bw[min(threads, max(m.write_bw))] * (NT_WRITE_SPEEDUP if s.nt else 1.0)
+    t_mem = points * (t.read_bytes / read_bw + t.write_bytes / write_bw)
     isa_vl = 16 if s.isa == "avx512" else 8
     vl = isa_vl if s.vectorize else 1
     cycle = 2 * isa_vl * 2 / m.peak(1, s.isa)  # 2 FMA pipes of the ISA's lanes, 2 flops each

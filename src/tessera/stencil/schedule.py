@@ -32,6 +32,11 @@
   rounding (a sum of values, then one product), so a factored kernel matches the float32
   reference of its own order (``reference.apply_float32(..., factor=True)``), not the
   unfactored one;
+- non-temporal stores (``nt``, single-pass vector kernels of ``apply``): the output's full
+  vectors written past the caches, each row's first points up to a vector boundary of its
+  output by one masked vector, so a sweep that streams from memory does not read the output's
+  lines before writing them (a plain store's read for ownership: 8 bytes of traffic a point
+  where 4 are written); jammed rows whose pitch keeps them off that boundary store as before;
 - temporal blocking (``time_block`` > 1, the wave kernel only): that many leapfrog steps
   per sweep over z, each step a plane behind the one before by the stencil's radius
   (a wavefront), so a plane is used by all of them while it is in cache.
@@ -65,6 +70,7 @@ class StencilSchedule:
     prefetch: int = 0  # floats ahead of x each field row is prefetched (0: none)
     stream: int = 0  # floats ahead of x the block's leading field rows and its output rows are prefetched (0: none)
     factor: bool = False  # points sharing a coefficient summed, then multiplied once
+    nt: bool = False  # non-temporal stores of the output (single-pass vector sweeps)
     isa: str = "avx2"
     kind: str = field(default="stencil", init=False)
 
@@ -90,6 +96,11 @@ class StencilSchedule:
         if self.factor and self.split > 1:
             raise ValueError(f"factor=True with split={self.split}: factoring applies to undecomposed sweeps; "
                              "use split=1 or factor=False")
+        if not isinstance(self.nt, bool):
+            raise ValueError(f"nt={self.nt!r} must be True or False")
+        if self.nt and (not self.vectorize or self.split > 1):
+            raise ValueError(f"nt=True applies to single-pass vector sweeps (vectorize=True, split=1), got "
+                             f"vectorize={self.vectorize}, split={self.split}")
         if self.split_level not in SPLIT_LEVELS:
             raise ValueError(f"split_level {self.split_level!r}; choose one of {', '.join(SPLIT_LEVELS)}")
 
@@ -105,7 +116,7 @@ class StencilSchedule:
         tb = f" T{self.time_block}" if self.time_block > 1 else ""
         jam = (f" rz{self.rz}" if self.rz > 1 else "") + (f" ry{self.ry}" if self.ry > 1 else "")
         pf = (f" pf{self.prefetch}" if self.prefetch else "") + (f" st{self.stream}" if self.stream else "")
-        fac = " factored" if self.factor else ""
+        fac = (" factored" if self.factor else "") + (" nt" if self.nt else "")
         return (f"{self.isa} tile{self.tz}x{self.ty}x{self.tx or 'row'}{jam} simd{int(self.vectorize)}{pf}{fac}"
                 f"{split}{tb}")
 

@@ -28,6 +28,7 @@ PREFETCH = 32  # floats ahead (two AVX-512 vectors) of the prefetch twins the tu
 STREAM = 256  # floats ahead (16 cache lines) of the streaming-prefetch twins
 TWINS = 2  # of the shortlist's undecomposed vector schedules, the best this many get twins
 DEEP_TY = 32  # rows of a deep twin at least (a radius-6 halo is 12 rows)
+NT_TWINS = 2  # the fastest this many timed single-pass vector schedules get a non-temporal-store twin
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,18 @@ def twins(picked: list[Trial], stencil: Stencil, shape, machine: Machine, thread
     return [Trial(s, predict_stencil(stencil, shape, s, machine, threads)) for s in variants]
 
 
+def nt_twins(timed: list[Trial], stencil: Stencil, shape, machine: Machine, threads: int) -> list[Trial]:
+    """Non-temporal-store twins (``StencilSchedule.nt``) of the ``NT_TWINS`` fastest timed
+    single-pass vector schedules: whether skipping the output's read for ownership pays depends
+    on whether the sweep streams from memory and how the machine combines the writes, so it is
+    timed after the first timing, on the schedules that won it."""
+    done = sorted((t for t in timed if t.measured is not None and t.schedule.vectorize
+                   and not t.schedule.decomposed and not t.schedule.nt), key=lambda t: t.measured)
+    seen = {t.schedule for t in timed}
+    variants = [replace(t.schedule, nt=True) for t in done[:NT_TWINS]]
+    return [Trial(v, predict_stencil(stencil, shape, v, machine, threads)) for v in variants if v not in seen]
+
+
 def sample_inputs(stencil: Stencil, shape, seed: int = 0):
     rng = np.random.default_rng(seed)
     u = rng.standard_normal(padded_shape(shape, stencil.halo), dtype=np.float32)
@@ -195,6 +208,14 @@ def tune_stencil(stencil: Stencil, shape, *, threads: int = 1, machine: Machine 
         trial.compile_seconds = kernel.compiled.compile_seconds
         measure_trial(trial, kernel, inputs, threads, repeats, best)
         best = min(best, trial.measured)
+    late = nt_twins(picked, stencil, shape, machine, threads)
+    for trial in late:
+        kernel = compile_stencil(stencil, shape, trial.schedule)
+        trial.compile_seconds = kernel.compiled.compile_seconds
+        measure_trial(trial, kernel, inputs, threads, repeats, best)
+        best = min(best, trial.measured)
+        picked.append(trial)
+        kernels.append(kernel)
 
     def retime(i: int, _placement: int) -> float:
         return statistics.median(kernels[i].time(*inputs, threads=threads, repeats=repeats))
