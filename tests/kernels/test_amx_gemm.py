@@ -1,5 +1,5 @@
-"""The operator compiler's AMX GEMM (``direct.py``'s ``amx`` kernel on ``csrc/tessera_gemm_amx.h``):
-float32 accuracy from six bfloat16 tile products a product, against a float64 reference on odd
+"""The operator compiler's AMX GEMM (``direct.py``'s ``amx`` kernel on ``csrc/tessera_gemm_amx.h``,
+GEMMs and 1x1 convolutions): float32 accuracy from six bfloat16 tile products a product, against a float64 reference on odd
 shapes (tails of every tile and k block), B stored either way, packed per call or once, and the
 same bits at any thread count. The numeric tests skip where the CPU has no AMX-BF16; the space
 and refusal tests run everywhere."""
@@ -64,6 +64,27 @@ def test_amx_blocks_change_only_the_speed_not_the_k_order_within_a_block():
         assert np.array_equal(c, outs[(32, kc)])
 
 
+def _conv(n=2, ci=48, co=40, h=7, w=9, **kw):
+    return ops.conv2d(ops.Conv2dShape(batch=n, in_channels=ci, out_channels=co, height=h, width=w, kernel=(1, 1), **kw))
+
+
+@needs_amx
+def test_amx_1x1_convolution_equals_the_float64_product():
+    # a 1x1 convolution of stride 1 is one GEMM an image sharing A (the weight [C_out, C_in]),
+    # B the image [C_in, H W]: 63 positions (not a multiple of 16), 40 output channels
+    op = _conv()
+    w, x = random_inputs(op, seed=5)
+    kernel = compile_kernel(op, DirectSchedule(algo="amx", isa="avx512", rows=32, vecs=32))
+    y = kernel(w, x)
+    a, b = w.reshape(40, 48), x.reshape(2, 48, 63)
+    exact = np.einsum("oc,ncp->nop", a.astype(np.float64), b.astype(np.float64)).reshape(y.shape)
+    fp32 = np.einsum("oc,ncp->nop", a, b).reshape(y.shape)
+    scale = np.abs(exact).max()
+    assert np.abs(y - exact).max() / scale <= 2 * np.abs(fp32 - exact).max() / scale + 1e-7
+    assert np.array_equal(kernel(w, x, threads=2), y)
+    assert kernel.prepack_operand(0) is None and kernel.prepack_operand(1) is None  # a conv's B is its input
+
+
 def test_amx_is_offered_for_plain_gemms_of_16_rows_or_more_where_it_runs(monkeypatch):
     monkeypatch.setattr(direct, "amx_ready", lambda: None)
     isas = ("avx2", "avx512")
@@ -74,6 +95,10 @@ def test_amx_is_offered_for_plain_gemms_of_16_rows_or_more_where_it_runs(monkeyp
     for op in (ops.gemm(15, 64, 64), ops.gemm(64, 64, 64, trans_a=True), ops.batched_gemm(2, 64, 64, 64)):
         assert direct.amx_space(op, isas) == []
     assert direct.amx_space(ops.gemm(64, 64, 64), ("avx2",)) == []  # the split runs on AVX-512
+    # a 1x1 convolution of stride 1, no padding, one group is GEMMs; no other convolution is
+    assert direct.amx_space(_conv(), isas)
+    for conv in (_conv(stride=(2, 2)), _conv(padding=(1, 1)), _conv(groups=2), _conv(co=8)):
+        assert direct.amx_space(conv, isas) == []
     monkeypatch.setattr(direct, "amx_ready", lambda: "this CPU lacks amx_tile")
     assert direct.amx_space(ops.gemm(64, 64, 64), isas) == []
 

@@ -147,14 +147,20 @@ class AmxGemm:
     n: int
     k: int
     trans_b: bool  # B stored [N, K] (a Linear's weight) rather than [K, N]
+    batch: int = 1  # products sharing A, each with its own B and C (a 1x1 convolution's images)
 
 
 def amx_of(op: Operator) -> AmxGemm | None:
-    """The sizes of ``op`` when it is ``ops.gemm`` with A stored [M, K] (``gemm_nn``, ``gemm_nt``)."""
-    if op.name not in ("gemm_nn", "gemm_nt"):
+    """The sizes of ``op`` as GEMMs when the AMX kernel takes it: ``ops.gemm`` with A stored
+    [M, K] (``gemm_nn``, ``gemm_nt``), or a 1x1 convolution of stride 1, no padding and one group
+    (per image, ``Y = W X``: A the weight [C_out, C_in], B the image [C_in, H W])."""
+    if op.name in ("gemm_nn", "gemm_nt"):
+        ext = op.extents
+        return AmxGemm(m=ext["m"], n=ext["n"], k=ext["k"], trans_b=op.name == "gemm_nt")
+    d = conv_of(op)
+    if d is None or (d.g, d.kh, d.kw, d.sh, d.sw, d.ph, d.pw) != (1, 1, 1, 1, 1, 0, 0):
         return None
-    ext = op.extents
-    return AmxGemm(m=ext["m"], n=ext["n"], k=ext["k"], trans_b=op.name == "gemm_nt")
+    return AmxGemm(m=d.cog, n=d.h * d.w, k=d.cig, trans_b=False, batch=d.n)
 
 
 _RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of, "flat": flat_of, "flatc": flat_of,
@@ -176,9 +182,11 @@ def generate_direct(op: Operator, s: DirectSchedule) -> str:
     if s.algo == "amx":
         g = amx_of(op)
         if g is None:
-            raise ValueError(f"{op.name}: the amx kernel takes a GEMM with A stored [M, K] (gemm_nn or gemm_nt)")
+            raise ValueError(f"{op.name}: the amx kernel takes a GEMM with A stored [M, K] (gemm_nn or gemm_nt) "
+                             "or a 1x1 convolution of stride 1, no padding, one group")
         head = f"/* {op.signature()}\n * schedule: {s.short()} */\n"
-        return head + amx_source(g.n, g.k, s.vecs, s.rows, {"GA_M": g.m, "GA_TB": int(g.trans_b)}, "tessera_gemm_amx.h")
+        defines = {"GA_M": g.m, "GA_TB": int(g.trans_b), "GA_BATCH": g.batch}
+        return head + amx_source(g.n, g.k, s.vecs, s.rows, defines, "tessera_gemm_amx.h")
     if s.algo in ("depthwise", "grouped"):
         d = _RECOGNISERS[s.algo](op)
         if d is None:

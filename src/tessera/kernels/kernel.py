@@ -142,8 +142,8 @@ class Kernel:
         """"A" or "B" when input ``index`` can be packed once and read packed, else None
         ("W" for the weight, input 0, of a channel-vectorised flat convolution, transposed, or of
         a Winograd convolution, transformed; "B" of the AMX GEMM, split and laid out as tiles)."""
-        if isinstance(self.schedule, DirectSchedule) and self.schedule.algo == "amx":
-            return "B" if index == 1 else None
+        if isinstance(self.schedule, DirectSchedule) and self.schedule.algo == "amx":  # a GEMM's B, not a conv's image
+            return "B" if index == 1 and self.op.name.startswith("gemm") else None
         if (isinstance(self.schedule, DirectSchedule) and self.schedule.algo in ("flatc", "flatcl")) or isinstance(
                 self.schedule, WinogradSchedule):
             return "W" if index == 0 else None

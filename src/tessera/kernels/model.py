@@ -424,18 +424,18 @@ def _predict_amx(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> f
     g = amx_of(op)
     pairs = -(-g.n // 32)
     t_eff = max(1, min(threads, pairs))
-    blocks = -(-g.m // 32) * pairs * -(-g.k // 32)
+    blocks = g.batch * -(-g.m // 32) * pairs * -(-g.k // 32)
     per_thread = blocks / _balance(pairs, t_eff)
     t_core = per_thread * (AMX_PRODUCTS_PER_BLOCK * AMX_PRODUCT_CYCLES * _cycle(m, "avx512")
                            + AMX_TILE_LOADS_PER_BLOCK * 1024 / _bw(m, "L2", t_eff))
     b_packed = 6.0 * pairs * 32 * -(-g.k // 32) * 32
     b_bw = m.bandwidth(_level(m, b_packed, t_eff), t_eff)
-    t_pack_b = AMX_SPLIT_BYTES * g.k * g.n / b_bw
+    t_pack_b = g.batch * AMX_SPLIT_BYTES * g.k * g.n / b_bw
     restreams = -(-g.m // s.rows) - 1 if b_packed > 0.75 * m.cache_bytes["L2"] else 0
-    t_stream = restreams * b_packed / b_bw
+    t_stream = g.batch * restreams * b_packed / b_bw
     a_bytes = AMX_SPLIT_BYTES * g.m * g.k
-    t_split_a = a_bytes / _bw(m, _level(m, a_bytes), 1)
-    c_bytes = 4.0 * g.m * g.n
+    t_split_a = g.batch * a_bytes / _bw(m, _level(m, a_bytes), t_eff)
+    c_bytes = 4.0 * g.batch * g.m * g.n
     t_c = (2 * -(-g.k // s.vecs) - 1) * c_bytes / m.bandwidth(_level(m, c_bytes, t_eff), t_eff)
     return CALL_SECONDS + t_pack_b + t_split_a + t_c + max(t_core, t_stream)
 

@@ -2,8 +2,10 @@
  * [K, N], or [N, K] when GA_TB), the dense layer of tessera_amx.h with no bias and M fixed. B
  * is split into its three bfloat16 parts and laid out as tiles at each call (or once, by
  * tk_prepack, for a B that does not change: a layer's weight), A block by block inside the
- * layer. The generated file defines TK_VEC (512), TK_N, TK_K, TK_KC, TK_MB, GA_M and GA_TB,
- * then includes this file.
+ * layer. GA_BATCH products share A, each with a B and a C of its own, one after the other: a
+ * 1x1 convolution of stride 1 (A its weight [C_out, C_in], B an image [C_in, H W], C the
+ * image's output). The generated file defines TK_VEC (512), TK_N, TK_K, TK_KC, TK_MB, GA_M,
+ * GA_TB and GA_BATCH, then includes this file.
  */
 #ifndef TESSERA_GEMM_AMX_H
 #define TESSERA_GEMM_AMX_H
@@ -28,8 +30,10 @@ void tk_run_prepacked(float *restrict out, const float *restrict a, const float 
 
 void tk_run(float *restrict out, const float *restrict a, const float *restrict b, int nthreads) {
     if (!ga_packed) ga_packed = tk_alloc(tk_prepacked_floats);
-    tk_pack_b(b, GA_SK, GA_SN, (uint16_t *)ga_packed, nthreads);
-    tk_dense(a, GA_M, ga_packed, 0, 0, out, 0, 0, 0.0f, 0, nthreads);
+    for (long i = 0; i < GA_BATCH; ++i) {
+        tk_pack_b(b + i * (long)TK_K * TK_N, GA_SK, GA_SN, (uint16_t *)ga_packed, nthreads);
+        tk_dense(a, GA_M, ga_packed, 0, 0, out + i * (long)GA_M * TK_N, 0, 0, 0.0f, 0, nthreads);
+    }
 }
 
 #endif
