@@ -269,7 +269,9 @@ GEMV_BLOCKS = {False: tuple((r, u) for r in (4, 8) for u in (2, 4, 8)),
 
 
 AMX_MIN_ROWS = 16  # below a tile's 16 rows the AVX kernels win: AMX reads 1.5x the weight bytes
-AMX_BLOCKS = ((256, 768), (256, 384), (128, 768))  # rows of A x columns of K a block (dense.py's probes)
+# rows of A x columns of K a block: dense.py's probes, and 128 x 1024 (2048^3 on 1 thread at
+# 1.0-1.1x 128 x 704 in interleaved probes on the Intel VM: two k blocks, one pass of C fewer)
+AMX_BLOCKS = ((256, 768), (256, 384), (128, 768), (128, 1024))
 
 
 def amx_space(op: Operator, isas: tuple[str, ...]) -> list[DirectSchedule]:
