@@ -419,8 +419,8 @@ def _predict_amx(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> f
     """The AMX GEMM: its tile products plus the tiles they load from L2 (a tile is not renamed:
     a load into it waits for its last reader, so loads and products do not overlap), or the
     packed B read again from beyond L2 for every block of ``s.rows`` rows when it does not stay
-    in L2, whichever binds; plus B split and laid out per call (threads share it), A split per
-    block (one thread) and the partial sums of each k block written to C and read back."""
+    in L2, whichever binds; plus B split and laid out per call and A split per block (the
+    threads share both) and the partial sums of each k block written to C and read back."""
     g = amx_of(op)
     pairs = -(-g.n // 32)
     t_eff = max(1, min(threads, pairs))
@@ -434,7 +434,7 @@ def _predict_amx(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> f
     restreams = -(-g.m // s.rows) - 1 if b_packed > 0.75 * m.cache_bytes["L2"] else 0
     t_stream = g.batch * restreams * b_packed / b_bw
     a_bytes = AMX_SPLIT_BYTES * g.m * g.k
-    t_split_a = g.batch * a_bytes / _bw(m, _level(m, a_bytes), t_eff)
+    t_split_a = g.batch * a_bytes / m.bandwidth(_level(m, a_bytes, t_eff), t_eff)
     c_bytes = 4.0 * g.batch * g.m * g.n
     t_c = (2 * -(-g.k // s.vecs) - 1) * c_bytes / m.bandwidth(_level(m, c_bytes, t_eff), t_eff)
     return CALL_SECONDS + t_pack_b + t_split_a + t_c + max(t_core, t_stream)
