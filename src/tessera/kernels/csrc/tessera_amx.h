@@ -137,20 +137,28 @@ TK_INLINE void tk_transpose16(__m512i r[16]) {
  * at a time, each row's 32 values split to 16 (k, k + 1) pairs a part, the 16 x 16 pairs
  * transposed to tile rows. */
 static void tk_pack_b(const float *restrict B, long sk, long sn, uint16_t *restrict wp, int nthreads) {
+    if (sn == 1) {  /* a k tile's 32 rows of B at a time, read along them, a column tile's three
+                     * tiles written whole (column tiles outermost, each a run down 32-2048 rows a
+                     * page apart, packed 2048^2 in 3.3 ms against 2.4 this way) */
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (long j = 0; j < TK_NT; ++j) {
-        long n0 = j * 16, cols = n0 >= TK_N ? 0 : tk_min(16, TK_N - n0);
-        __mmask16 mask = (__mmask16)((1u << cols) - 1);
-        for (long k0 = 0; k0 < TK_KP; k0 += 32) {
-            long rows = tk_min(32, TK_K - k0);
-            if (sn == 1) {
+        for (long t = 0; t < TK_KT; ++t) {
+            long k0 = t * 32, rows = tk_min(32, TK_K - k0);
+            for (long j = 0; j < TK_NT; ++j)
                 for (long i = 0; i < 32; i += 2) {
+                    long n0 = j * 16, cols = n0 >= TK_N ? 0 : tk_min(16, TK_N - n0);
+                    __mmask16 mask = (__mmask16)((1u << cols) - 1);
                     __m512 a = i < rows ? _mm512_maskz_loadu_ps(mask, B + (k0 + i) * sk + n0) : _mm512_setzero_ps();
                     __m512 b = i + 1 < rows ? _mm512_maskz_loadu_ps(mask, B + (k0 + i + 1) * sk + n0) : _mm512_setzero_ps();
                     tk_pack_pair(a, b, wp, j, k0 + i);
                 }
-                continue;
-            }
+        }
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (long j = 0; j < TK_NT; ++j) {
+        long n0 = j * 16, cols = n0 >= TK_N ? 0 : tk_min(16, TK_N - n0);
+        for (long k0 = 0; k0 < TK_KP; k0 += 32) {
+            long rows = tk_min(32, TK_K - k0);
             __mmask16 lo = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1);
             __mmask16 hi = rows >= 32 ? (__mmask16)0xffff : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1) : 0;
             __m512i part[3][16];
