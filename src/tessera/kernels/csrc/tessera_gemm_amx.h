@@ -12,8 +12,6 @@
 
 #include "tessera_amx.h"
 
-#include <sys/mman.h>
-
 long tk_prepacked_floats = 3L * TK_NT * TK_KT * TK_TILE / 2;
 
 /* B's strides: B(k, n) = B[k * GA_SK + n * GA_SN] */
@@ -21,17 +19,6 @@ long tk_prepacked_floats = 3L * TK_NT * TK_KT * TK_TILE / 2;
 #define GA_SN (GA_TB ? TK_K : 1)
 
 static __thread float *ga_packed;
-
-/* The per-call packed B, on huge pages where Linux grants them (madvise: this machine's
- * transparent huge pages are opt-in): the tile loads walk it in 1 KiB tiles 64 KiB and more
- * apart, and on 4 KiB pages 2048^3 ran 1.1x slower than on the packed-once copy numpy had
- * allocated (numpy asks for huge pages for large arrays). */
-static float *ga_alloc_huge(long floats) {
-    size_t huge = (size_t)1 << 21, bytes = ((size_t)floats * sizeof(float) + huge - 1) & ~(huge - 1);
-    float *p = (float *)aligned_alloc(huge, bytes);
-    if (p) madvise(p, bytes, MADV_HUGEPAGE);
-    return p;
-}
 
 void tk_prepack(const float *restrict b, float *restrict dst) { tk_pack_b(b, GA_SK, GA_SN, (uint16_t *)dst, 1); }
 
@@ -42,7 +29,7 @@ void tk_run_prepacked(float *restrict out, const float *restrict a, const float 
 }
 
 void tk_run(float *restrict out, const float *restrict a, const float *restrict b, int nthreads) {
-    if (!ga_packed) ga_packed = ga_alloc_huge(tk_prepacked_floats);
+    if (!ga_packed) ga_packed = tk_alloc(tk_prepacked_floats);  /* huge pages from 2 MiB (tk_alloc) */
     for (long i = 0; i < GA_BATCH; ++i) {
         tk_pack_b(b + i * (long)TK_K * TK_N, GA_SK, GA_SN, (uint16_t *)ga_packed, nthreads);
         tk_dense(a, GA_M, ga_packed, 0, 0, out + i * (long)GA_M * TK_N, 0, 0, 0.0f, 0, nthreads);
