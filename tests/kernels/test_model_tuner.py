@@ -251,6 +251,30 @@ def test_tuner_measures_the_shortlist_and_remembers(machine):
         best_schedule(op, mode="fast")
 
 
+def test_a_candidate_predicted_far_slower_than_the_best_timed_is_not_timed(machine, monkeypatch):
+    """A candidate predicted over the floor and over SKIP_FACTOR x the best median so far is not
+    run at all (its one call could cost more than the whole tuning: a streaming loop nest of
+    4096x768x3072 ran 93 s); the best is chosen among the others. Floor and factor lowered here
+    so a small GEMM's unblocked loop nest (predicted far slower than the packed schedules) hits them."""
+    import tessera.kernels.tuner as tuner
+
+    op = ops.gemm(96, 80, 64)
+    slow = LoopSchedule(order=("m", "n", "k"), vectorize=False)
+    fast = rank(op, threads=1, machine=machine)[0]
+    assert predict(op, slow, machine, 1) > 3 * fast.predicted  # the premise: the nest is predicted far slower
+    monkeypatch.setattr(tuner, "SKIP_PREDICTED_S", 0.0)
+    monkeypatch.setattr(tuner, "SKIP_FACTOR", 1.5)
+    tuned = tune(op, threads=1, machine=machine, top_k=2, repeats=3, extra=[slow])
+    nest = next(t for t in tuned.trials if t.schedule == slow)
+    assert nest.measured is None and nest.rejected and not nest.times
+    assert tuned.best != slow and tuned.best_seconds > 0
+    assert all(t.measured is not None for t in tuned.trials if t.predicted <= fast.predicted)
+    # with the committed floor (1 s a call) a small GEMM's candidates are all timed
+    monkeypatch.setattr(tuner, "SKIP_PREDICTED_S", 1.0)
+    tuned = tune(op, threads=1, machine=machine, top_k=2, repeats=3, extra=[slow])
+    assert next(t for t in tuned.trials if t.schedule == slow).measured is not None
+
+
 def test_prefetch_twins_read_b_in_place_where_it_can_be():
     """Each schedule picked that reads B in place gets a twin that prefetches B's rows ahead, and
     so do the best two that pack a B they could read in place; a B that is no plain strided

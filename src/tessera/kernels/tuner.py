@@ -38,7 +38,9 @@ class Trial:
     times: list[float] = field(default_factory=list)
     compile_seconds: float = 0.0
     rounds: list[float] = field(default_factory=list)  # a finalist's interleaved re-timings (tune)
-    rejected: bool = False  # its first run was far slower than the best so far: timed no further
+    # its first run was far slower than the best so far (timed no further), or its prediction
+    # was (SKIP_FACTOR: not timed at all, measured None)
+    rejected: bool = False
 
 
 @dataclass
@@ -244,6 +246,16 @@ REJECT_FACTOR = 1.5  # a first run this much slower than the best median so far 
 REJECT_AFTER_S = 0.05  # ... when it took this long (cold-call costs are then a small part of it)
 
 
+# a candidate predicted at over SKIP_PREDICTED_S a call and over SKIP_FACTOR x the best median so
+# far is not timed at all: its one call would cost more than the whole tuning (a streaming loop
+# nest of 4096x768x3072, predicted 5.4 s a call against AMX's measured 0.08 s, ran 93 s and made
+# that shape's tuning 122 s). Large enough to keep every winner of the committed kernels runs
+# (the model over-predicted no timed candidate by more than 8x, and those were calls of
+# microseconds, far under the floor).
+SKIP_PREDICTED_S = 1.0
+SKIP_FACTOR = 10.0
+
+
 LONG_CALL_S = 0.25  # a call this long is timed once a measurement, and needs no untimed warm-up run
 
 
@@ -307,7 +319,7 @@ def final_rounds(picked: list[Trial], retime, placements: int = 1, rounds: int =
     timed = sorted((i for i, t in enumerate(picked) if t.times and not t.rejected), key=lambda i: picked[i].measured)
     finalists = timed[:FINALISTS]
     if len(finalists) < 2:
-        return min(picked, key=lambda t: t.measured)
+        return min((t for t in picked if t.measured is not None), key=lambda t: t.measured)
     for r in range(rounds * placements):
         for i in finalists:
             picked[i].rounds.append(retime(i, r % placements))
@@ -364,6 +376,9 @@ def tune(
     best_so_far = float("inf")
     for trial, kernel in zip(picked, kernels, strict=True):
         trial.compile_seconds = kernel.compiled.compile_seconds
+        if trial.predicted > max(SKIP_PREDICTED_S, SKIP_FACTOR * best_so_far):
+            trial.rejected = True  # not timed: measured stays None
+            continue
         _measure(trial, kernel, inputs, threads, repeats, best_so_far)
         best_so_far = min(best_so_far, trial.measured)
     placements = _placements(inputs)
