@@ -221,7 +221,7 @@ def _measure_case(kind, label, op, spec, flops, threads, plan, machine, anchor_s
         "schedule": tuned.best.short(), "algorithm": algorithm(tuned.best),
         "model_algorithm": algorithm(min(tuned.trials, key=lambda t: t.predicted).schedule),
         "tuning_s": round(tuned.wall_seconds, 2), "space": tuned.space_size,
-        "measured_candidates": len(tuned.trials), "spearman": round(tuned.spearman, 3),
+        "measured_candidates": sum(t.measured is not None for t in tuned.trials), "spearman": round(tuned.spearman, 3),
         "intensity": flops / _min_bytes(op), "flops": flops,
         "trials": [{"schedule": t.schedule.short(), "predicted_s": t.predicted, "measured_s": t.measured}
                    for t in tuned.trials],
