@@ -47,7 +47,8 @@ def test_amx_gemm_equals_the_float64_product(m, n, k, trans_b):
     # numpy's is the float32 tolerance, and bf16x3 (8-11x, tests/kernels/test_serving_kernels.py)
     # or one bfloat16 rounding (~1e-3) fails it
     assert err <= 2 * fp32 + 1e-7, (err, fp32)
-    # packed once (a weight) computes the same bits as packed per call; 2 threads as 1
+    # packed once (a weight) computes the same bits as per call (M 5, 16, 33 within the 64-row
+    # block: each column pair of B split where it is used; 97, 300: B packed whole first); 2 threads as 1
     packed = kernel.prepack(1, b)
     assert np.array_equal(kernel.run_prepacked(packed, a, b), c)
     assert np.array_equal(kernel(a, b, threads=2), c)
@@ -56,7 +57,8 @@ def test_amx_gemm_equals_the_float64_product(m, n, k, trans_b):
 @needs_amx
 def test_amx_blocks_change_only_the_speed_not_the_k_order_within_a_block():
     # kc and mb are cache blocks: every kc computes the product to float32 accuracy (the k
-    # blocks' partial sums go through C), and mb does not change a single bit (rows are independent)
+    # blocks' partial sums go through C), and mb does not change a single bit (rows are independent;
+    # mb 128 holds all 97 rows, so B is split per column pair there and packed whole at mb 32)
     op = ops.gemm(97, 70, 300)
     a, b = random_inputs(op, seed=3)
     outs = {(mb, kc): compile_kernel(op, DirectSchedule(algo="amx", isa="avx512", rows=mb, vecs=kc))(a, b)

@@ -92,15 +92,16 @@ TK_INLINE void tk_split16(__m512 x, __m256i *h, __m256i *m, __m256i *l) {
  * a tile, k pair r, column c: r * 32 + c * 2 + k % 2. */
 #define TK_PACKED(p, j, t) ((((long)(p) * TK_NT + (j)) * TK_KT + (t)) * TK_TILE)
 
-/* Tile row r (k pair k, k + 1) of the three parts of column tile j from the 16 values of
- * B(k, j*16 ..) and B(k + 1, j*16 ..) (a, b): each split, then the two interleaved as pairs. */
-TK_INLINE void tk_pack_pair(__m512 a, __m512 b, uint16_t *restrict wp, long j, long k) {
+/* Tile row r (k pair k, k + 1) of the three parts of a column tile from the 16 values of
+ * B(k, ..) and B(k + 1, ..) (a, b): each split, then the two interleaved as pairs; part 0's
+ * tile at dst, the others plane and 2 plane on. */
+TK_INLINE void tk_pack_pair_at(__m512 a, __m512 b, uint16_t *restrict dst, long plane, long r) {
     __m256i pa[3], pb[3];
     tk_split16(a, &pa[0], &pa[1], &pa[2]);
     tk_split16(b, &pb[0], &pb[1], &pb[2]);
     for (int p = 0; p < 3; ++p) {
         __m256i lo = _mm256_unpacklo_epi16(pa[p], pb[p]), hi = _mm256_unpackhi_epi16(pa[p], pb[p]);
-        uint16_t *row = wp + TK_PACKED(p, j, k / 32) + (k % 32) / 2 * 32;
+        uint16_t *row = dst + p * plane + r * 32;
         _mm256_store_si256((__m256i *)row, _mm256_permute2x128_si256(lo, hi, 0x20));
         _mm256_store_si256((__m256i *)(row + 16), _mm256_permute2x128_si256(lo, hi, 0x31));
     }
@@ -131,53 +132,69 @@ TK_INLINE void tk_transpose16(__m512i r[16]) {
     }
 }
 
-/* B(k, n) = B[k * sk + n * sn] (K x N) into the packed layout, every tile written (zeros past N
- * and K). Rows of B contiguous in n (sn = 1, a GEMM's B) are read as vectors, a k pair's two
- * interleaved; rows contiguous in k (sk = 1, a Linear's weight W[n, k]: sn = K) a 16 x 32 block
- * at a time, each row's 32 values split to 16 (k, k + 1) pairs a part, the 16 x 16 pairs
+/* The three parts' tiles of the column tile at column n0 and the k tile at row k0 of B(k, n) =
+ * B[k * sk + n * sn] (K x N), part 0's at dst, the others plane and 2 plane on; zeros past N
+ * and K. Rows of B contiguous in n (sn = 1, a GEMM's B) are read as vectors, a k pair's two
+ * interleaved; rows contiguous in k (sk = 1, a Linear's weight W[n, k]: sn = K) as a 16 x 32
+ * block, each row's 32 values split to 16 (k, k + 1) pairs a part, the 16 x 16 pairs
  * transposed to tile rows. */
-static void tk_pack_b(const float *restrict B, long sk, long sn, uint16_t *restrict wp, int nthreads) {
-    if (sn == 1) {  /* a k tile's 32 rows of B at a time, read along them, a column tile's three
-                     * tiles written whole (column tiles outermost, each a run down 32-2048 rows a
-                     * page apart, packed 2048^2 in 3.3 ms against 2.4 this way) */
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-        for (long t = 0; t < TK_KT; ++t) {
-            long k0 = t * 32, rows = tk_min(32, TK_K - k0);
-            for (long j = 0; j < TK_NT; ++j)
-                for (long i = 0; i < 32; i += 2) {
-                    long n0 = j * 16, cols = n0 >= TK_N ? 0 : tk_min(16, TK_N - n0);
-                    __mmask16 mask = (__mmask16)((1u << cols) - 1);
-                    __m512 a = i < rows ? _mm512_maskz_loadu_ps(mask, B + (k0 + i) * sk + n0) : _mm512_setzero_ps();
-                    __m512 b = i + 1 < rows ? _mm512_maskz_loadu_ps(mask, B + (k0 + i + 1) * sk + n0) : _mm512_setzero_ps();
-                    tk_pack_pair(a, b, wp, j, k0 + i);
-                }
+static void tk_pack_tile(const float *restrict B, long sk, long sn, long n0, long k0, uint16_t *restrict dst,
+                         long plane) {
+    long cols = n0 >= TK_N ? 0 : tk_min(16, TK_N - n0), rows = tk_min(32, TK_K - k0);
+    if (sn == 1) {
+        __mmask16 mask = (__mmask16)((1u << cols) - 1);
+        for (long i = 0; i < 32; i += 2) {
+            __m512 a = i < rows ? _mm512_maskz_loadu_ps(mask, B + (k0 + i) * sk + n0) : _mm512_setzero_ps();
+            __m512 b = i + 1 < rows ? _mm512_maskz_loadu_ps(mask, B + (k0 + i + 1) * sk + n0) : _mm512_setzero_ps();
+            tk_pack_pair_at(a, b, dst, plane, i / 2);
         }
         return;
     }
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
-    for (long j = 0; j < TK_NT; ++j) {
-        long n0 = j * 16, cols = n0 >= TK_N ? 0 : tk_min(16, TK_N - n0);
-        for (long k0 = 0; k0 < TK_KP; k0 += 32) {
-            long rows = tk_min(32, TK_K - k0);
-            __mmask16 lo = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1);
-            __mmask16 hi = rows >= 32 ? (__mmask16)0xffff : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1) : 0;
-            __m512i part[3][16];
-            for (long c = 0; c < 16; ++c) {
-                const float *row = B + (n0 + c) * sn + k0;
-                __m512 a = c < cols ? _mm512_maskz_loadu_ps(lo, row) : _mm512_setzero_ps();
-                __m512 b = c < cols ? _mm512_maskz_loadu_ps(hi, row + 16) : _mm512_setzero_ps();
-                __m256i pa[3], pb[3];
-                tk_split16(a, &pa[0], &pa[1], &pa[2]);
-                tk_split16(b, &pb[0], &pb[1], &pb[2]);
-                for (int p = 0; p < 3; ++p) part[p][c] = _mm512_inserti64x4(_mm512_castsi256_si512(pa[p]), pb[p], 1);
-            }
-            for (int p = 0; p < 3; ++p) {
-                tk_transpose16(part[p]);
-                uint16_t *tile = wp + TK_PACKED(p, j, k0 / 32);
-                for (int r = 0; r < 16; ++r) _mm512_store_si512((__m512i *)(tile + r * 32), part[p][r]);
-            }
-        }
+    __mmask16 lo = rows >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rows) - 1);
+    __mmask16 hi = rows >= 32 ? (__mmask16)0xffff : rows > 16 ? (__mmask16)((1u << (rows - 16)) - 1) : 0;
+    __m512i part[3][16];
+    for (long c = 0; c < 16; ++c) {
+        const float *row = B + (n0 + c) * sn + k0;
+        __m512 a = c < cols ? _mm512_maskz_loadu_ps(lo, row) : _mm512_setzero_ps();
+        __m512 b = c < cols ? _mm512_maskz_loadu_ps(hi, row + 16) : _mm512_setzero_ps();
+        __m256i pa[3], pb[3];
+        tk_split16(a, &pa[0], &pa[1], &pa[2]);
+        tk_split16(b, &pb[0], &pb[1], &pb[2]);
+        for (int p = 0; p < 3; ++p) part[p][c] = _mm512_inserti64x4(_mm512_castsi256_si512(pa[p]), pb[p], 1);
     }
+    for (int p = 0; p < 3; ++p) {
+        tk_transpose16(part[p]);
+        for (int r = 0; r < 16; ++r) _mm512_store_si512((__m512i *)(dst + p * plane + r * 32), part[p][r]);
+    }
+}
+
+/* All of B into the packed layout, every tile written. [K, N]: a k tile's 32 rows of B at a
+ * time, read along them, a column tile's three tiles written whole (column tiles outermost,
+ * each a run down 32-2048 rows a page apart, packed 2048^2 in 3.3 ms against 2.4 this way);
+ * [N, K]: a column tile's k tiles in turn. */
+static void tk_pack_b(const float *restrict B, long sk, long sn, uint16_t *restrict wp, int nthreads) {
+    const long plane = (long)TK_NT * TK_KT * TK_TILE;
+    if (sn == 1) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+        for (long t = 0; t < TK_KT; ++t)
+            for (long j = 0; j < TK_NT; ++j) tk_pack_tile(B, sk, sn, j * 16, t * 32, wp + TK_PACKED(0, j, t), plane);
+        return;
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
+    for (long j = 0; j < TK_NT; ++j)
+        for (long t = 0; t < TK_KT; ++t) tk_pack_tile(B, sk, sn, j * 16, t * 32, wp + TK_PACKED(0, j, t), plane);
+}
+
+/* Column pair jp of B, k tiles t0 .. t0 + kts, into a thread's scratch ws laid out as the packed
+ * weight's slice: [part][column tile 0, 1][k tile] (kts tiles a column tile): the per-call GEMM
+ * whose rows fit one row block splits B where it is used, each column pair's slice once, and
+ * never writes the whole packed B to memory and reads it back. */
+#define TK_WS_PLANE(kts) (2L * (kts) * TK_TILE)
+static void tk_split_b_pair(const float *restrict B, long sk, long sn, long jp, long t0, long kts,
+                            uint16_t *restrict ws) {
+    for (long t = 0; t < kts; ++t)
+        for (int c = 0; c < 2; ++c)
+            tk_pack_tile(B, sk, sn, (2 * jp + c) * 16, (t0 + t) * 32, ws + (c * kts + t) * TK_TILE, TK_WS_PLANE(kts));
 }
 
 /* W: N x K row-major (torch's Linear.weight). */
@@ -285,16 +302,18 @@ typedef struct {
     long from, lines_per_t, to; /* bytes of each range this block fetches: from .. to */
 } tk_wfetch;
 
-TK_INLINE void tk_block(const uint16_t *restrict xs, long i0, const uint16_t *restrict wp, long j, long t0, long kts,
-                        int two, int small, const tk_wfetch *pf) {
-    const long plane = (long)TK_MBP * TK_KCP, wplane = (long)TK_NT * TK_KT * TK_TILE;
+/* W's tiles: part p, column tile j, k tile t at wp + p wplane + (j jstride + t) TK_TILE (the packed
+ * weight: wplane = TK_NT TK_KT TK_TILE, jstride = TK_KT; a split column pair's scratch: its own) */
+TK_INLINE void tk_block(const uint16_t *restrict xs, long i0, const uint16_t *restrict wp, long wplane, long jstride,
+                        long j, long t0, long kts, int two, int small, const tk_wfetch *pf) {
+    const long plane = (long)TK_MBP * TK_KCP;
     const uint16_t *w[3] = {wp, wp + wplane, wp + 2 * wplane};
     long at = pf ? pf->from : 0;
     for (long t = 0; t < kts; ++t) {
         if (pf)
             for (long l = 0; l < pf->lines_per_t && at < pf->to; ++l, at += 64)
                 for (int r = 0; r < 6; ++r) _mm_prefetch(pf->range[r] + at, _MM_HINT_T1);
-        long b0 = ((j * TK_KT) + t0 + t) * TK_TILE, b1 = b0 + TK_KT * TK_TILE;
+        long b0 = ((j * jstride) + t0 + t) * TK_TILE, b1 = b0 + jstride * TK_TILE;
         /* X's part a with W's parts: the large sum h.h alone, or the small ones h.(m, l), m.(h, m), l.h */
         for (int a = 0; a < (small ? 3 : 1); ++a) {
             const uint16_t *x = xs + a * plane + i0 * TK_KCP + t * TK_TILE;
@@ -328,11 +347,16 @@ TK_INLINE void tk_tiles_zero(void) {
     _tile_zero(3);
 }
 
+static __thread uint16_t *tk_ws; /* a thread's split column pair of B (tk_split_b_pair) */
+
 /* Y = X W^T (+ bias, + R when not NULL), then GELU of each value when gelu is not 0, then, when
- * gamma is not NULL, LayerNorm of each row (gamma, beta, eps). X: M x K, Y and R: M x N. */
-void tk_dense(const float *restrict X, long M, const float *restrict Wp, const float *restrict bias,
-              const float *restrict R, float *restrict Y, const float *restrict gamma,
-              const float *restrict beta, float eps, int gelu, int nthreads) {
+ * gamma is not NULL, LayerNorm of each row (gamma, beta, eps). X: M x K, Y and R: M x N. W is
+ * the packed Wp, or (Wp NULL) B(k, n) = B[k * sk + n * sn], each column pair split where the
+ * team uses it (for M within one row block: more would split it once a block). */
+static void tk_dense_core(const float *restrict X, long M, const float *restrict Wp, const float *restrict B,
+                          long sk, long sn, const float *restrict bias, const float *restrict R, float *restrict Y,
+                          const float *restrict gamma, const float *restrict beta, float eps, int gelu,
+                          int nthreads) {
     if (!tk_xs) tk_xs = (uint16_t *)tk_alloc(3L * TK_MBP * TK_KCP / 2);
     uint16_t *xs = tk_xs;  /* the calling thread's; the team's threads read it */
     const uint16_t *wp = (const uint16_t *)Wp;
@@ -349,12 +373,20 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
                 float c[32 * 32] __attribute__((aligned(64))), cs[32 * 32] __attribute__((aligned(64)));
                 tk_split_x(X, ic, mb, pc, kc, xs);  /* the loop's barrier: all of it split before any tile */
                 tk_tiles_on();
+                const uint16_t *w = wp;
+                long wplane = (long)TK_NT * TK_KT * TK_TILE, jstride = TK_KT, t0 = pc / 32;
+                if (!wp) {
+                    if (!tk_ws) tk_ws = (uint16_t *)tk_alloc(3L * TK_WS_PLANE(TK_KCP / 32) / 2);
+                    w = tk_ws, wplane = TK_WS_PLANE(kts), jstride = kts, t0 = 0;
+                }
 #pragma omp for schedule(static)
-                for (long jp = 0; jp < TK_NT / 2; ++jp)
+                for (long jp = 0; jp < TK_NT / 2; ++jp) {
+                    if (!wp) tk_split_b_pair(B, sk, sn, jp, pc / 32, kts, tk_ws);
+                    long jw = wp ? 2 * jp : 0;
                     for (long i0 = 0; i0 < mb; i0 += 32) {
                         long mr = tk_min(32, mb - i0), row = ic + i0, n0 = jp * 32;
                         tk_wfetch fetch, *pf = 0;
-                        if (jp + 1 < TK_NT / 2) {
+                        if (wp && jp + 1 < TK_NT / 2) {
                             long bytes = kts * TK_TILE * 2, shares = (mb + 31) / 32, per = (bytes + shares - 1) / shares;
                             per = (per + 63) / 64 * 64;
                             for (int r = 0; r < 6; ++r)
@@ -372,9 +404,9 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
                          * K = 3072, this order as little as a float32 GEMM */
                         tk_tiles_zero();
                         if (mr > 16)
-                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 1, 1, pf);
+                            tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 1, 1, pf);
                         else  /* two calls: each inlined with its tile count a constant */
-                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 0, 1, pf);
+                            tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 0, 1, pf);
                         tk_tiles_out(cs);
                         if (first) {
                             tk_tiles_zero();
@@ -382,19 +414,26 @@ void tk_dense(const float *restrict X, long M, const float *restrict Wp, const f
                             tk_load_block(c, Y, row, n0, mr);
                         }
                         if (mr > 16)
-                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 1, 0, 0);
+                            tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 1, 0, 0);
                         else
-                            tk_block(xs, i0, wp, 2 * jp, pc / 32, kts, 0, 0, 0);
+                            tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 0, 0, 0);
                         tk_tiles_out(c);
                         for (int v = 0; v < 32 * 32; v += 16)
                             _mm512_store_ps(c + v, _mm512_add_ps(_mm512_load_ps(c + v), _mm512_load_ps(cs + v)));
                         tk_store_block(c, Y, row, n0, mr, last, bias, R, gelu);
                     }
+                }
                 _tile_release();
             }
         }
         if (gamma) tk_layer_norm_rows(Y + ic * TK_N, mb, gamma, beta, eps);
     }
+}
+
+void tk_dense(const float *restrict X, long M, const float *restrict Wp, const float *restrict bias,
+              const float *restrict R, float *restrict Y, const float *restrict gamma,
+              const float *restrict beta, float eps, int gelu, int nthreads) {
+    tk_dense_core(X, M, Wp, 0, 0, 0, bias, R, Y, gamma, beta, eps, gelu, nthreads);
 }
 
 #endif

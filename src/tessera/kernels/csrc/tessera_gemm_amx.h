@@ -28,7 +28,17 @@ void tk_run_prepacked(float *restrict out, const float *restrict a, const float 
     tk_dense(a, GA_M, packed, 0, 0, out, 0, 0, 0.0f, 0, nthreads);
 }
 
+/* Rows within one row block: each column pair of B split where it is used (tk_dense_core), never
+ * the whole packed B written and read back; more rows: B packed once a call, then the blocks. */
+#define GA_FUSED (GA_M <= TK_MB)
+
 void tk_run(float *restrict out, const float *restrict a, const float *restrict b, int nthreads) {
+    if (GA_FUSED) {
+        for (long i = 0; i < GA_BATCH; ++i)
+            tk_dense_core(a, GA_M, 0, b + i * (long)TK_K * TK_N, GA_SK, GA_SN, 0, 0, out + i * (long)GA_M * TK_N, 0, 0,
+                          0.0f, 0, nthreads);
+        return;
+    }
     if (!ga_packed) ga_packed = tk_alloc(tk_prepacked_floats);  /* huge pages from 2 MiB (tk_alloc) */
     for (long i = 0; i < GA_BATCH; ++i) {
         tk_pack_b(b + i * (long)TK_K * TK_N, GA_SK, GA_SN, (uint16_t *)ga_packed, nthreads);
