@@ -68,8 +68,8 @@ def test_amx_blocks_change_only_the_speed_not_the_k_order_within_a_block():
         assert np.array_equal(c, outs[(32, kc)])
 
 
-def _conv(n=2, ci=48, co=40, h=7, w=9, **kw):
-    return ops.conv2d(ops.Conv2dShape(batch=n, in_channels=ci, out_channels=co, height=h, width=w, kernel=(1, 1), **kw))
+def _conv(n=2, ci=48, co=40, h=7, w=9, kernel=(1, 1), **kw):
+    return ops.conv2d(ops.Conv2dShape(batch=n, in_channels=ci, out_channels=co, height=h, width=w, kernel=kernel, **kw))
 
 
 @needs_amx
@@ -89,6 +89,36 @@ def test_amx_1x1_convolution_equals_the_float64_product():
     assert kernel.prepack_operand(0) is None and kernel.prepack_operand(1) is None  # a conv's B is its input
 
 
+# (images, C_in, C_out, H, W, kernel, stride, padding): odd planes and channel counts, 3x3 at
+# stride 1 and 2, a 3x5 kernel with unequal strides and paddings, a 7x7 stem of 3 channels
+AMX_CONVS = [(2, 5, 40, 9, 11, (3, 3), (1, 1), (1, 1)), (2, 7, 40, 10, 9, (3, 3), (2, 2), (1, 1)),
+             (1, 3, 33, 13, 12, (3, 5), (2, 1), (0, 2)), (1, 3, 48, 17, 17, (7, 7), (2, 2), (3, 3))]
+
+
+@needs_amx
+@pytest.mark.parametrize("n,ci,co,h,w,kernel,stride,padding", AMX_CONVS)
+def test_amx_convolution_on_its_gathered_im2col_equals_the_float64_convolution(n, ci, co, h, w, kernel, stride, padding):
+    import torch
+
+    op = _conv(n=n, ci=ci, co=co, h=h, w=w, kernel=kernel, stride=stride, padding=padding)
+    wt, x = random_inputs(op, seed=n + ci + co)
+    outs = {rows: compile_kernel(op, DirectSchedule(algo="amx", isa="avx512", rows=rows, vecs=32))(wt, x)
+            for rows in (32, 64)}
+    y = outs[32]
+    w4, x4 = torch.from_numpy(wt.reshape(co, ci, *kernel)), torch.from_numpy(x.reshape(n, ci, h, w))
+    exact = torch.nn.functional.conv2d(x4.double(), w4.double(), stride=stride, padding=padding).numpy()
+    fp32 = torch.nn.functional.conv2d(x4, w4, stride=stride, padding=padding).numpy()
+    got = y.reshape(exact.shape)
+    scale = np.abs(exact).max()
+    # the float32 tolerance of the GEMM tests: 2x a float32 convolution's error against float64
+    assert np.abs(got - exact).max() / scale <= 2 * np.abs(fp32 - exact).max() / scale + 1e-7
+    # A's rows in one block (64: each column pair's slice of B gathered where it is used) or two
+    # (32: the image's B gathered and split whole first): the same bits; 2 threads as 1
+    assert np.array_equal(outs[64], y)
+    kernel64 = compile_kernel(op, DirectSchedule(algo="amx", isa="avx512", rows=64, vecs=32))
+    assert np.array_equal(kernel64(wt, x, threads=2), y)
+
+
 def test_amx_is_offered_for_plain_gemms_of_16_rows_or_more_where_it_runs(monkeypatch):
     monkeypatch.setattr(direct, "amx_ready", lambda: None)
     isas = ("avx2", "avx512")
@@ -99,9 +129,11 @@ def test_amx_is_offered_for_plain_gemms_of_16_rows_or_more_where_it_runs(monkeyp
     for op in (ops.gemm(15, 64, 64), ops.gemm(64, 64, 64, trans_a=True), ops.batched_gemm(2, 64, 64, 64)):
         assert direct.amx_space(op, isas) == []
     assert direct.amx_space(ops.gemm(64, 64, 64), ("avx2",)) == []  # the split runs on AVX-512
-    # a 1x1 convolution of stride 1, no padding, one group is GEMMs; no other convolution is
-    assert direct.amx_space(_conv(), isas)
-    for conv in (_conv(stride=(2, 2)), _conv(padding=(1, 1)), _conv(groups=2), _conv(co=8)):
+    # a convolution of one group is GEMMs (strided and padded ones on their gathered im2col
+    # matrix); a grouped one, or one of fewer than 16 output channels (A's rows), is not
+    for conv in (_conv(), _conv(stride=(2, 2)), _conv(padding=(1, 1)), _conv(kernel=(3, 3), padding=(1, 1))):
+        assert direct.amx_space(conv, isas)
+    for conv in (_conv(groups=2), _conv(co=8)):
         assert direct.amx_space(conv, isas) == []
     monkeypatch.setattr(direct, "amx_ready", lambda: "this CPU lacks amx_tile")
     assert direct.amx_space(ops.gemm(64, 64, 64), isas) == []
@@ -129,6 +161,7 @@ def test_amx_refuses_what_it_cannot_run():
         DirectSchedule(algo="amx", isa="avx2", rows=128, vecs=768)
     with pytest.raises(ValueError, match="multiples of 32"):
         DirectSchedule(algo="amx", isa="avx512", rows=100, vecs=768)
-    conv = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=8, out_channels=8, height=8, width=8, kernel=(3, 3), padding=(1, 1)))
+    conv = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=8, out_channels=8, height=8, width=8, kernel=(3, 3),
+                                      padding=(1, 1), groups=2))
     with pytest.raises(ValueError, match="gemm_nn or gemm_nt"):
         direct.generate_direct(conv, DirectSchedule(algo="amx", isa="avx512", rows=32, vecs=32))

@@ -167,6 +167,23 @@ def test_shortlist_times_a_schedule_that_packs_both_operands_for_each_tile():
                                             loops.schedule, packed[1].schedule]
 
 
+def test_shortlist_times_the_amx_gemm_at_a_second_row_block():
+    """Where an AMX schedule is picked, the best-ranked one of another row block is timed too
+    (A's rows all in one block, B split once, against A's block kept in L2: the model does not
+    rank them reliably); none is added where no AMX schedule is picked."""
+    from tessera.kernels.schedule import DirectSchedule
+    from tessera.kernels.tuner import Trial, shortlist
+
+    amx = [Trial(DirectSchedule(algo="amx", isa="avx512", rows=rows, vecs=kc), t)
+           for rows, kc, t in ((512, 768, 1.0), (512, 384, 1.1), (256, 768, 3.0), (128, 768, 4.0))]
+    gemm = Trial(GemmSchedule(isa="avx512", mr=8, nr=48, mc=32, nc=48), 2.0)
+    loops = Trial(LoopSchedule(order=("m", "n", "k")), 20.0)
+    picked = shortlist([amx[0], amx[1], gemm, amx[2], amx[3], loops], top_k=3)
+    assert [t.schedule for t in picked] == [amx[0].schedule, amx[1].schedule, gemm.schedule, loops.schedule,
+                                            amx[2].schedule]
+    assert shortlist([gemm, loops], top_k=3) == [gemm, loops]
+
+
 def test_inputs_lie_on_a_line_and_placements_move_each_off_it_with_the_same_values():
     from tessera.kernels.tuner import _placements
 

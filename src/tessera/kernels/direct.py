@@ -148,19 +148,25 @@ class AmxGemm:
     k: int
     trans_b: bool  # B stored [N, K] (a Linear's weight) rather than [K, N]
     batch: int = 1  # products sharing A, each with its own B and C (a 1x1 convolution's images)
+    conv: ConvSizes | None = None  # B the images' im2col matrix, gathered (not a 1x1 of stride 1)
 
 
 def amx_of(op: Operator) -> AmxGemm | None:
     """The sizes of ``op`` as GEMMs when the AMX kernel takes it: ``ops.gemm`` with A stored
-    [M, K] (``gemm_nn``, ``gemm_nt``), or a 1x1 convolution of stride 1, no padding and one group
-    (per image, ``Y = W X``: A the weight [C_out, C_in], B the image [C_in, H W])."""
+    [M, K] (``gemm_nn``, ``gemm_nt``), or a convolution of one group, ``Y = W B`` with A the
+    weight [C_out, C_in KH KW]: for a 1x1 of stride 1 and no padding one product an image, B
+    the image [C_in, H W] as it lies; for any other one product, B the im2col matrix of all the
+    images side by side [C_in KH KW, images OH OW], gathered tile by tile as the kernel splits
+    it (``conv``)."""
     if op.name in ("gemm_nn", "gemm_nt"):
         ext = op.extents
         return AmxGemm(m=ext["m"], n=ext["n"], k=ext["k"], trans_b=op.name == "gemm_nt")
     d = conv_of(op)
-    if d is None or (d.g, d.kh, d.kw, d.sh, d.sw, d.ph, d.pw) != (1, 1, 1, 1, 1, 0, 0):
+    if d is None or d.g != 1:
         return None
-    return AmxGemm(m=d.cog, n=d.h * d.w, k=d.cig, trans_b=False, batch=d.n)
+    if (d.kh, d.kw, d.sh, d.sw, d.ph, d.pw) == (1, 1, 1, 1, 0, 0):
+        return AmxGemm(m=d.cog, n=d.h * d.w, k=d.cig, trans_b=False, batch=d.n)
+    return AmxGemm(m=d.cog, n=d.n * d.oh * d.ow, k=d.cig * d.kh * d.kw, trans_b=False, conv=d)
 
 
 _RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of, "flat": flat_of, "flatc": flat_of,
@@ -183,9 +189,13 @@ def generate_direct(op: Operator, s: DirectSchedule) -> str:
         g = amx_of(op)
         if g is None:
             raise ValueError(f"{op.name}: the amx kernel takes a GEMM with A stored [M, K] (gemm_nn or gemm_nt) "
-                             "or a 1x1 convolution of stride 1, no padding, one group")
+                             "or a convolution of one group")
         head = f"/* {op.signature()}\n * schedule: {s.short()} */\n"
         defines = {"GA_M": g.m, "GA_TB": int(g.trans_b), "GA_BATCH": g.batch}
+        if g.conv is not None:
+            c = g.conv
+            defines |= {"GA_CONV": 1, "GA_H": c.h, "GA_W": c.w, "GA_KH": c.kh, "GA_KW": c.kw, "GA_SH": c.sh,
+                        "GA_SW": c.sw, "GA_PH": c.ph, "GA_PW": c.pw, "GA_OW": c.ow, "GA_P": c.oh * c.ow}
         return head + amx_source(g.n, g.k, s.vecs, s.rows, defines, "tessera_gemm_amx.h")
     if s.algo in ("depthwise", "grouped"):
         d = _RECOGNISERS[s.algo](op)
@@ -272,6 +282,7 @@ AMX_MIN_ROWS = 16  # below a tile's 16 rows the AVX kernels win: AMX reads 1.5x 
 # rows of A x columns of K a block: dense.py's probes, and 128 x 1024 (2048^3 on 1 thread at
 # 1.0-1.1x 128 x 704 in interleaved probes on the Intel VM: two k blocks, one pass of C fewer)
 AMX_BLOCKS = ((256, 768), (256, 384), (128, 768), (128, 1024))
+AMX_BATCH_ROWS = 1024  # a batch's A in one row block, up to this many rows
 
 
 def amx_space(op: Operator, isas: tuple[str, ...]) -> list[DirectSchedule]:
@@ -280,7 +291,13 @@ def amx_space(op: Operator, isas: tuple[str, ...]) -> list[DirectSchedule]:
     if g is None or g.m < AMX_MIN_ROWS or "avx512" not in isas or amx_ready() is not None:
         return []
     out = []
-    for mb, kc in AMX_BLOCKS:
+    blocks = AMX_BLOCKS
+    if (g.batch > 1 or g.conv is not None) and g.m > AMX_BLOCKS[0][0]:
+        # a batch or a convolution splits (gathers) B's slices once a row block: all of A's rows in
+        # one block too, at two depths of K (A's block in L2 or not)
+        rows = min(-(-g.m // 32) * 32, AMX_BATCH_ROWS)
+        blocks += ((rows, 384), (rows, 768))
+    for mb, kc in blocks:
         per_block = -(-g.k // -(-g.k // kc))  # K in as many near-equal blocks as kc would cut
         kc = -(-per_block // 32) * 32
         mb = min(mb, -(-g.m // 32) * 32)

@@ -150,17 +150,21 @@ AMX_PRODUCT_CYCLES = 16
 AMX_PRODUCTS_PER_BLOCK = 24
 AMX_TILE_LOADS_PER_BLOCK = 20
 AMX_SPLIT_BYTES = 10.0  # a float read (4 bytes) and its three bfloat16 parts written (6)
+# a convolution's im2col value gathered (16 a masked vector gather, its tap's bounds compared):
+# cycles a value, an estimate
+AMX_GATHER_CYCLES = 1.0
 
 
 def _predict_amx(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> float:
     """The AMX GEMM: its tile products plus the tiles they load from L2 (a tile is not renamed:
     a load into it waits for its last reader, so loads and products do not overlap), or the
     packed B read again from beyond L2 for every block of ``s.rows`` rows when it does not stay
-    in L2, whichever binds (rows within one block: none; B is split per column pair where it is
-    used); plus B split and laid out per call, at the bandwidth of its bytes read and written
-    either way (the split's vector work costs about that: per column pair it ran only 1.05-1.25x
-    faster than packed whole), A split per block (the threads share both) and the partial sums of
-    each k block written to C and read back."""
+    in L2, whichever binds; plus B split and laid out per call at the bandwidth of its bytes read
+    and written (the split's vector work costs about that), once, or once a row block where it is
+    split a column pair's slice at a time where it is used (rows within one block, a batch, a
+    convolution: no re-reads then), a convolution's B gathered from its images as it is split,
+    A split per block (the threads share both) and the partial sums of each k block written to C
+    and read back."""
     g = amx_of(op)
     pairs = -(-g.n // 32)
     t_eff = max(1, min(threads, pairs))
@@ -170,14 +174,22 @@ def _predict_amx(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> f
                            + AMX_TILE_LOADS_PER_BLOCK * 1024 / _bw(m, "L2", t_eff))
     b_packed = 6.0 * pairs * 32 * -(-g.k // 32) * 32
     b_bw = m.bandwidth(_level(m, b_packed, t_eff), t_eff)
-    t_pack_b = g.batch * AMX_SPLIT_BYTES * g.k * g.n / b_bw
-    restreams = -(-g.m // s.rows) - 1 if b_packed > 0.75 * m.cache_bytes["L2"] else 0
+    row_blocks = -(-g.m // s.rows)
+    # B split where it is used (a column pair's slice at a time): once a row block; else packed
+    # whole once, then re-read per row block where it outgrows L2
+    fused = g.conv is not None or g.batch > 1 or row_blocks == 1
+    splits = row_blocks if fused else 1
+    t_pack_b = splits * g.batch * AMX_SPLIT_BYTES * g.k * g.n / b_bw
+    restreams = row_blocks - 1 if not fused and b_packed > 0.75 * m.cache_bytes["L2"] else 0
     t_stream = g.batch * restreams * b_packed / b_bw
     a_bytes = AMX_SPLIT_BYTES * g.m * g.k
     t_split_a = g.batch * a_bytes / m.bandwidth(_level(m, a_bytes, t_eff), t_eff)
     c_bytes = 4.0 * g.batch * g.m * g.n
     t_c = (2 * -(-g.k // s.vecs) - 1) * c_bytes / m.bandwidth(_level(m, c_bytes, t_eff), t_eff)
-    return CALL_SECONDS + t_pack_b + t_split_a + t_c + max(t_core, t_stream)
+    # a convolution's B gathered from its images as it is split
+    gathers = 0 if g.conv is None else splits * g.k * g.n
+    t_gather = gathers * AMX_GATHER_CYCLES * _cycle(m, "avx512") / t_eff
+    return CALL_SECONDS + t_pack_b + t_split_a + t_c + t_gather + max(t_core, t_stream)
 
 
 def predict_direct(op: Operator, s: DirectSchedule, m: Machine, threads: int = 1) -> float:

@@ -112,7 +112,8 @@ def _family(s: Schedule) -> tuple:
 def shortlist(trials: list[Trial], top_k: int, per_family: int = 2) -> list[Trial]:
     """The ``top_k`` best predicted, at most ``per_family`` of one register tile (the model's
     near-ties within a tile are where it is least sure, so the timed set spreads over tiles),
-    plus the best of the other lowering (micro-kernel vs loops)."""
+    plus the best of the other lowering (micro-kernel vs loops), and the AMX GEMM at a second
+    row block where it is picked."""
     picked, count = [], {}
     for t in trials:
         fam = _family(t.schedule)
@@ -126,6 +127,16 @@ def shortlist(trials: list[Trial], top_k: int, per_family: int = 2) -> list[Tria
         if _lowering(t.schedule) not in kinds:
             picked.append(t)
             kinds.add(_lowering(t.schedule))
+    # the AMX GEMM of a batch or a convolution at a second row block: all of A's rows in one block
+    # (B split once a call) against blocks that keep A's block in L2 (B split once a block), which
+    # the model does not rank reliably (8x 1x1 c256->1024 14x14 on 1 thread: 173 GFLOP/s at 256
+    # rows, 138 at 1024; on 2 threads 231 and 220)
+    amx_rows = {t.schedule.rows for t in picked if getattr(t.schedule, "algo", None) == "amx"}
+    if amx_rows:
+        other = next((t for t in trials if getattr(t.schedule, "algo", None) == "amx" and t.schedule.rows not in amx_rows),
+                     None)
+        if other is not None:
+            picked.append(other)
     # an operand read straight from its matrix is where the model is least sure (cache sets,
     # lines split by an odd row stride: 129x3071x767 was predicted at 210 GFLOP/s and ran at
     # 80-93, B unpacked; 128x768x3072's twelve best predicted all read B in place and ran at

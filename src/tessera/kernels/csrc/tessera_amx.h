@@ -168,6 +168,13 @@ static void tk_pack_tile(const float *restrict B, long sk, long sn, long n0, lon
     }
 }
 
+/* The tile source: B's tiles come from tk_pack_tile (B a matrix), or from another function of the
+ * same arguments a file including this one names before it (tessera_gemm_amx.h: a convolution's
+ * input read as its im2col matrix, never written out). */
+#ifndef TK_B_TILE
+#define TK_B_TILE tk_pack_tile
+#endif
+
 /* All of B into the packed layout, every tile written. [K, N]: a k tile's 32 rows of B at a
  * time, read along them, a column tile's three tiles written whole (column tiles outermost,
  * each a run down 32-2048 rows a page apart, packed 2048^2 in 3.3 ms against 2.4 this way);
@@ -177,12 +184,12 @@ static void tk_pack_b(const float *restrict B, long sk, long sn, uint16_t *restr
     if (sn == 1) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
         for (long t = 0; t < TK_KT; ++t)
-            for (long j = 0; j < TK_NT; ++j) tk_pack_tile(B, sk, sn, j * 16, t * 32, wp + TK_PACKED(0, j, t), plane);
+            for (long j = 0; j < TK_NT; ++j) TK_B_TILE(B, sk, sn, j * 16, t * 32, wp + TK_PACKED(0, j, t), plane);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (long j = 0; j < TK_NT; ++j)
-        for (long t = 0; t < TK_KT; ++t) tk_pack_tile(B, sk, sn, j * 16, t * 32, wp + TK_PACKED(0, j, t), plane);
+        for (long t = 0; t < TK_KT; ++t) TK_B_TILE(B, sk, sn, j * 16, t * 32, wp + TK_PACKED(0, j, t), plane);
 }
 
 /* Column pair jp of B, k tiles t0 .. t0 + kts, into a thread's scratch ws laid out as the packed
@@ -194,11 +201,15 @@ static void tk_split_b_pair(const float *restrict B, long sk, long sn, long jp, 
                             uint16_t *restrict ws) {
     for (long t = 0; t < kts; ++t)
         for (int c = 0; c < 2; ++c)
-            tk_pack_tile(B, sk, sn, (2 * jp + c) * 16, (t0 + t) * 32, ws + (c * kts + t) * TK_TILE, TK_WS_PLANE(kts));
+            TK_B_TILE(B, sk, sn, (2 * jp + c) * 16, (t0 + t) * 32, ws + (c * kts + t) * TK_TILE, TK_WS_PLANE(kts));
 }
 
 /* W: N x K row-major (torch's Linear.weight). */
-void tk_pack_weight(const float *restrict W, float *restrict packed) { tk_pack_b(W, 1, TK_K, (uint16_t *)packed, 1); }
+void tk_pack_weight(const float *restrict W, float *restrict packed) {
+    const long plane = (long)TK_NT * TK_KT * TK_TILE;
+    for (long j = 0; j < TK_NT; ++j)
+        for (long t = 0; t < TK_KT; ++t) tk_pack_tile(W, 1, TK_K, j * 16, t * 32, (uint16_t *)packed + TK_PACKED(0, j, t), plane);
+}
 
 /* The calling thread's split block of X: three planes of TK_MB (rounded up to 32) rows by TK_KCP
  * bf16, allocated once and kept. A plane holds tiles: for each 16 rows and 32 columns, one
@@ -236,6 +247,45 @@ TK_INLINE __mmask16 tk_col_mask(long col) {
     return TK_N - col >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (TK_N - col)) - 1);
 }
 
+/* Y's layout: row-major [M, TK_N]; or, where the including file defines TK_Y_PLANE (a
+ * convolution's images side by side along N), [TK_N / TK_Y_PLANE images][TK_Y_ROWS][TK_Y_PLANE]:
+ * columns are contiguous up to the end of their image's plane. */
+#ifdef TK_Y_PLANE
+#define TK_YAT(Y, row, col) ((Y) + (col) / TK_Y_PLANE * (long)TK_Y_ROWS * TK_Y_PLANE + (row) * (long)TK_Y_PLANE + \
+                             (col) % TK_Y_PLANE)
+#define TK_YRUN(col) (TK_Y_PLANE - (col) % TK_Y_PLANE)
+#else
+#define TK_YAT(Y, row, col) ((Y) + (row) * (long)TK_N + (col))
+#define TK_YRUN(col) ((long)TK_N - (col))
+#endif
+
+/* The lanes of v in mask to columns col .. col + 15 of row `row` of Y, or (load) from them: one
+ * masked access a contiguous run (one for row-major Y) */
+TK_INLINE void tk_y_store(float *restrict Y, long row, long col, __m512 v, __mmask16 mask) {
+#ifndef TK_Y_PLANE
+    _mm512_mask_storeu_ps(TK_YAT(Y, row, col), mask, v);
+    return;
+#endif
+    for (long done = 0; done < 16 && col + done < TK_N;) {
+        long run = tk_min(TK_YRUN(col + done), 16 - done);
+        _mm512_mask_storeu_ps(TK_YAT(Y, row, col + done) - done, (__mmask16)((((1u << run) - 1) << done) & mask), v);
+        done += run;
+    }
+}
+
+TK_INLINE __m512 tk_y_load(const float *restrict Y, long row, long col, __mmask16 mask) {
+#ifndef TK_Y_PLANE
+    return _mm512_maskz_loadu_ps(mask, TK_YAT(Y, row, col));
+#endif
+    __m512 v = _mm512_setzero_ps();
+    for (long done = 0; done < 16 && col + done < TK_N;) {
+        long run = tk_min(TK_YRUN(col + done), 16 - done);
+        v = _mm512_mask_loadu_ps(v, (__mmask16)((((1u << run) - 1) << done) & mask), TK_YAT(Y, row, col + done) - done);
+        done += run;
+    }
+    return v;
+}
+
 static void tk_store_block(const float *restrict c, float *restrict Y, long row, long n0, long mr, int last,
                            const float *restrict bias, const float *restrict R, int gelu) {
     for (long i = 0; i < mr; ++i)
@@ -249,13 +299,14 @@ static void tk_store_block(const float *restrict c, float *restrict Y, long row,
                 if (R) s = _mm512_add_ps(s, _mm512_maskz_loadu_ps(mask, R + (row + i) * TK_N + col));
                 if (gelu) s = tk_gelu(s);
             }
-            _mm512_mask_storeu_ps(Y + (row + i) * TK_N + col, mask, s);
+            tk_y_store(Y, row + i, col, s, mask);
         }
 }
 
 /* The partial sums of a block from Y into the accumulator tiles: straight from Y (row stride
  * TK_N) when the block is whole, else through c (row stride 32) with zeros where not valid. */
 static void tk_load_block(float *restrict c, const float *restrict Y, long row, long n0, long mr) {
+#ifndef TK_Y_PLANE
     if (mr == 32 && n0 + 32 <= TK_N) {
         const float *y = Y + row * TK_N + n0;
         _tile_loadd(0, y, TK_N * 4);
@@ -264,12 +315,13 @@ static void tk_load_block(float *restrict c, const float *restrict Y, long row, 
         _tile_loadd(3, y + 16 * TK_N + 16, TK_N * 4);
         return;
     }
+#endif
     memset(c, 0, 32 * 32 * sizeof(float));
     for (long i = 0; i < mr; ++i)
         for (int v = 0; v < 2; ++v) {
             long col = n0 + v * 16;
             if (col >= TK_N) break;
-            _mm512_store_ps(c + i * 32 + v * 16, _mm512_maskz_loadu_ps(tk_col_mask(col), Y + (row + i) * TK_N + col));
+            _mm512_store_ps(c + i * 32 + v * 16, tk_y_load(Y, row + i, col, tk_col_mask(col)));
         }
     _tile_loadd(0, c, 128);
     _tile_loadd(1, c + 16, 128);
@@ -352,11 +404,12 @@ static __thread uint16_t *tk_ws; /* a thread's split column pair of B (tk_split_
 /* Y = X W^T (+ bias, + R when not NULL), then GELU of each value when gelu is not 0, then, when
  * gamma is not NULL, LayerNorm of each row (gamma, beta, eps). X: M x K, Y and R: M x N. W is
  * the packed Wp, or (Wp NULL) B(k, n) = B[k * sk + n * sn], each column pair split where the
- * team uses it (for M within one row block: more would split it once a block). */
+ * team uses it (once a row block of X). With Wp NULL, batch products share X, each with a B
+ * bstride floats after the last and a Y M N after: X's block is split once for all of them. */
 static void tk_dense_core(const float *restrict X, long M, const float *restrict Wp, const float *restrict B,
-                          long sk, long sn, const float *restrict bias, const float *restrict R, float *restrict Y,
-                          const float *restrict gamma, const float *restrict beta, float eps, int gelu,
-                          int nthreads) {
+                          long sk, long sn, long batch, long bstride, const float *restrict bias,
+                          const float *restrict R, float *restrict Y, const float *restrict gamma,
+                          const float *restrict beta, float eps, int gelu, int nthreads) {
     if (!tk_xs) tk_xs = (uint16_t *)tk_alloc(3L * TK_MBP * TK_KCP / 2);
     uint16_t *xs = tk_xs;  /* the calling thread's; the team's threads read it */
     const uint16_t *wp = (const uint16_t *)Wp;
@@ -379,48 +432,52 @@ static void tk_dense_core(const float *restrict X, long M, const float *restrict
                     if (!tk_ws) tk_ws = (uint16_t *)tk_alloc(3L * TK_WS_PLANE(TK_KCP / 32) / 2);
                     w = tk_ws, wplane = TK_WS_PLANE(kts), jstride = kts, t0 = 0;
                 }
+                for (long bi = 0; bi < (wp ? 1 : batch); ++bi) {
+                    const float *Bb = wp ? 0 : B + bi * bstride;
+                    float *Yb = Y + bi * M * TK_N;
 #pragma omp for schedule(static)
-                for (long jp = 0; jp < TK_NT / 2; ++jp) {
-                    if (!wp) tk_split_b_pair(B, sk, sn, jp, pc / 32, kts, tk_ws);
-                    long jw = wp ? 2 * jp : 0;
-                    for (long i0 = 0; i0 < mb; i0 += 32) {
-                        long mr = tk_min(32, mb - i0), row = ic + i0, n0 = jp * 32;
-                        tk_wfetch fetch, *pf = 0;
-                        if (wp && jp + 1 < TK_NT / 2) {
-                            long bytes = kts * TK_TILE * 2, shares = (mb + 31) / 32, per = (bytes + shares - 1) / shares;
-                            per = (per + 63) / 64 * 64;
-                            for (int r = 0; r < 6; ++r)
-                                fetch.range[r] = (const char *)(wp + (r / 2) * (long)TK_NT * TK_KT * TK_TILE +
-                                                                ((2 * jp + 2 + r % 2) * TK_KT + pc / 32) * TK_TILE);
-                            fetch.from = i0 / 32 * per;
-                            fetch.to = tk_min(fetch.from + per, bytes);
-                            fetch.lines_per_t = (per / 64 + kts - 1) / kts;
-                            pf = &fetch;
-                        }
-                        /* the small products first, in tiles of their own (2^-8 of the sum's size:
-                         * their roundings 2^-8 of the sum's), then the large ones onto the
-                         * sum so far; one AMX product rounds its sum at each term, so all six in
-                         * one sum rounded it six times a term, 2.3x a float32 GEMM's error at
-                         * K = 3072, this order as little as a float32 GEMM */
-                        tk_tiles_zero();
-                        if (mr > 16)
-                            tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 1, 1, pf);
-                        else  /* two calls: each inlined with its tile count a constant */
-                            tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 0, 1, pf);
-                        tk_tiles_out(cs);
-                        if (first) {
+                    for (long jp = 0; jp < TK_NT / 2; ++jp) {
+                        if (!wp) tk_split_b_pair(Bb, sk, sn, jp, pc / 32, kts, tk_ws);
+                        long jw = wp ? 2 * jp : 0;
+                        for (long i0 = 0; i0 < mb; i0 += 32) {
+                            long mr = tk_min(32, mb - i0), row = ic + i0, n0 = jp * 32;
+                            tk_wfetch fetch, *pf = 0;
+                            if (wp && jp + 1 < TK_NT / 2) {
+                                long bytes = kts * TK_TILE * 2, shares = (mb + 31) / 32, per = (bytes + shares - 1) / shares;
+                                per = (per + 63) / 64 * 64;
+                                for (int r = 0; r < 6; ++r)
+                                    fetch.range[r] = (const char *)(wp + (r / 2) * (long)TK_NT * TK_KT * TK_TILE +
+                                                                    ((2 * jp + 2 + r % 2) * TK_KT + pc / 32) * TK_TILE);
+                                fetch.from = i0 / 32 * per;
+                                fetch.to = tk_min(fetch.from + per, bytes);
+                                fetch.lines_per_t = (per / 64 + kts - 1) / kts;
+                                pf = &fetch;
+                            }
+                            /* the small products first, in tiles of their own (2^-8 of the sum's size:
+                             * their roundings 2^-8 of the sum's), then the large ones onto the
+                             * sum so far; one AMX product rounds its sum at each term, so all six in
+                             * one sum rounded it six times a term, 2.3x a float32 GEMM's error at
+                             * K = 3072, this order as little as a float32 GEMM */
                             tk_tiles_zero();
-                        } else {
-                            tk_load_block(c, Y, row, n0, mr);
+                            if (mr > 16)
+                                tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 1, 1, pf);
+                            else  /* two calls: each inlined with its tile count a constant */
+                                tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 0, 1, pf);
+                            tk_tiles_out(cs);
+                            if (first) {
+                                tk_tiles_zero();
+                            } else {
+                                tk_load_block(c, Yb, row, n0, mr);
+                            }
+                            if (mr > 16)
+                                tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 1, 0, 0);
+                            else
+                                tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 0, 0, 0);
+                            tk_tiles_out(c);
+                            for (int v = 0; v < 32 * 32; v += 16)
+                                _mm512_store_ps(c + v, _mm512_add_ps(_mm512_load_ps(c + v), _mm512_load_ps(cs + v)));
+                            tk_store_block(c, Yb, row, n0, mr, last, bias, R, gelu);
                         }
-                        if (mr > 16)
-                            tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 1, 0, 0);
-                        else
-                            tk_block(xs, i0, w, wplane, jstride, jw, t0, kts, 0, 0, 0);
-                        tk_tiles_out(c);
-                        for (int v = 0; v < 32 * 32; v += 16)
-                            _mm512_store_ps(c + v, _mm512_add_ps(_mm512_load_ps(c + v), _mm512_load_ps(cs + v)));
-                        tk_store_block(c, Y, row, n0, mr, last, bias, R, gelu);
                     }
                 }
                 _tile_release();
@@ -433,7 +490,7 @@ static void tk_dense_core(const float *restrict X, long M, const float *restrict
 void tk_dense(const float *restrict X, long M, const float *restrict Wp, const float *restrict bias,
               const float *restrict R, float *restrict Y, const float *restrict gamma,
               const float *restrict beta, float eps, int gelu, int nthreads) {
-    tk_dense_core(X, M, Wp, 0, 0, 0, bias, R, Y, gamma, beta, eps, gelu, nthreads);
+    tk_dense_core(X, M, Wp, 0, 0, 0, 1, 0, bias, R, Y, gamma, beta, eps, gelu, nthreads);
 }
 
 #endif
