@@ -416,16 +416,21 @@ static void tk_dense_core(const float *restrict X, long M, const float *restrict
     /* M in blocks of near-equal rows (multiples of 32), as few as hold at most TK_MB each */
     long nblocks = (M + TK_MB - 1) / TK_MB, step = (M + nblocks - 1) / nblocks;
     step = tk_min((step + 31) / 32 * 32, TK_MBP);
+    /* one parallel region a call (a region a block was 48 a call at 2048 x 768 x 3072, each a
+     * fork and join the team's threads wait on) */
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+    float c[32 * 32] __attribute__((aligned(64))), cs[32 * 32] __attribute__((aligned(64)));
+    tk_tiles_on();
     for (long ic = 0; ic < M; ic += step) {
         long mb = tk_min(step, M - ic);
         for (long pc = 0; pc < TK_K; pc += TK_KCP) {
             long kc = tk_min(TK_KCP, TK_K - pc), kts = (kc + 31) / 32;
             int first = pc == 0, last = pc + kc >= TK_K;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
             {
-                float c[32 * 32] __attribute__((aligned(64))), cs[32 * 32] __attribute__((aligned(64)));
-                tk_split_x(X, ic, mb, pc, kc, xs);  /* the loop's barrier: all of it split before any tile */
-                tk_tiles_on();
+                /* its barrier: all of the block split before any tile, and no thread splits the
+                 * next block before every thread is done with this one (the end of the loop below) */
+                tk_split_x(X, ic, mb, pc, kc, xs);
                 const uint16_t *w = wp;
                 long wplane = (long)TK_NT * TK_KT * TK_TILE, jstride = TK_KT, t0 = pc / 32;
                 if (!wp) {
@@ -480,10 +485,14 @@ static void tk_dense_core(const float *restrict X, long M, const float *restrict
                         }
                     }
                 }
-                _tile_release();
             }
         }
-        if (gamma) tk_layer_norm_rows(Y + ic * TK_N, mb, gamma, beta, eps);
+        if (gamma) {
+#pragma omp single
+            tk_layer_norm_rows(Y + ic * TK_N, mb, gamma, beta, eps);
+        }
+    }
+    _tile_release();
     }
 }
 
