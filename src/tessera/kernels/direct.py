@@ -166,6 +166,8 @@ def amx_of(op: Operator) -> AmxGemm | None:
         return None
     if (d.kh, d.kw, d.sh, d.sw, d.ph, d.pw) == (1, 1, 1, 1, 0, 0):
         return AmxGemm(m=d.cog, n=d.h * d.w, k=d.cig, trans_b=False, batch=d.n)
+    if d.n * d.cig * d.h * d.w >= 2**31:  # the gather's 32-bit indices reach every input value
+        return None
     return AmxGemm(m=d.cog, n=d.n * d.oh * d.ow, k=d.cig * d.kh * d.kw, trans_b=False, conv=d)
 
 

@@ -88,9 +88,10 @@ void tk_run_prepacked(float *restrict out, const float *restrict a, const float 
 }
 
 /* Every column pair of B split where it is used (tk_dense_core), never the whole packed B
- * written and read back, where A's rows fit one row block, and for a batch (a convolution's
- * images: A, the weight, then split once a call, not once an image; B's slices once a row
- * block); a single GEMM of more rows packs B whole first, then runs the blocks. */
+ * written and read back, where A's rows fit one row block, for a batch (a 1x1 convolution's
+ * images: A, the weight, split once a call, not once an image) and for a convolution's gathered
+ * B (its slices split once a row block); a single GEMM of more rows packs B whole first, then
+ * runs the blocks. */
 #define GA_FUSED (GA_CONV || GA_BATCH > 1 || GA_M <= TK_MB)
 
 void tk_run(float *restrict out, const float *restrict a, const float *restrict b, int nthreads) {
@@ -99,10 +100,8 @@ void tk_run(float *restrict out, const float *restrict a, const float *restrict 
         return;
     }
     if (!ga_packed) ga_packed = tk_alloc(tk_prepacked_floats);  /* huge pages from 2 MiB (tk_alloc) */
-    for (long i = 0; i < GA_BATCH; ++i) {
-        tk_pack_b(b + i * GA_BSTRIDE, GA_SK, GA_SN, (uint16_t *)ga_packed, nthreads);
-        tk_dense(a, GA_M, ga_packed, 0, 0, out + i * (long)GA_M * TK_N, 0, 0, 0.0f, 0, nthreads);
-    }
+    tk_pack_b(b, GA_SK, GA_SN, (uint16_t *)ga_packed, nthreads);  /* GA_BATCH is 1 here */
+    tk_dense(a, GA_M, ga_packed, 0, 0, out, 0, 0, 0.0f, 0, nthreads);
 }
 
 #endif
