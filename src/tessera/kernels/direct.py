@@ -171,6 +171,14 @@ def amx_of(op: Operator) -> AmxGemm | None:
     return AmxGemm(m=d.cog, n=d.n * d.oh * d.ow, k=d.cig * d.kh * d.kw, trans_b=False, conv=d)
 
 
+def amx_splits_where_used(g: AmxGemm, rows: int) -> bool:
+    """Whether the AMX kernel splits B a column pair's slice at a time where it is used (once a
+    row block of ``rows``) rather than packing it whole first: where A's rows fit one block, for
+    a batch (A split once a call, not once an image) and for a convolution's gathered B. The
+    kernel (``GA_FUSED``) and the model both take it from here."""
+    return g.conv is not None or g.batch > 1 or g.m <= rows
+
+
 _RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of, "flat": flat_of, "flatc": flat_of,
                 "flatcl": flat_of, "dwc": dwc_of, "amx": amx_of}
 
@@ -193,7 +201,8 @@ def generate_direct(op: Operator, s: DirectSchedule) -> str:
             raise ValueError(f"{op.name}: the amx kernel takes a GEMM with A stored [M, K] (gemm_nn or gemm_nt) "
                              "or a convolution of one group")
         head = f"/* {op.signature()}\n * schedule: {s.short()} */\n"
-        defines = {"GA_M": g.m, "GA_TB": int(g.trans_b), "GA_BATCH": g.batch}
+        defines = {"GA_M": g.m, "GA_TB": int(g.trans_b), "GA_BATCH": g.batch,
+                   "GA_FUSED": int(amx_splits_where_used(g, s.rows))}
         if g.conv is not None:
             c = g.conv
             defines |= {"GA_CONV": 1, "GA_H": c.h, "GA_W": c.w, "GA_KH": c.kh, "GA_KW": c.kw, "GA_SH": c.sh,

@@ -7,7 +7,14 @@ levels, bandwidths, thread balance)."""
 
 from __future__ import annotations
 
-from tessera.kernels.direct import amx_of, conv_of, flat_positions, flatcl_k_block, gemv_of
+from tessera.kernels.direct import (
+    amx_of,
+    amx_splits_where_used,
+    conv_of,
+    flat_positions,
+    flatcl_k_block,
+    gemv_of,
+)
 from tessera.kernels.ir import Operator
 from tessera.kernels.machine import Machine
 from tessera.kernels.model import CALL_SECONDS, FMA_PIPES, LOADS_PER_CYCLE, _balance, _bw, _cycle, _level
@@ -163,8 +170,8 @@ def _predict_amx(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> f
     and written (the split's vector work costs about that), once, or once a row block where it is
     split a column pair's slice at a time where it is used (rows within one block, a batch, a
     convolution: no re-reads then), a convolution's B gathered from its images as it is split,
-    A split per block (the threads share both) and the partial sums of each k block written to C
-    and read back."""
+    A split once a call, block by block (the threads share both; a batch's images share it),
+    and the partial sums of each k block written to C and read back."""
     g = amx_of(op)
     pairs = -(-g.n // 32)
     t_eff = max(1, min(threads, pairs))
@@ -177,13 +184,13 @@ def _predict_amx(op: Operator, s: DirectSchedule, m: Machine, threads: int) -> f
     row_blocks = -(-g.m // s.rows)
     # B split where it is used (a column pair's slice at a time): once a row block; else packed
     # whole once, then re-read per row block where it outgrows L2
-    fused = g.conv is not None or g.batch > 1 or row_blocks == 1
+    fused = amx_splits_where_used(g, s.rows)
     splits = row_blocks if fused else 1
     t_pack_b = splits * g.batch * AMX_SPLIT_BYTES * g.k * g.n / b_bw
     restreams = row_blocks - 1 if not fused and b_packed > 0.75 * m.cache_bytes["L2"] else 0
     t_stream = g.batch * restreams * b_packed / b_bw
     a_bytes = AMX_SPLIT_BYTES * g.m * g.k
-    t_split_a = g.batch * a_bytes / m.bandwidth(_level(m, a_bytes, t_eff), t_eff)
+    t_split_a = a_bytes / m.bandwidth(_level(m, a_bytes, t_eff), t_eff)  # once a call, a batch too
     c_bytes = 4.0 * g.batch * g.m * g.n
     t_c = (2 * -(-g.k // s.vecs) - 1) * c_bytes / m.bandwidth(_level(m, c_bytes, t_eff), t_eff)
     # a convolution's B gathered from its images as it is split

@@ -127,10 +127,11 @@ def shortlist(trials: list[Trial], top_k: int, per_family: int = 2) -> list[Tria
         if _lowering(t.schedule) not in kinds:
             picked.append(t)
             kinds.add(_lowering(t.schedule))
-    # the AMX GEMM of a batch or a convolution at a second row block: all of A's rows in one block
-    # (B split once a call) against blocks that keep A's block in L2 (B split once a block), which
-    # the model does not rank reliably (8x 1x1 c256->1024 14x14 on 1 thread: 173 GFLOP/s at 256
-    # rows, 138 at 1024; on 2 threads 231 and 220)
+    # the AMX GEMM at a second row block, wherever one is picked: the model does not rank its row
+    # blocks reliably, least for a batch or a convolution, where all of A's rows in one block (B
+    # split once a call) meet blocks that keep A's block in L2 (B split once a block; 8x 1x1
+    # c256->1024 14x14 on 1 thread: 173 GFLOP/s at 256 rows, 138 at 1024; on 2 threads 231 and
+    # 220); one more timing a shape
     amx_rows = {t.schedule.rows for t in picked if getattr(t.schedule, "algo", None) == "amx"}
     if amx_rows:
         other = next((t for t in trials if getattr(t.schedule, "algo", None) == "amx" and t.schedule.rows not in amx_rows),

@@ -168,29 +168,29 @@ static void tk_pack_tile(const float *restrict B, long sk, long sn, long n0, lon
     }
 }
 
-/* The tile source: B's tiles come from tk_pack_tile (B a matrix), or from another function of the
- * same arguments a file including this one names before it (tessera_gemm_amx.h: a convolution's
- * input read as its im2col matrix, never written out). */
-#ifndef TK_B_TILE
-#define TK_B_TILE tk_pack_tile
-#endif
-
-/* All of B into the packed layout, every tile written. [K, N]: a k tile's 32 rows of B at a
- * time, read along them, a column tile's three tiles written whole (column tiles outermost,
- * each a run down 32-2048 rows a page apart, packed 2048^2 in 3.3 ms against 2.4 this way);
- * [N, K]: a column tile's k tiles in turn. */
+/* All of B (a matrix) into the packed layout, every tile written. [K, N]: a k tile's 32 rows of
+ * B at a time, read along them, a column tile's three tiles written whole (column tiles
+ * outermost, each a run down 32-2048 rows a page apart, packed 2048^2 in 3.3 ms against 2.4
+ * this way); [N, K]: a column tile's k tiles in turn. */
 static void tk_pack_b(const float *restrict B, long sk, long sn, uint16_t *restrict wp, int nthreads) {
     const long plane = (long)TK_NT * TK_KT * TK_TILE;
     if (sn == 1) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
         for (long t = 0; t < TK_KT; ++t)
-            for (long j = 0; j < TK_NT; ++j) TK_B_TILE(B, sk, sn, j * 16, t * 32, wp + TK_PACKED(0, j, t), plane);
+            for (long j = 0; j < TK_NT; ++j) tk_pack_tile(B, sk, sn, j * 16, t * 32, wp + TK_PACKED(0, j, t), plane);
         return;
     }
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (nthreads > 1)
     for (long j = 0; j < TK_NT; ++j)
-        for (long t = 0; t < TK_KT; ++t) TK_B_TILE(B, sk, sn, j * 16, t * 32, wp + TK_PACKED(0, j, t), plane);
+        for (long t = 0; t < TK_KT; ++t) tk_pack_tile(B, sk, sn, j * 16, t * 32, wp + TK_PACKED(0, j, t), plane);
 }
+
+/* The source of the tiles split where they are used: tk_pack_tile (B a matrix), or another
+ * function of the same arguments that a file including this one names before it
+ * (tessera_gemm_amx.h: a convolution's input read as its im2col matrix, never written out). */
+#ifndef TK_B_TILE
+#define TK_B_TILE tk_pack_tile
+#endif
 
 /* Column pair jp of B, k tiles t0 .. t0 + kts, into a thread's scratch ws laid out as the packed
  * weight's slice: [part][column tile 0, 1][k tile] (kts tiles a column tile): the per-call GEMM
@@ -205,11 +205,7 @@ static void tk_split_b_pair(const float *restrict B, long sk, long sn, long jp, 
 }
 
 /* W: N x K row-major (torch's Linear.weight). */
-void tk_pack_weight(const float *restrict W, float *restrict packed) {
-    const long plane = (long)TK_NT * TK_KT * TK_TILE;
-    for (long j = 0; j < TK_NT; ++j)
-        for (long t = 0; t < TK_KT; ++t) tk_pack_tile(W, 1, TK_K, j * 16, t * 32, (uint16_t *)packed + TK_PACKED(0, j, t), plane);
-}
+void tk_pack_weight(const float *restrict W, float *restrict packed) { tk_pack_b(W, 1, TK_K, (uint16_t *)packed, 1); }
 
 /* The calling thread's split block of X: three planes of TK_MB (rounded up to 32) rows by TK_KCP
  * bf16, allocated once and kept. A plane holds tiles: for each 16 rows and 32 columns, one
@@ -261,11 +257,8 @@ TK_INLINE __mmask16 tk_col_mask(long col) {
 
 /* The lanes of v in mask to columns col .. col + 15 of row `row` of Y, or (load) from them: one
  * masked access a contiguous run (one for row-major Y) */
+#ifdef TK_Y_PLANE
 TK_INLINE void tk_y_store(float *restrict Y, long row, long col, __m512 v, __mmask16 mask) {
-#ifndef TK_Y_PLANE
-    _mm512_mask_storeu_ps(TK_YAT(Y, row, col), mask, v);
-    return;
-#endif
     for (long done = 0; done < 16 && col + done < TK_N;) {
         long run = tk_min(TK_YRUN(col + done), 16 - done);
         _mm512_mask_storeu_ps(TK_YAT(Y, row, col + done) - done, (__mmask16)((((1u << run) - 1) << done) & mask), v);
@@ -274,9 +267,6 @@ TK_INLINE void tk_y_store(float *restrict Y, long row, long col, __m512 v, __mma
 }
 
 TK_INLINE __m512 tk_y_load(const float *restrict Y, long row, long col, __mmask16 mask) {
-#ifndef TK_Y_PLANE
-    return _mm512_maskz_loadu_ps(mask, TK_YAT(Y, row, col));
-#endif
     __m512 v = _mm512_setzero_ps();
     for (long done = 0; done < 16 && col + done < TK_N;) {
         long run = tk_min(TK_YRUN(col + done), 16 - done);
@@ -285,6 +275,15 @@ TK_INLINE __m512 tk_y_load(const float *restrict Y, long row, long col, __mmask1
     }
     return v;
 }
+#else
+TK_INLINE void tk_y_store(float *restrict Y, long row, long col, __m512 v, __mmask16 mask) {
+    _mm512_mask_storeu_ps(TK_YAT(Y, row, col), mask, v);
+}
+
+TK_INLINE __m512 tk_y_load(const float *restrict Y, long row, long col, __mmask16 mask) {
+    return _mm512_maskz_loadu_ps(mask, TK_YAT(Y, row, col));
+}
+#endif
 
 static void tk_store_block(const float *restrict c, float *restrict Y, long row, long n0, long mr, int last,
                            const float *restrict bias, const float *restrict R, int gelu) {
@@ -420,14 +419,13 @@ static void tk_dense_core(const float *restrict X, long M, const float *restrict
      * fork and join the team's threads wait on) */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-    float c[32 * 32] __attribute__((aligned(64))), cs[32 * 32] __attribute__((aligned(64)));
-    tk_tiles_on();
-    for (long ic = 0; ic < M; ic += step) {
-        long mb = tk_min(step, M - ic);
-        for (long pc = 0; pc < TK_K; pc += TK_KCP) {
-            long kc = tk_min(TK_KCP, TK_K - pc), kts = (kc + 31) / 32;
-            int first = pc == 0, last = pc + kc >= TK_K;
-            {
+        float c[32 * 32] __attribute__((aligned(64))), cs[32 * 32] __attribute__((aligned(64)));
+        tk_tiles_on();
+        for (long ic = 0; ic < M; ic += step) {
+            long mb = tk_min(step, M - ic);
+            for (long pc = 0; pc < TK_K; pc += TK_KCP) {
+                long kc = tk_min(TK_KCP, TK_K - pc), kts = (kc + 31) / 32;
+                int first = pc == 0, last = pc + kc >= TK_K;
                 /* its barrier: all of the block split before any tile, and no thread splits the
                  * next block before every thread is done with this one (the end of the loop below) */
                 tk_split_x(X, ic, mb, pc, kc, xs);
@@ -486,13 +484,12 @@ static void tk_dense_core(const float *restrict X, long M, const float *restrict
                     }
                 }
             }
-        }
-        if (gamma) {
+            if (gamma) {
 #pragma omp single
-            tk_layer_norm_rows(Y + ic * TK_N, mb, gamma, beta, eps);
+                tk_layer_norm_rows(Y + ic * TK_N, mb, gamma, beta, eps);
+            }
         }
-    }
-    _tile_release();
+        _tile_release();
     }
 }
 

@@ -6,7 +6,7 @@
  * 1x1 convolution of stride 1 (A its weight [C_out, C_in], B an image [C_in, H W], C the
  * image's output), or (GA_CONV) any convolution of one group, B the image's im2col matrix
  * gathered a tile at a time. The generated file defines TK_VEC (512), TK_N, TK_K, TK_KC, TK_MB,
- * GA_M, GA_TB and GA_BATCH (and GA_CONV's), then includes this file.
+ * GA_M, GA_TB, GA_BATCH and GA_FUSED (and GA_CONV's), then includes this file.
  */
 #ifndef TESSERA_GEMM_AMX_H
 #define TESSERA_GEMM_AMX_H
@@ -87,12 +87,10 @@ void tk_run_prepacked(float *restrict out, const float *restrict a, const float 
     tk_dense(a, GA_M, packed, 0, 0, out, 0, 0, 0.0f, 0, nthreads);
 }
 
-/* Every column pair of B split where it is used (tk_dense_core), never the whole packed B
- * written and read back, where A's rows fit one row block, for a batch (a 1x1 convolution's
- * images: A, the weight, split once a call, not once an image) and for a convolution's gathered
- * B (its slices split once a row block); a single GEMM of more rows packs B whole first, then
- * runs the blocks. */
-#define GA_FUSED (GA_CONV || GA_BATCH > 1 || GA_M <= TK_MB)
+/* GA_FUSED (the generator's, direct.amx_splits_where_used): every column pair of B split where
+ * it is used (tk_dense_core), never the whole packed B written and read back (where A's rows fit
+ * one row block, a batch: A split once a call, and a convolution's gathered B); else (a single
+ * GEMM of more rows) B packed whole first, then the blocks. */
 
 void tk_run(float *restrict out, const float *restrict a, const float *restrict b, int nthreads) {
     if (GA_FUSED) {
