@@ -30,7 +30,8 @@ def _errors(op, a, b, c, trans_b):
 
 # M, N, K: M below one 16-row tile and between tiles, N not a multiple of 16 or 32, K not of 32
 # and over two k blocks (kc 96 on K = 300: 4 blocks with a tail)
-SHAPES = [(5, 3, 64), (16, 37, 129), (97, 1000, 300), (300, 40, 1600), (33, 200, 300)]
+# (and N = 1024: B [K, N] rows 4 KiB apart, packed whole though A's rows fit one block)
+SHAPES = [(5, 3, 64), (16, 37, 129), (97, 1000, 300), (300, 40, 1600), (33, 200, 300), (20, 1024, 70)]
 
 
 @needs_amx
@@ -52,6 +53,17 @@ def test_amx_gemm_equals_the_float64_product(m, n, k, trans_b):
     packed = kernel.prepack(1, b)
     assert np.array_equal(kernel.run_prepacked(packed, a, b), c)
     assert np.array_equal(kernel(a, b, threads=2), c)
+
+
+def test_b_is_split_where_used_except_a_kn_b_whose_rows_are_4_kib_apart():
+    def fused(op, rows=128):
+        return direct.amx_splits_where_used(direct.amx_of(op), rows)
+
+    assert fused(ops.gemm(128, 2304, 768)) and fused(ops.gemm(128, 3072, 768, trans_b=True))
+    assert not fused(ops.gemm(128, 3072, 768)) and not fused(ops.gemm(16, 1024, 64))
+    assert not fused(ops.gemm(300, 2304, 768))  # more rows than a block: packed whole, as before
+    # a batch and a gathered convolution split B where used whatever their width (64x64 = 4096)
+    assert fused(_conv(ci=32, co=32, h=64, w=64)) and fused(_conv(ci=32, co=32, h=64, w=64, kernel=(3, 3)))
 
 
 @needs_amx

@@ -175,7 +175,16 @@ def amx_splits_where_used(g: AmxGemm, rows: int) -> bool:
     """Whether the AMX kernel splits B a column pair's slice at a time where it is used (once a
     row block of ``rows``) rather than packing it whole first: where A's rows fit one block, for
     a batch (A split once a call, not once an image) and for a convolution's gathered B. The
-    kernel (``GA_FUSED``) and the model both take it from here."""
+    kernel (``GA_FUSED``) and the model both take it from here.
+
+    Not a single GEMM whose B is [K, N] with rows a multiple of 4 KiB apart (N a multiple of
+    1024): a column pair's slice then walks K rows that all fall in the same few cache sets, and
+    where B lies off a cache line (three lines a row) it ran 10-18% slower than packing B whole
+    (128x3072x768: 150-161 GFLOP/s against 181-186 on 1 thread, 278-290 against 339-352 on 2;
+    128x1024x1024: 163 against 192), and no faster on a line (the Intel VM, in-process probes
+    at both placements; at other N, and on [N, K], the split where used ran 1.05-1.16x)."""
+    if g.conv is None and g.batch == 1 and not g.trans_b and (4 * g.n) % 4096 == 0:
+        return False
     return g.conv is not None or g.batch > 1 or g.m <= rows
 
 
