@@ -21,13 +21,15 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# RUN=folder (default runs/digits-dit): the checkpoint there, resumed if a run was cut short, and
+# the samples' PNG beside it (digits.png in its parent folder)
 demo: $(STAMP)
 	@if [ -f $(RUN)/train_state.json ]; then \
 		$(VENV)/bin/tessera train --recipe digits-dit --nproc $(NPROC) --out $(RUN) --resume; \
 	else \
 		$(VENV)/bin/tessera train --recipe digits-dit --nproc $(NPROC) --out $(RUN); \
 	fi
-	$(VENV)/bin/tessera generate --model $(RUN) --digits 0123456789 --steps 20 --seed 0 --out runs/digits.png
+	$(VENV)/bin/tessera generate --model $(RUN) --digits 0123456789 --steps 20 --seed 0 --out $(dir $(RUN))digits.png
 
 # two pytest workers (pytest-xdist), each test file whole on one, and every file that starts
 # ranks in the test's process on the same one (tests/conftest.py: xdist groups), so the rank
