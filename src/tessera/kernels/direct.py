@@ -179,13 +179,17 @@ def amx_splits_where_used(g: AmxGemm, rows: int) -> bool:
 
     Not a single GEMM whose B is [K, N] with rows a multiple of 4 KiB apart (N a multiple of
     1024): a column pair's slice then walks K rows that all fall in the same few cache sets, and
-    where B lies off a cache line (three lines a row) it ran 10-18% slower than packing B whole
-    (128x3072x768: 150-161 GFLOP/s against 181-186 on 1 thread, 278-290 against 339-352 on 2;
-    128x1024x1024: 163 against 192), and no faster on a line (the Intel VM, in-process probes
-    at both placements; at other N, and on [N, K], the split where used ran 1.05-1.16x)."""
-    if g.conv is None and g.batch == 1 and not g.trans_b and (4 * g.n) % 4096 == 0:
+    where B lies off a cache line (three lines a row) it ran 17-21% slower than packing B whole
+    (128x3072x768: 149 GFLOP/s against 186 on 1 thread, 292 against 352 on 2; 128x1024x1024: 155
+    against 196), and no faster on a line (0.97-1.01x); at other N, and on [N, K], the split
+    where used ran 1.00-1.08x packing whole over the two placements
+    (``benchmarks/probes/amx_split_placement.py``, its output on the Intel VM committed as
+    ``benchmarks/results/intel-vm/amx-split-placement.txt``)."""
+    if g.conv is not None or g.batch > 1:
+        return True
+    if not g.trans_b and (4 * g.n) % 4096 == 0:
         return False
-    return g.conv is not None or g.batch > 1 or g.m <= rows
+    return g.m <= rows
 
 
 _RECOGNISERS = {"depthwise": depthwise_of, "grouped": grouped_of, "gemv": gemv_of, "flat": flat_of, "flatc": flat_of,
