@@ -79,6 +79,9 @@ static void ga_conv_tile(const float *restrict X, long sk, long sn, long n0, lon
 
 static __thread float *ga_packed;
 
+#if GA_BATCH == 1 && !GA_CONV
+/* B packed once (a GEMM's weight; Kernel.prepack): a batch's or a convolution's B is its images,
+ * never constant, so their kernels do not export these */
 void tk_prepack(const float *restrict b, float *restrict dst) { tk_pack_b(b, GA_SK, GA_SN, (uint16_t *)dst, 1); }
 
 void tk_run_prepacked(float *restrict out, const float *restrict a, const float *restrict b,
@@ -86,6 +89,7 @@ void tk_run_prepacked(float *restrict out, const float *restrict a, const float 
     (void)b;
     tk_dense(a, GA_M, packed, 0, 0, out, 0, 0, 0.0f, 0, nthreads);
 }
+#endif
 
 /* GA_FUSED (the generator's, direct.amx_splits_where_used): every column pair of B split where
  * it is used (tk_dense_core), never the whole packed B written and read back (where A's rows fit
