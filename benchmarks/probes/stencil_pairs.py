@@ -10,7 +10,8 @@ so the x-pair sums A_m = Px_m u and G_m = A_m + Py_m u, computed once a point an
 (G_m for the 2m + 1 planes a z sweep needs, A_m for the rows around the output plane, or
 recomputed where read), replace the 73 FMAs a point by about 49 adds and multiplies. The
 kernel below does that over y blocks of whole rows, each streaming z: per plane, A_m and G_m
-of the plane 3 ahead, then the outputs of the plane. It is a probe (the generator does not
+of the plane 3 ahead, then the outputs of the plane (or, jammed, of two planes a step, which
+share the field values of their z pairs and the G_m they both read). It is a probe (the generator does not
 emit it): bit-equal to its own float32 order with contraction off (checked first), timed
 against the tuned 4 x 2 block (run 9's schedule) in 5 interleaved rounds, best of 5 sweeps
 each; medians with the rounds' range.
@@ -47,11 +48,14 @@ def classes(st):
     return w[(0, 0, 0)], ks, kd, radius, diag
 
 
-def generate(st, shape, ty: int, store_a: bool) -> str:
+def generate(st, shape, ty: int, store_a: bool, jam: int = 1) -> str:
+    """``jam`` 2: two planes' outputs a step, sharing the field values of their z pairs and the
+    G_m they both read (the x pairs recomputed where read)."""
     c0, ks, kd, radius, diag = classes(st)
     nz, ny, nx = shape
+    assert jam == 1 or (jam == 2 and not store_a and nz % 2 == 0)
     h, px = st.halo, nx + 2 * st.halo
-    pp, ring = (ny + 2 * h) * px, 2 * diag + 1
+    pp, ring = (ny + 2 * h) * px, 2 * diag + jam
     ya = diag if store_a else 0  # A_m's rows beyond the block (kept) or none (recomputed where read)
     src = ["#include <stdlib.h>",
            "typedef float vf __attribute__((vector_size(64)));",
@@ -77,25 +81,29 @@ def generate(st, shape, ty: int, store_a: bool) -> str:
     src.append("        if (inb) {")
     src += [f"          ST(GP({m}, gs, j) + x, a{m} + (LD(v + x + {m * px}) + LD(v + x - {m * px})));"
             for m in range(1, diag + 1)]
-    src += ["        }", "      }", "    }",
-            f"    const long z = q - {diag};", f"    if (z < 0 || z >= {nz}) continue;",
-            f"    const long zs = md(z, {ring}), za = md(z, {diag + 1}); (void)za;"]
-    src += [f"    const long zp{m} = md(z + {m}, {ring}), zm{m} = md(z - {m}, {ring});" for m in range(1, diag + 1)]
-    src += ["    for (long j = 0; j < nyb; j++) {",
-            f"      const float *v = u + (z + {h}) * {pp}L + (y0 + j + {h}) * {px}L + {h};",
-            f"      float *o = out + (z + {h}) * {pp}L + (y0 + j + {h}) * {px}L + {h};",
-            f"      for (long x = 0; x < {nx}; x += 16) {{",
-            "        vf acc = K0 * LD(v + x);"]
-    for m in range(1, radius + 1):
-        g = (f"LD(GP({m}, zs, j) + x)" if m <= diag else
-             f"((LD(v + x + {m}) + LD(v + x - {m})) + (LD(v + x + {m * px}) + LD(v + x - {m * px})))")
-        src.append(f"        acc = acc + KS{m} * ({g} + (LD(v + x + {m * pp}) + LD(v + x - {m * pp})));")
-    for m in range(1, diag + 1):
-        xy = (f"(LD(AP({m}, za, j + {diag + m}) + x) + LD(AP({m}, za, j + {diag - m}) + x))" if store_a else
-              f"((LD(v + x + {m * px + m}) + LD(v + x + {m * px - m})) + "
-              f"(LD(v + x - {m * px - m}) + LD(v + x - {m * px + m})))")
-        src.append(f"        acc = acc + KD{m} * ({xy} + (LD(GP({m}, zp{m}, j) + x) + LD(GP({m}, zm{m}, j) + x)));")
-    src += ["        ST(o + x, acc);", "      }", "    }", "  }", "}", "void tk_init(void) {}",
+    src += ["        }", "      }", "    }"]
+    if jam == 1:
+        src += [f"    const long z = q - {diag};", f"    if (z < 0 || z >= {nz}) continue;",
+                f"    const long zs = md(z, {ring}), za = md(z, {diag + 1}); (void)za;"]
+        src += [f"    const long zp{m} = md(z + {m}, {ring}), zm{m} = md(z - {m}, {ring});" for m in range(1, diag + 1)]
+        src += ["    for (long j = 0; j < nyb; j++) {",
+                f"      const float *v = u + (z + {h}) * {pp}L + (y0 + j + {h}) * {px}L + {h};",
+                f"      float *o = out + (z + {h}) * {pp}L + (y0 + j + {h}) * {px}L + {h};",
+                f"      for (long x = 0; x < {nx}; x += 16) {{",
+                "        vf acc = K0 * LD(v + x);"]
+        for m in range(1, radius + 1):
+            g = (f"LD(GP({m}, zs, j) + x)" if m <= diag else
+                 f"((LD(v + x + {m}) + LD(v + x - {m})) + (LD(v + x + {m * px}) + LD(v + x - {m * px})))")
+            src.append(f"        acc = acc + KS{m} * ({g} + (LD(v + x + {m * pp}) + LD(v + x - {m * pp})));")
+        for m in range(1, diag + 1):
+            xy = (f"(LD(AP({m}, za, j + {diag + m}) + x) + LD(AP({m}, za, j + {diag - m}) + x))" if store_a else
+                  f"((LD(v + x + {m * px + m}) + LD(v + x + {m * px - m})) + "
+                  f"(LD(v + x - {m * px - m}) + LD(v + x - {m * px + m})))")
+            src.append(f"        acc = acc + KD{m} * ({xy} + (LD(GP({m}, zp{m}, j) + x) + LD(GP({m}, zm{m}, j) + x)));")
+        src += ["        ST(o + x, acc);"]
+    else:
+        src += _jammed_pair(ks, kd, radius, diag, nz, h, px, pp, ring)
+    src += ["      }", "    }", "  }", "}", "void tk_init(void) {}",
             "void tk_run(float *restrict out, const float *restrict u, void *coefs, int nthreads) {",
             "  (void)coefs;", "  #pragma omp parallel num_threads(nthreads)", "  {",
             f"    float *G = aligned_alloc(64, {4 * diag * ring * ty * nx}),"
@@ -105,6 +113,35 @@ def generate(st, shape, ty: int, store_a: bool) -> str:
             f"      block(out, u, b * {ty}, {ny} - b * {ty} < {ty} ? {ny} - b * {ty} : {ty}, G, A);",
             "    free(G); free(A);", "  }", "}"]
     return "\n".join(src)
+
+
+def _jammed_pair(ks, kd, radius, diag, nz, h, px, pp, ring) -> list[str]:
+    """Stage B for planes z and z + 1 together, once G_m of plane z + 1 + diag is in the ring."""
+    offs = sorted({o for m in range(1, diag + 1) for o in (0, 1, -m, m, 1 - m, 1 + m)})
+    src = [f"    const long z1 = q - {diag}, z = z1 - 1;",
+           f"    if (z1 < 1 || z1 >= {nz} || (z1 & 1) == 0) continue;"]
+    src += [f"    const long s{o + 9} = md(z + {o}, {ring});" for o in offs]
+    src += ["    for (long j = 0; j < nyb; j++) {",
+            f"      const float *v = u + (z + {h}) * {pp}L + (y0 + j + {h}) * {px}L + {h};",
+            f"      float *o = out + (z + {h}) * {pp}L + (y0 + j + {h}) * {px}L + {h};",
+            f"      for (long x = 0; x < {px - 2 * h}; x += 16) {{"]
+    src += [f"        const vf w{k + radius} = LD(v + x + {k * pp});" for k in range(-radius, radius + 2)]
+    src += [f"        const vf g{m}_{o + 9} = LD(GP({m}, s{o + 9}, j) + x);" for m in range(1, diag + 1)
+            for o in sorted({0, 1, -m, m, 1 - m, 1 + m})]
+    for p in (0, 1):
+        src.append(f"        vf acc{p} = K0 * w{p + radius};")
+        for m in range(1, radius + 1):
+            at = p * pp
+            g = (f"g{m}_{p + 9}" if m <= diag else
+                 f"((LD(v + x + {at + m}) + LD(v + x + {at - m})) + (LD(v + x + {at + m * px}) + LD(v + x + {at - m * px})))")
+            src.append(f"        acc{p} = acc{p} + KS{m} * ({g} + (w{p + m + radius} + w{p - m + radius}));")
+        for m in range(1, diag + 1):
+            at = p * pp
+            xy = (f"((LD(v + x + {at + m * px + m}) + LD(v + x + {at + m * px - m})) + "
+                  f"(LD(v + x + {at - m * px + m}) + LD(v + x + {at - m * px - m})))")
+            src.append(f"        acc{p} = acc{p} + KD{m} * ({xy} + (g{m}_{p + m + 9} + g{m}_{p - m + 9}));")
+        src.append(f"        ST(o + x + {p * pp}, acc{p});")
+    return src
 
 
 def reference(st, u, shape):
@@ -130,9 +167,10 @@ def reference(st, u, shape):
     return acc
 
 
-def pairs_kernel(st, shape, ty, store_a, contract=True):
+def pairs_kernel(st, shape, ty, store_a, contract=True, jam=1):
     flags = () if contract else ("-ffp-contract=off",)
-    fn = load(compile_source(generate(st, shape, ty, store_a), isa="avx512", name="pairs", extra_flags=flags)).tk_run
+    source = generate(st, shape, ty, store_a, jam)
+    fn = load(compile_source(source, isa="avx512", name="pairs", extra_flags=flags)).tk_run
     fn.restype = None
 
     def run(u, out, threads):
@@ -145,13 +183,13 @@ def main() -> None:
     print(f"# {cpu_description()}; ete73 constant; ms, median of 5 interleaved rounds (range), each the best of 5")
     small = (40, 40, 48)
     u = np.random.default_rng(1).standard_normal(padded_shape(small, st.halo)).astype(np.float32)
-    for store_a in (True, False):
+    for store_a, jam in ((True, 1), (False, 1), (False, 2)):
         out = np.zeros_like(u)
-        pairs_kernel(st, small, 16, store_a, contract=False)(u, out, 2)
+        pairs_kernel(st, small, 16, store_a, contract=False, jam=jam)(u, out, 2)
         h = st.halo
         same = np.array_equal(out[h:-h, h:-h, h:-h], reference(st, u, small))
-        print(f"# {small} grid, A_m {'kept' if store_a else 'recomputed'}, contraction off: "
-              f"bit-equal to its float32 order: {same}")
+        print(f"# {small} grid, A_m {'kept' if store_a else 'recomputed'}, {jam} plane{'s' if jam > 1 else ''} a step, "
+              f"contraction off: bit-equal to its float32 order: {same}")
         assert same
     for n in (128, 256):
         grid = (n, n, n)
@@ -160,7 +198,8 @@ def main() -> None:
         tuned = compile_stencil(st, grid, TUNED)
         variants = {"tuned 4x2 block": lambda u, out, t, k=tuned: k(u, {}, out=out, threads=t),
                     "pairs, A_m kept": pairs_kernel(st, grid, 16, True),
-                    "pairs, A_m recomputed": pairs_kernel(st, grid, 16, False)}
+                    "pairs, A_m recomputed": pairs_kernel(st, grid, 16, False),
+                    "pairs, A_m recomputed, 2 planes a step": pairs_kernel(st, grid, 16, False, jam=2)}
         for threads in (1, 2):
             times = {name: [] for name in variants}
             for _ in range(5):
