@@ -161,14 +161,16 @@ def predict_gemm(op: Operator, s: GemmSchedule, m: Machine, threads: int) -> flo
     else:
         streams.append((4.0 * BT * mp * K * n_blocks, a_block, t_eff))
     streams.append((4.0 * BT * M * N * (2 * k_blocks - 1), 4.0 * M * N * BT, 1))
-    # an operand read in place (not packed) comes from where it lives at least once, and a
-    # parallel loop over the other operand's blocks has every thread walk all of it (a
-    # packed operand's first read is the packing's, below)
+    # an operand read in place (not packed) comes from where it lives once for each block of
+    # the other operand an outer loop walks (B once per block of A's rows under "ic,pc,jc", as
+    # its packing would be: a_times / b_times below), and a parallel loop over the other
+    # operand's blocks has every thread walk all of it (a packed operand's first read is the
+    # packing's, below)
     if not pack_a:
-        every = threads if par in ("jc", "jr") else 1
+        every = (threads if par in ("jc", "jr") else 1) * (n_blocks if s.order == "jc,pc,ic" else 1)
         streams.append((4.0 * BT * M * K * every, 4.0 * con.a.tensor.numel, t_eff))
     if not pack_b:
-        every = threads if par in ("ic", "ir") else 1
+        every = (threads if par in ("ic", "ir") else 1) * (m_blocks if s.order == "ic,pc,jc" else 1)
         streams.append((4.0 * BT * N * K * every, 4.0 * con.b.tensor.numel, t_eff))
     # a stream from a level the cores share (L3, memory) is only partly hidden under the FMAs:
     # EXPOSED of it adds to the time (on an Intel VM whose L3 runs at memory speed, 2048^3 with
