@@ -102,7 +102,7 @@ def generate(st, shape, ty: int, store_a: bool, jam: int = 1) -> str:
             src.append(f"        acc = acc + KD{m} * ({xy} + (LD(GP({m}, zp{m}, j) + x) + LD(GP({m}, zm{m}, j) + x)));")
         src += ["        ST(o + x, acc);"]
     else:
-        src += _jammed_pair(ks, kd, radius, diag, nz, h, px, pp, ring)
+        src += _jammed_pair(radius, diag, nz, h, px, pp, ring)
     src += ["      }", "    }", "  }", "}", "void tk_init(void) {}",
             "void tk_run(float *restrict out, const float *restrict u, void *coefs, int nthreads) {",
             "  (void)coefs;", "  #pragma omp parallel num_threads(nthreads)", "  {",
@@ -115,9 +115,10 @@ def generate(st, shape, ty: int, store_a: bool, jam: int = 1) -> str:
     return "\n".join(src)
 
 
-def _jammed_pair(ks, kd, radius, diag, nz, h, px, pp, ring) -> list[str]:
+def _jammed_pair(radius, diag, nz, h, px, pp, ring) -> list[str]:
     """Stage B for planes z and z + 1 together, once G_m of plane z + 1 + diag is in the ring."""
-    offs = sorted({o for m in range(1, diag + 1) for o in (0, 1, -m, m, 1 - m, 1 + m)})
+    reads = {m: sorted({0, 1, -m, m, 1 - m, 1 + m}) for m in range(1, diag + 1)}  # planes z + o of G_m
+    offs = sorted({o for planes in reads.values() for o in planes})
     src = [f"    const long z1 = q - {diag}, z = z1 - 1;",
            f"    if (z1 < 1 || z1 >= {nz} || (z1 & 1) == 0) continue;"]
     src += [f"    const long s{o + 9} = md(z + {o}, {ring});" for o in offs]
@@ -126,8 +127,8 @@ def _jammed_pair(ks, kd, radius, diag, nz, h, px, pp, ring) -> list[str]:
             f"      float *o = out + (z + {h}) * {pp}L + (y0 + j + {h}) * {px}L + {h};",
             f"      for (long x = 0; x < {px - 2 * h}; x += 16) {{"]
     src += [f"        const vf w{k + radius} = LD(v + x + {k * pp});" for k in range(-radius, radius + 2)]
-    src += [f"        const vf g{m}_{o + 9} = LD(GP({m}, s{o + 9}, j) + x);" for m in range(1, diag + 1)
-            for o in sorted({0, 1, -m, m, 1 - m, 1 + m})]
+    src += [f"        const vf g{m}_{o + 9} = LD(GP({m}, s{o + 9}, j) + x);" for m, planes in reads.items()
+            for o in planes]
     for p in (0, 1):
         src.append(f"        vf acc{p} = K0 * w{p + radius};")
         for m in range(1, radius + 1):

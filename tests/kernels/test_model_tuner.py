@@ -136,7 +136,8 @@ def test_an_operand_read_in_place_is_read_once_per_block_of_the_other(machine):
     packing would be (and A under "jc,pc,ic" for every block of B's columns). The model counted
     one read: it ranked a 1x1 convolution of 64 output channels at mc 48 (two blocks of rows,
     B's 3.2 MB image read twice) level with mc 64, timed the former, and missed the faster
-    mc-64 schedule (0.84x torch's MKL on the Intel VM, 0.93x with it)."""
+    mc-64 schedule (0.84x the best anchor in the Intel VM's bac8c80 run, 0.96x in the run with the
+    rule: benchmarks/results/intel-vm/)."""
     gbs = {"L1": 300e9, "L2": 150e9, "L3": 15e9, "DRAM": 12e9}  # fixed, not this machine's
     slow = dataclasses.replace(machine, cache_bytes={"L1": 48 << 10, "L2": 2 << 20, "L3": 480 << 20},
                                read_bw={lv: {t: bw * t for t in (1, 2)} for lv, bw in gbs.items()},

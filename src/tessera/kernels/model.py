@@ -137,6 +137,10 @@ def predict_gemm(op: Operator, s: GemmSchedule, m: Machine, threads: int) -> flo
     pack_a, pack_b = s.pack_a or not a_plain, s.pack_b or not b_plain
     mp, np_ = -(-M // mr) * mr, -(-N // nr) * nr
     k_blocks, n_blocks, m_blocks = -(-K // kc), -(-N // nc), -(-M // mc)
+    # how often each operand is walked from where it lives, packed or read in place: A once per
+    # block of B's columns under "jc,pc,ic", B once per block of A's rows under "ic,pc,jc"
+    a_times = n_blocks if s.order == "jc,pc,ic" else 1
+    b_times = m_blocks if s.order == "ic,pc,jc" else 1
     cycle = _cycle(m, s.isa)
     par = s.parallel if threads > 1 else "none"
     extent, block = {"none": (1, 1), "batch": (BT, 1), "jc": (np_, nc), "ic": (mp, mc), "jr": (nc, nr),
@@ -161,16 +165,14 @@ def predict_gemm(op: Operator, s: GemmSchedule, m: Machine, threads: int) -> flo
     else:
         streams.append((4.0 * BT * mp * K * n_blocks, a_block, t_eff))
     streams.append((4.0 * BT * M * N * (2 * k_blocks - 1), 4.0 * M * N * BT, 1))
-    # an operand read in place (not packed) comes from where it lives once for each block of
-    # the other operand an outer loop walks (B once per block of A's rows under "ic,pc,jc", as
-    # its packing would be: a_times / b_times below), and a parallel loop over the other
-    # operand's blocks has every thread walk all of it (a packed operand's first read is the
-    # packing's, below)
+    # an operand read in place (not packed) comes from where it lives a_times / b_times over, as
+    # its packing would, and a parallel loop over the other operand's blocks has every thread
+    # walk all of it (a packed operand's reads are the packing's, below)
     if not pack_a:
-        every = (threads if par in ("jc", "jr") else 1) * (n_blocks if s.order == "jc,pc,ic" else 1)
+        every = (threads if par in ("jc", "jr") else 1) * a_times
         streams.append((4.0 * BT * M * K * every, 4.0 * con.a.tensor.numel, t_eff))
     if not pack_b:
-        every = (threads if par in ("ic", "ir") else 1) * (m_blocks if s.order == "ic,pc,jc" else 1)
+        every = (threads if par in ("ic", "ir") else 1) * b_times
         streams.append((4.0 * BT * N * K * every, 4.0 * con.b.tensor.numel, t_eff))
     # a stream from a level the cores share (L3, memory) is only partly hidden under the FMAs:
     # EXPOSED of it adds to the time (on an Intel VM whose L3 runs at memory speed, 2048^3 with
@@ -186,8 +188,6 @@ def predict_gemm(op: Operator, s: GemmSchedule, m: Machine, threads: int) -> flo
             t_slow += t
     t_streams = max(t_fast, t_slow)
     # packing
-    a_times = n_blocks if s.order == "jc,pc,ic" else 1
-    b_times = m_blocks if s.order == "ic,pc,jc" else 1
     t_pack = 0.0
     a_src = _level(m, 4.0 * con.a.tensor.numel)
     b_src = _level(m, 4.0 * con.b.tensor.numel)
