@@ -84,7 +84,6 @@ def _intel_vm_of_2026_12_04(machine):
     fixed, not this machine's, so the model's rankings below are the same on every CPU (the
     AVX2-only Milan VM measures no AVX-512 peak; the micro-kernel's estimate is the model's own,
     the same for every run)."""
-    import dataclasses
 
     gbs = {"L1": 300e9, "L2": 150e9, "L3": 15e9, "DRAM": 12e9}
     return dataclasses.replace(
@@ -99,8 +98,6 @@ def test_model_charges_streams_from_a_shared_level_and_the_space_has_blis_mappin
     480 MiB L3), re-reading B's 4 MiB block per 192-row block of A costs more than re-reading a
     tall A block per 512 columns of B (BLIS's mapping: A's micro-panel in L1, B's block in L2),
     which the space now holds, parallel over ir too."""
-    import dataclasses
-
     slow = _intel_vm_of_2026_12_04(machine)
     op = ops.gemm(2048, 2048, 2048)
     b_in_l3 = GemmSchedule(isa="avx2", mr=6, nr=16, mc=192, nc=2048, kc=512)
@@ -126,8 +123,6 @@ def test_a_weight_read_in_place_is_read_once_per_thread_that_walks_it(machine):
     read (it counted none, ranked the two alike, and the one over the panels ran at 196
     GFLOP/s against 263 on the Intel VM). The space also holds one row block a thread (512
     rows in blocks of 258 with 6-row panels), which OpenMP's static split shares evenly."""
-    import dataclasses
-
     slow = _intel_vm_of_2026_12_04(machine)
     op = ops.conv2d(ops.Conv2dShape(batch=1, in_channels=512, out_channels=512, height=7, width=7, kernel=(3, 3), padding=(1, 1)))
     over_panels = GemmSchedule(isa="avx2", mr=6, nr=16, mc=258, nc=64, kc=1024, pack_a=False, parallel="jr")
